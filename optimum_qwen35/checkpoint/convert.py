@@ -1,0 +1,93 @@
+"""Checkpoint names and shapes -> the decoder's parameters.
+
+The decoder keeps transformers' parameter names, with one exception: the depthwise conv filter
+`linear_attn.conv1d.weight` [C, 1, K] becomes `linear_attn.conv_weight` [C, K].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import FULL_ATTENTION, Qwen35Config
+from .reader import CheckpointReader
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not hold the tensors this config needs."""
+
+
+def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """Every text tensor a Qwen3.5 checkpoint must hold, by decoder-relative name, with its shape."""
+    c = config
+    hidden, hd = c.hidden_size, c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (c.vocab_size, hidden), "norm.weight": (hidden,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    for i, layer_type in enumerate(c.layer_types):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
+        if layer_type == FULL_ATTENTION:
+            a = p + "self_attn."
+            shapes[a + "q_proj.weight"] = (2 * c.num_attention_heads * hd, hidden)
+            shapes[a + "k_proj.weight"] = (c.num_key_value_heads * hd, hidden)
+            shapes[a + "v_proj.weight"] = (c.num_key_value_heads * hd, hidden)
+            shapes[a + "o_proj.weight"] = (hidden, c.num_attention_heads * hd)
+            shapes[a + "q_norm.weight"] = (hd,)
+            shapes[a + "k_norm.weight"] = (hd,)
+        else:
+            d = p + "linear_attn."
+            nv = c.linear_num_value_heads
+            shapes[d + "in_proj_qkv.weight"] = (c.linear_conv_dim, hidden)
+            shapes[d + "in_proj_z.weight"] = (c.linear_value_dim, hidden)
+            shapes[d + "in_proj_b.weight"] = (nv, hidden)
+            shapes[d + "in_proj_a.weight"] = (nv, hidden)
+            shapes[d + "conv1d.weight"] = (c.linear_conv_dim, 1, c.linear_conv_kernel_dim)
+            shapes[d + "A_log"] = (nv,)
+            shapes[d + "dt_bias"] = (nv,)
+            shapes[d + "norm.weight"] = (c.linear_value_head_dim,)
+            shapes[d + "out_proj.weight"] = (hidden, c.linear_value_dim)
+    return shapes
+
+
+def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
+    """Raise one error listing every missing, unexpected and wrongly shaped text tensor."""
+    expected = expected_shapes(config)
+    present = set(reader.names())
+    if config.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some exports write the tied copy; it is the embedding anyway
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    wrong = sorted(
+        f"{n}: {reader.shape(n)} in the checkpoint, {expected[n]} expected"
+        for n in set(expected) & present
+        if reader.shape(n) != expected[n]
+    )
+    if missing or unexpected or wrong:
+        lines = [f"checkpoint {reader.folder} does not match its config.json:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+            if items:
+                shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(shown))
+        raise CheckpointError("\n".join(lines))
+
+
+def decoder_name(name: str) -> str:
+    return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
+
+
+def convert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if name.endswith("linear_attn.conv1d.weight"):
+        return tensor[:, 0, :]
+    return tensor
+
+
+def convert_checkpoint(reader: CheckpointReader, config: Qwen35Config, dtype: torch.dtype | None = None):
+    """Yield (decoder name, tensor) for the whole (unsharded) model, one tensor at a time."""
+    check_checkpoint(reader, config)
+    for name in expected_shapes(config):
+        tensor = convert_tensor(name, reader.get(name))
+        yield decoder_name(name), tensor if dtype is None else tensor.to(dtype)

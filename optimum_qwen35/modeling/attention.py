@@ -1,0 +1,84 @@
+"""The gated GQA attention mixer (every fourth Qwen3.5 layer).
+
+q_proj emits, head by head, [query (head_dim) | gate (head_dim)]; q and k get a zero-centred RMSNorm
+over head_dim, then partial RoPE; the attention output is multiplied by sigmoid(gate) before o_proj.
+Its state is a KV cache per sequence slot: K and V of shape [slots, kv_heads, max_length, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Qwen35Config
+from .layers import RMSNorm, apply_rotary
+from .parallel import ShardedDims
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: Qwen35Config, dims: ShardedDims, layers):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = dims.num_heads
+        self.num_kv_heads = dims.num_kv_heads
+        self.scale = config.head_dim**-0.5
+        hidden, hd = config.hidden_size, config.head_dim
+        self.q_proj = layers.column_linear(hidden, 2 * self.num_heads * hd)
+        self.k_proj = layers.column_linear(hidden, self.num_kv_heads * hd)
+        self.v_proj = layers.column_linear(hidden, self.num_kv_heads * hd)
+        self.o_proj = layers.row_linear(self.num_heads * hd, hidden)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        B, T, _ = x.shape
+        q_gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim)
+        q, gate = q_gate[..., : self.head_dim], q_gate[..., self.head_dim :]
+        q = self.q_norm(q).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v, gate.reshape(B, T, self.num_heads * self.head_dim)
+
+    def _attend(self, q, k, v, mask, gate):
+        """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible)."""
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (probs @ v).transpose(1, 2).reshape(gate.shape)
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def context_encoding(self, x, cos, sin, valid, seq_ids, k_cache, v_cache):
+        """x [B, T, hidden] right-padded, valid [B, T] bool. Writes positions 0..T-1 of each slot's cache."""
+        B, T, _ = x.shape
+        q, k, v, gate = self._project(x, cos, sin)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
+        out = self._attend(q, k, v, causal, gate)
+        # Padded positions store zeros, so that padding leaves no trace in the cache.
+        keep = valid[:, None, :, None].to(k.dtype)
+        k_cache = _write_prompt(k_cache, k * keep, seq_ids)
+        v_cache = _write_prompt(v_cache, v * keep, seq_ids)
+        return out, k_cache, v_cache
+
+    def token_generation(self, x, cos, sin, position_ids, seq_ids, k_cache, v_cache):
+        """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there, attend to positions <= it."""
+        q, k, v, gate = self._project(x, cos, sin)
+        max_length = k_cache.shape[2]
+        positions = torch.arange(max_length, device=x.device)[None, :]  # [1, S]
+        here = (positions == position_ids)[:, None, :, None]  # [B, 1, S, 1]
+        k_slot = torch.where(here, k, k_cache.index_select(0, seq_ids))
+        v_slot = torch.where(here, v, v_cache.index_select(0, seq_ids))
+        visible = (positions <= position_ids)[:, None, None, :]  # [B, 1, 1, S]
+        out = self._attend(q, k_slot, v_slot, visible, gate)
+        return out, k_cache.index_copy(0, seq_ids, k_slot), v_cache.index_copy(0, seq_ids, v_slot)
+
+
+def _write_prompt(cache: torch.Tensor, new: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """A new prompt replaces its slots whole: positions 0..T-1 from `new`, zeros after."""
+    slots, heads, max_length, hd = cache.shape
+    B, _, T, _ = new.shape
+    if T < max_length:
+        new = torch.cat([new, new.new_zeros(B, heads, max_length - T, hd)], dim=2)
+    return cache.index_copy(0, seq_ids, new.to(cache.dtype))

@@ -1,0 +1,91 @@
+"""The Gated DeltaNet mixer (three of every four Qwen3.5 layers).
+
+x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = sigmoid(in_proj_b x);
+g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
+delta rule (kernels) -> per-head gated RMSNorm with z = in_proj_z x -> out_proj.
+
+Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] and the recurrent state
+[slots, value_heads, dk, dv], kept in fp32.
+
+Tensor parallelism splits by heads: each rank holds its key heads and the value heads that read them,
+with in_proj_qkv rows (and conv channels) ordered [q_r | k_r | v_r] per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from ..config import Qwen35Config
+from .layers import GatedRMSNorm
+from .parallel import ShardedDims
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Qwen35Config, dims: ShardedDims, layers):
+        super().__init__()
+        self.nk, self.nv = dims.linear_num_key_heads, dims.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.conv_dim = dims.linear_conv_dim
+        hidden = config.hidden_size
+        self.in_proj_qkv = layers.column_linear(hidden, self.conv_dim)
+        self.in_proj_z = layers.column_linear(hidden, self.nv * self.dv)
+        self.in_proj_b = layers.column_linear(hidden, self.nv)
+        self.in_proj_a = layers.column_linear(hidden, self.nv)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, config.linear_conv_kernel_dim))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = layers.row_linear(self.nv * self.dv, hidden)
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> g, beta of shape [B, nv, T]; g in fp32 (exp(A_log) would overflow in half precision)."""
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return g.transpose(1, 2), beta.transpose(1, 2)
+
+    def _split_heads(self, mixed: torch.Tensor):
+        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk] (normalized, fp32) and v [B, nv, T, dv]."""
+        B, T, _ = mixed.shape
+        q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q = l2norm(q.reshape(B, T, self.nk, self.dk).float()) * self.dk**-0.5
+        k = l2norm(k.reshape(B, T, self.nk, self.dk).float())
+        v = v.reshape(B, T, self.nv, self.dv)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
+        B, T, _ = x.shape
+        z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
+        o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
+        return self.out_proj(o)
+
+    def context_encoding(self, x, lengths, seq_ids, conv_state, recurrent_state):
+        """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""
+        mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, None, lengths)
+        q, k, v = self._split_heads(mixed.transpose(1, 2))
+        g, beta = self._gates(x)
+        o, new_recurrent = kernels.chunk_gated_delta_rule(q, k, v, g, beta, None, lengths)
+        conv_state = conv_state.index_copy(0, seq_ids, new_conv.to(conv_state.dtype))
+        recurrent_state = recurrent_state.index_copy(0, seq_ids, new_recurrent.to(recurrent_state.dtype))
+        return self._output(o, x), conv_state, recurrent_state
+
+    def token_generation(self, x, seq_ids, conv_state, recurrent_state):
+        """x [B, 1, hidden]: one step from each slot's states."""
+        mixed, new_conv = kernels.causal_conv1d_step(
+            self.in_proj_qkv(x)[:, 0], self.conv_weight, conv_state.index_select(0, seq_ids)
+        )
+        q, k, v = self._split_heads(mixed[:, None])
+        g, beta = self._gates(x)
+        o, new_recurrent = kernels.recurrent_gated_delta_rule_step(
+            q, k, v, g, beta, recurrent_state.index_select(0, seq_ids)
+        )
+        conv_state = conv_state.index_copy(0, seq_ids, new_conv.to(conv_state.dtype))
+        recurrent_state = recurrent_state.index_copy(0, seq_ids, new_recurrent.to(recurrent_state.dtype))
+        return self._output(o, x), conv_state, recurrent_state

@@ -1,0 +1,84 @@
+"""Building blocks shared by both mixers: norms, the SwiGLU MLP and partial rotary embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Qwen3.5's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32.
+
+    Used for the layer norms, the final norm and the attention q/k norms.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """DeltaNet output norm, per value head: w * rmsnorm(x), then * silu(z). Plain w, not 1 + w."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # The weight multiplies in the activation dtype, as the reference does, before the fp32 gate.
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, hidden_size: int, intermediate_per_rank: int, layers):
+        super().__init__()
+        self.gate_proj = layers.column_linear(hidden_size, intermediate_per_rank)
+        self.up_proj = layers.column_linear(hidden_size, intermediate_per_rank)
+        self.down_proj = layers.row_linear(intermediate_per_rank, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial rotary embedding: the first `rotary_dim` dims of each head, rotate-half pairs (i, i + dim/2).
+
+    Qwen3.5's interleaved multimodal RoPE assigns frequency bands to the temporal, height and width
+    position components; for text all three components equal the token position, so it reduces to
+    plain 1-D RoPE, which is what this computes.
+    """
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B, T] -> cos, sin [B, 1, T, rotary_dim] in `dtype` (broadcast over heads)."""
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, T, rotary_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x [B, H, T, D]; the rest pass through."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)

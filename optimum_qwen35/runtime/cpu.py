@@ -1,0 +1,219 @@
+"""The CPU target: the decoder's context-encoding and token-generation graphs, run the way Neuron runs them.
+
+Static shapes throughout: a fixed number of sequence slots (the batch size), prompts right-padded to a
+context-encoding bucket, one token per slot per generation step. The state list lives here, between
+graph calls; the graphs take it in and give it back.
+
+    model = Qwen35ForCausalLM.from_pretrained("path/to/Qwen3.5-checkpoint", batch_size=2, max_length=1024)
+    logits = model.logits([[1, 2, 3], [4, 5]])               # per-position logits, one [len, vocab] each
+    tokens = model.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)   # greedy
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..checkpoint import CheckpointReader, convert_checkpoint
+from ..config import Qwen35Config
+from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
+from ..modeling.layers import RotaryEmbedding
+from ..modeling.state import allocate_state
+
+DEFAULT_BUCKET_MIN = 64
+
+
+def load_decoder(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    tp_degree: int = 1,
+    rank: int = 0,
+    layers=None,
+    config: Qwen35Config | None = None,
+) -> Qwen35Decoder:
+    """Build the decoder (this rank's share of it) and load its weights from a checkpoint folder."""
+    config = config or Qwen35Config.from_pretrained(path)
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(config, tp_degree, layers)
+    if tp_degree == 1:
+        params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
+    else:
+        from ..checkpoint.shard import convert_and_shard  # noqa: PLC0415
+
+        params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
+    if config.tie_word_embeddings:
+        params["lm_head.weight"] = params["embed_tokens.weight"]
+    result = decoder.load_state_dict(params, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+    if config.tie_word_embeddings:
+        decoder.lm_head.weight = decoder.embed_tokens.weight
+    decoder.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+    return decoder.eval()
+
+
+def default_buckets(max_length: int, smallest: int = DEFAULT_BUCKET_MIN) -> list[int]:
+    """Context-encoding lengths: powers of two from `smallest`, and max_length itself."""
+    buckets, b = [], smallest
+    while b < max_length:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_length]
+
+
+class Qwen35ForCausalLM:
+    """Greedy generation and teacher-forced logits on CPU through the static-shape graphs."""
+
+    def __init__(
+        self,
+        decoder: Qwen35Decoder,
+        batch_size: int = 1,
+        max_length: int = 1024,
+        buckets: Sequence[int] | None = None,
+        trace: bool = False,
+    ):
+        self.decoder, self.config = decoder, decoder.config
+        self.batch_size, self.max_length = batch_size, max_length
+        self.buckets = sorted(buckets) if buckets else default_buckets(max_length)
+        if self.buckets[-1] > max_length:
+            raise ValueError(f"bucket {self.buckets[-1]} is longer than max_length {max_length}")
+        self.trace = trace
+        self.state_specs = decoder.state_specs(batch_size, max_length)
+        self.state = allocate_state(self.state_specs)
+        self._graphs: dict[tuple, torch.nn.Module] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        batch_size: int = 1,
+        max_length: int = 1024,
+        dtype: torch.dtype = torch.float32,
+        buckets: Sequence[int] | None = None,
+        trace: bool = False,
+    ) -> "Qwen35ForCausalLM":
+        return cls(load_decoder(path, dtype), batch_size, max_length, buckets, trace)
+
+    # ------------------------------------------------------------------ graphs
+    def _graph(self, kind: str, length: int, all_logits: bool = False):
+        key = (kind, length, all_logits)
+        if key not in self._graphs:
+            module = (
+                ContextEncodingGraph(self.decoder, all_logits) if kind == "context" else TokenGenerationGraph(self.decoder)
+            )
+            if self.trace:
+                example = self._example_inputs(kind, length)
+                with torch.no_grad():
+                    module = torch.jit.trace(module, example, check_trace=False)
+            self._graphs[key] = module
+        return self._graphs[key]
+
+    def _example_inputs(self, kind: str, length: int):
+        B = self.batch_size
+        ids = torch.zeros(B, length, dtype=torch.int32)
+        seq_ids = torch.arange(B, dtype=torch.int32)
+        if kind == "context":
+            mask = torch.ones(B, length, dtype=torch.int32)
+            positions = torch.arange(length, dtype=torch.int32).expand(B, length)
+            return (ids, mask, positions, seq_ids, *self.state)
+        return (ids[:, :1], torch.zeros(B, 1, dtype=torch.int32), seq_ids, *self.state)
+
+    def bucket_for(self, length: int) -> int:
+        if length > self.buckets[-1]:
+            raise ValueError(
+                f"prompt of {length} tokens is longer than the longest compiled context length "
+                f"({self.buckets[-1]}); shorten the prompt or build the model with a larger max_length"
+            )
+        return self.buckets[bisect.bisect_left(self.buckets, length)]
+
+    # ------------------------------------------------------------------ the two steps
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], all_logits: bool = False):
+        """Start `prompts` in `slots` (one prompt per slot). Returns logits [n, vocab] (or [n, T, vocab])."""
+        if len(prompts) != len(slots):
+            raise ValueError("prefill needs one slot per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        n = len(prompts)
+        T = self.bucket_for(max(len(p) for p in prompts))
+        ids = torch.zeros(n, T, dtype=torch.int32)
+        mask = torch.zeros(n, T, dtype=torch.int32)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int32)
+            mask[row, : len(p)] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32) * mask
+        seq_ids = torch.as_tensor(list(slots), dtype=torch.int32)
+        graph = self._graph("context", T, all_logits) if n == self.batch_size else None
+        if graph is None:  # fewer prompts than slots: eager (a traced graph has the full batch shape)
+            out = self.decoder.context_encoding(ids, mask, positions, seq_ids, *self.state, all_logits=all_logits)
+        else:
+            out = graph(ids, mask, positions, seq_ids, *self.state)
+        self.state = list(out[1:])
+        return out[0]
+
+    @torch.no_grad()
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One token per slot at the given positions. Returns next-token logits [n, vocab]."""
+        if max(positions) >= self.max_length:
+            raise ValueError(f"position {max(positions)} is past max_length {self.max_length}")
+        ids = torch.as_tensor(list(tokens), dtype=torch.int32)[:, None]
+        pos = torch.as_tensor(list(positions), dtype=torch.int32)[:, None]
+        seq_ids = torch.as_tensor(list(slots), dtype=torch.int32)
+        if len(slots) == self.batch_size:
+            out = self._graph("token", 1)(ids, pos, seq_ids, *self.state)
+        else:
+            out = self.decoder.token_generation(ids, pos, seq_ids, *self.state)
+        self.state = list(out[1:])
+        return out[0]
+
+    # ------------------------------------------------------------------ user-level calls
+    def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt."""
+        results = []
+        for start in range(0, len(prompts), self.batch_size):
+            group = prompts[start : start + self.batch_size]
+            out = self.prefill(group, list(range(len(group))), all_logits=True)
+            results += [out[i, : len(p)].float() for i, p in enumerate(group)]
+        return results
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer=None,
+    ) -> list[list[int]]:
+        """Greedy decoding; returns the new tokens of each prompt (stopping after an EOS token)."""
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        results: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            group = [list(p) for p in prompts[start : start + self.batch_size]]
+            longest = max(len(p) for p in group)
+            if longest + max_new_tokens > self.max_length:
+                raise ValueError(
+                    f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
+                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
+                )
+            # Keep the graphs' static batch: idle slots run a one-token dummy prompt whose output is dropped.
+            padded = group + [[0]] * (self.batch_size - len(group))
+            slots = list(range(self.batch_size))
+            next_tokens = self.prefill(padded, slots).argmax(-1).tolist()
+            positions = [len(p) for p in padded]
+            outputs = [[] for _ in group]
+            done = [False] * len(group)
+            for step in range(max_new_tokens):
+                for i in range(len(group)):
+                    if not done[i]:
+                        outputs[i].append(next_tokens[i])
+                        done[i] = next_tokens[i] in eos
+                if streamer is not None:
+                    streamer(step, next_tokens[: len(group)])
+                if all(done) or step == max_new_tokens - 1:
+                    break
+                next_tokens = self.decode(next_tokens, positions, slots).argmax(-1).tolist()
+                positions = [p + 1 for p in positions]
+            results += outputs
+        return results
