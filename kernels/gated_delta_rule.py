@@ -60,8 +60,8 @@ def chunk_gated_delta_rule(
     """Chunked gated delta rule (WY / UT form). Returns (o [B, nv, T, dv], final_state [B, nv, dk, dv]).
 
     Within a chunk of C tokens (gc = cumulative g inside the chunk; every exponent below is <= 0):
-        A = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j)),  T = (I + A)^-1 by forward substitution
-        u = T (beta v),  w = T (beta k exp(gc))
+        A = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))
+        u = (I + A)^-1 (beta v),  w = (I + A)^-1 (beta k exp(gc))   (forward substitution)
     then chunk by chunk from the carried state S:
         v' = u - w S
         o  = (q exp(gc)) S + lower(q_i.k_j exp(gc_i - gc_j)) v'
@@ -96,9 +96,9 @@ def chunk_gated_delta_rule(
 
     k_beta = k * beta[..., None]
     A = torch.where(strict, (k_beta @ k.transpose(-1, -2)) * decay, torch.zeros((), dtype=dtype))
-    T_inv = solve_unit_lower(A)
-    u = T_inv @ (v * beta[..., None])
-    w = T_inv @ (k_beta * gc.exp()[..., None])
+    # u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(gc)), solved together.
+    uw = solve_unit_lower(A, torch.cat([v * beta[..., None], k_beta * gc.exp()[..., None]], dim=-1))
+    u, w = uw[..., :dv], uw[..., dv:]
 
     q_decayed = q * gc.exp()[..., None]
     k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
@@ -119,18 +119,17 @@ def chunk_gated_delta_rule(
     return o.to(out_dtype), S.reshape(B, nv, dk, dv)
 
 
-def solve_unit_lower(A: torch.Tensor) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by forward substitution.
+def solve_unit_lower(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """X with (I + A) X = B, for strictly lower-triangular A [..., C, C], by forward substitution.
 
-    Row i of X = (I + A)^-1 satisfies X[i, :i] = -A[i, :i] - A[i, :i] X[:i, :i]. Exact, unlike a
-    truncated Neumann series, whose terms blow up on near-identical keys.
+    Row by row, X[i] = B[i] - A[i, :i] X[:i]: what a triangular solver does, and as accurate. Forming
+    (I + A)^-1 first and multiplying loses accuracy when I + A is ill-conditioned (slowly decaying
+    heads with large beta), and a truncated Neumann series blows up on near-identical keys.
     """
-    C = A.shape[-1]
-    X = -A
-    for i in range(1, C):
-        row = X[..., i : i + 1, :i]
-        X[..., i : i + 1, :i] = row + row @ X[..., :i, :i]
-    return X + torch.eye(C, dtype=A.dtype, device=A.device)
+    X = B.clone()
+    for i in range(1, A.shape[-1]):
+        X[..., i : i + 1, :] = B[..., i : i + 1, :] - A[..., i : i + 1, :i] @ X[..., :i, :]
+    return X
 
 
 def recurrent_gated_delta_rule_step(

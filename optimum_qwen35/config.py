@@ -270,3 +270,11 @@ class Qwen35Config:
             "pad_token_id": self.pad_token_id,
             "hidden_act": self.hidden_act,
         }
+
+
+def register_transformers_configs() -> bool:
+    """Make `transformers.AutoConfig` read Qwen3.5 folders where the installed transformers (4.57) lacks
+    `qwen3_5`. Does nothing on transformers >= 5. Returns True when it registered classes."""
+    from . import hf_configs  # noqa: PLC0415 (imports transformers only when asked)
+
+    return hf_configs.register()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import Qwen35Config
-from .layers import RMSNorm, apply_rotary
+from .layers import RMSNorm, apply_rotary, upcast
 from .parallel import ShardedDims
 
 
@@ -44,10 +44,12 @@ class GatedAttention(nn.Module):
         """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible)."""
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.scale
+        # Matmul operands in the activation dtype, products accumulated and kept in fp32 (as TensorE
+        # accumulates bf16 operands into fp32 PSUM); the softmax runs in fp32 too.
+        scores = (upcast(q) @ upcast(k).transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = (probs @ v).transpose(1, 2).reshape(gate.shape)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = (upcast(probs) @ upcast(v)).to(v.dtype).transpose(1, 2).reshape(gate.shape)
         return self.o_proj(out * torch.sigmoid(gate))
 
     def context_encoding(self, x, cos, sin, valid, seq_ids, k_cache, v_cache):

@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import Qwen35Config
-from .layers import GatedRMSNorm
+from .layers import GatedRMSNorm, upcast
 from .parallel import ShardedDims
 
 
@@ -47,16 +47,17 @@ class GatedDeltaNet(nn.Module):
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> g, beta of shape [B, nv, T]; g in fp32 (exp(A_log) would overflow in half precision)."""
         beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x)) + self.dt_bias)
         return g.transpose(1, 2), beta.transpose(1, 2)
 
     def _split_heads(self, mixed: torch.Tensor):
-        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk] (normalized, fp32) and v [B, nv, T, dv]."""
+        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk] (normalized) and v [B, nv, T, dv], all fp32."""
         B, T, _ = mixed.shape
         q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q = l2norm(q.reshape(B, T, self.nk, self.dk).float()) * self.dk**-0.5
-        k = l2norm(k.reshape(B, T, self.nk, self.dk).float())
-        v = v.reshape(B, T, self.nv, self.dv)
+        q = l2norm(upcast(q.reshape(B, T, self.nk, self.dk))) * self.dk**-0.5
+        k = l2norm(upcast(k.reshape(B, T, self.nk, self.dk)))
+        # v in fp32 too, so that the kernel's output reaches the gated norm unrounded.
+        v = upcast(v.reshape(B, T, self.nv, self.dv))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
         o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
-        return self.out_proj(o)
+        return self.out_proj(o.to(x.dtype))
 
     def context_encoding(self, x, lengths, seq_ids, conv_state, recurrent_state):
         """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""

@@ -7,6 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for half-precision activations; float64 stays float64 (reference runs)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """Qwen3.5's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32.
 
@@ -19,9 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return (xf * (1.0 + upcast(self.weight))).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -33,12 +38,11 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
+        """Returns fp32 (or float64): the caller casts once, before out_proj."""
+        xf = upcast(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # The weight multiplies in the activation dtype, as the reference does, before the fp32 gate.
-        y = self.weight * xf.to(dtype)
-        return (y * F.silu(z.float())).to(dtype)
+        # All in fp32 (transformers rounds to the activation dtype before the weight; same result in fp32).
+        return upcast(self.weight) * xf * F.silu(upcast(z))
 
 
 class MLP(nn.Module):
@@ -64,21 +68,25 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        # fp32 frequencies computed in fp32, as transformers does; a float64 copy for float64 reference runs.
+        self.register_buffer("inv_freq", 1.0 / (theta ** exponents.float()), persistent=False)
+        self.register_buffer("inv_freq64", 1.0 / (theta**exponents), persistent=False)
         self.rotary_dim = rotary_dim
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B, T] -> cos, sin [B, 1, T, rotary_dim] in `dtype` (broadcast over heads)."""
-        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, T, rotary_dim / 2]
+        """position_ids [B, T] -> cos, sin [B, 1, T, rotary_dim] (broadcast over heads), fp32 (float64 for
+        float64 models): the rotation is applied in fp32 whatever the activation dtype."""
+        inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq
+        freqs = position_ids.to(inv_freq.dtype)[..., None] * inv_freq  # [B, T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of x [B, H, T, D]; the rest pass through."""
     r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
+    x_rot, x_pass = upcast(x[..., :r]), x[..., r:]
     x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    return torch.cat([(x_rot * cos + rotated * sin).to(x.dtype), x_pass], dim=-1)
