@@ -15,6 +15,19 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
@@ -63,7 +76,7 @@ class CheckpointReader:
             name = text_name(key)
             if name is not None:
                 self._files[name], self._keys[name] = file, key
-        self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -71,13 +84,45 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
-    def _handle(self, file: str):
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.folder / file, framework="pt")
-        return self._handles[file]
+    def _header(self, file: str) -> tuple[int, dict]:
+        """(data start, header) of a safetensors file, parsed once."""
+        if file not in self._headers:
+            with open(self.folder / file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        return self._headers[file]
+
+    def _info(self, name: str) -> tuple[int, dict]:
+        base, header = self._header(self._files[name])
+        return base, header[self._keys[name]]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._files[name]).get_slice(self._keys[name]).get_shape())
+        return tuple(self._info(name)[1]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The on-disk dtype of a tensor, read from the file header (no data is read)."""
+        return SAFETENSORS_DTYPES[self._info(name)[1]["dtype"]]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(self._files[name]).get_tensor(self._keys[name])
+        """Read one tensor into its own memory with plain file reads.
+
+        Not through a memory map: the pages of a mapping that stays open count in the process's RSS, so
+        reading a whole checkpoint through one would hold all of it in memory.
+        """
+        base, info = self._info(name)
+        start, end = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+        nbytes = out.numel() * out.element_size()
+        if end - start != nbytes:
+            raise ValueError(f"{self.folder / self._files[name]}: tensor {self._keys[name]} has {end - start} bytes, {nbytes} expected")
+        if nbytes:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            with open(self.folder / self._files[name], "rb", buffering=0) as f:
+                f.seek(base + start)
+                done = 0
+                while done < nbytes:
+                    n = f.readinto(view[done:])
+                    if not n:
+                        raise ValueError(f"{self.folder / self._files[name]} is truncated (tensor {self._keys[name]})")
+                    done += n
+        return out

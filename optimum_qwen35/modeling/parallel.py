@@ -77,6 +77,11 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(vocab_per_rank, hidden_size)
         self.start, self.group, self.tp_degree = rank * vocab_per_rank, group, tp_degree
 
+    def reset_parameters(self) -> None:
+        # On the meta device (weights loaded afterwards) skip the random init: meta normal_ imports torch._dynamo (~2 s).
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_degree == 1:
             return super().forward(ids)

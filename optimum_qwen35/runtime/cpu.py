@@ -34,11 +34,23 @@ def load_decoder(
     layers=None,
     config: Qwen35Config | None = None,
 ) -> Qwen35Decoder:
-    """Build the decoder (this rank's share of it) and load its weights from a checkpoint folder."""
+    """Build the decoder (this rank's share of it) and load its weights.
+
+    `path` is a checkpoint folder (converted, and sharded when tp_degree > 1, on the fly) or a folder
+    written by `optimum_qwen35.checkpoint.shard.save_sharded` (its tp_degree must match).
+    """
+    from ..checkpoint.shard import is_sharded_export, load_sharded  # noqa: PLC0415
+
     config = config or Qwen35Config.from_pretrained(path)
+    config.check_tp_degree(tp_degree)
+    sharded_export = is_sharded_export(path)
+    if sharded_export:
+        _, _, params = load_sharded(path, rank, tp_degree, dtype)
     with torch.device("meta"):
         decoder = Qwen35Decoder(config, tp_degree, layers)
-    if tp_degree == 1:
+    if sharded_export:
+        pass
+    elif tp_degree == 1:
         params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
     else:
         from ..checkpoint.shard import convert_and_shard  # noqa: PLC0415
@@ -192,6 +204,7 @@ class Qwen35ForCausalLM:
         for start in range(0, len(prompts), self.batch_size):
             group = [list(p) for p in prompts[start : start + self.batch_size]]
             longest = max(len(p) for p in group)
+            self.bucket_for(longest)  # a prompt longer than every bucket gets that error first
             if longest + max_new_tokens > self.max_length:
                 raise ValueError(
                     f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "

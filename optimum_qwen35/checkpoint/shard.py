@@ -1,0 +1,451 @@
+"""Tensor-parallel sharding of converted Qwen3.5 weights, and per-rank safetensors exports.
+
+The contract is neuronx-distributed's, so that the CPU runtime (`TorchLayers`) and the Neuron backend
+load the very same files: a ColumnParallelLinear holds a contiguous block of output rows, a
+RowParallelLinear a contiguous block of input columns, a ParallelEmbedding (and the lm_head) a
+contiguous block of vocabulary rows. Where a contiguous split would cut across heads, the converted
+whole tensor is first brought into a *TP layout* (rows permuted, zero padding appended, KV heads
+replicated) so that rank r's shard is simply block r of that layout along the split dimension:
+
+    shard_tensor(name, whole, config, t, r) == tp_layout(name, whole, config, t).chunk(t, dim)[r]
+
+and `unshard_tensor` inverts it (strips padding, undoes the permutation, checks that replicas agree).
+
+Per tensor (decoder names; see docs/tensor_parallel.md for the table):
+
+- DeltaNet `in_proj_qkv` rows and `conv_weight` channels: [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+  where rank r holds key heads r*nk/t .. and the value heads that read them (value head h reads key
+  head h // (nv/nk), so they are value heads r*nv/t .. (r+1)*nv/t - 1); `in_proj_z`, `in_proj_a`,
+  `in_proj_b`, `A_log`, `dt_bias` rows by value head (already contiguous); `out_proj` columns by value
+  head; `norm.weight` (per dv, shared by all heads) replicated.
+- Attention `q_proj` rows by query head (each head's [q | gate] is contiguous); `k_proj`/`v_proj` rows
+  by KV head, and when t > num_key_value_heads each KV head is repeated t / kv times so that rank r
+  holds KV head r // (t / kv): exactly the KV head its query heads r*H/t .. use (query head j reads KV
+  head j // (H / kv)); `o_proj` columns by query head; `q_norm`/`k_norm` replicated.
+- MLP `gate_proj`/`up_proj` rows, `down_proj` columns, with the intermediate size zero-padded to a
+  multiple of t; `embed_tokens` and (untied) `lm_head` rows by vocabulary, zero-padded to a multiple of t.
+- Layer norms and the final norm replicated.
+
+`save_sharded` writes one safetensors file per rank, `rank_{r}.safetensors`, next to a copy of
+`config.json`, and a manifest `tp_shards.json` written last: a folder without the manifest is an
+incomplete export and is refused by `load_sharded`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..config import Qwen35Config
+from .convert import CheckpointError, check_checkpoint, convert_checkpoint, decoder_name, expected_shapes
+from .reader import SAFETENSORS_DTYPES, CheckpointReader
+
+MANIFEST = "tp_shards.json"
+MANIFEST_FORMAT = "optimum-qwen35-tp-shards"
+MANIFEST_VERSION = 1
+
+_DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+
+# Sharding kinds.
+REPLICATED = "replicated"
+COLUMN = "column"  # output rows, contiguous blocks (ColumnParallelLinear)
+ROW = "row"  # input columns, contiguous blocks (RowParallelLinear)
+COLUMN_PADDED = "column_padded"  # MLP gate/up rows, intermediate zero-padded to a multiple of t
+ROW_PADDED = "row_padded"  # MLP down columns, intermediate zero-padded
+VOCAB = "vocab"  # embedding / lm_head rows, vocabulary zero-padded (ParallelEmbedding)
+KV_HEADS = "kv_heads"  # k_proj / v_proj rows by KV head, heads repeated when t > num_key_value_heads
+DELTANET_QKV = "deltanet_qkv"  # in_proj_qkv rows / conv channels, permuted to per-rank [q_r | k_r | v_r]
+
+_SUFFIX_KINDS = (
+    ("linear_attn.in_proj_qkv.weight", DELTANET_QKV),
+    ("linear_attn.conv_weight", DELTANET_QKV),
+    ("linear_attn.in_proj_z.weight", COLUMN),
+    ("linear_attn.in_proj_a.weight", COLUMN),
+    ("linear_attn.in_proj_b.weight", COLUMN),
+    ("linear_attn.A_log", COLUMN),
+    ("linear_attn.dt_bias", COLUMN),
+    ("linear_attn.out_proj.weight", ROW),
+    ("self_attn.q_proj.weight", COLUMN),
+    ("self_attn.k_proj.weight", KV_HEADS),
+    ("self_attn.v_proj.weight", KV_HEADS),
+    ("self_attn.o_proj.weight", ROW),
+    ("mlp.gate_proj.weight", COLUMN_PADDED),
+    ("mlp.up_proj.weight", COLUMN_PADDED),
+    ("mlp.down_proj.weight", ROW_PADDED),
+    ("norm.weight", REPLICATED),  # input/post_attention layernorms, final norm, q/k norms, DeltaNet norm
+)
+
+
+def shard_kind(name: str) -> str:
+    """How the decoder parameter `name` is split across ranks (one of the kinds above)."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return VOCAB
+    for suffix, kind in _SUFFIX_KINDS:
+        if name.endswith(suffix):
+            return kind
+    raise KeyError(f"no tensor-parallel sharding rule for tensor {name!r}")
+
+
+def shard_dim(name: str) -> int | None:
+    """The dimension split into contiguous rank blocks (None: every rank holds the whole tensor)."""
+    kind = shard_kind(name)
+    if kind == REPLICATED:
+        return None
+    return 1 if kind in (ROW, ROW_PADDED) else 0
+
+
+# ------------------------------------------------------------------------------------------ index maps
+def deltanet_rank_heads(config: Qwen35Config, tp_degree: int, rank: int) -> tuple[range, range]:
+    """(key heads, value heads) of a rank: a block of key heads and the value heads that read them."""
+    nk, nv = config.linear_num_key_heads // tp_degree, config.linear_num_value_heads // tp_degree
+    return range(rank * nk, (rank + 1) * nk), range(rank * nv, (rank + 1) * nv)
+
+
+def deltanet_qkv_permutation(config: Qwen35Config, tp_degree: int) -> torch.Tensor:
+    """Row order of the TP layout of in_proj_qkv / conv channels: index i of the layout reads row perm[i].
+
+    Checkpoint rows are [q (nk*dk) | k (nk*dk) | v (nv*dv)]; the layout is [q_r | k_r | v_r] for r = 0..t-1.
+    """
+    dk, dv, key_dim = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_key_dim
+    blocks = []
+    for rank in range(tp_degree):
+        key_heads, value_heads = deltanet_rank_heads(config, tp_degree, rank)
+        k0, k1 = key_heads.start * dk, key_heads.stop * dk
+        v0, v1 = value_heads.start * dv, value_heads.stop * dv
+        blocks += [torch.arange(k0, k1), torch.arange(key_dim + k0, key_dim + k1), torch.arange(2 * key_dim + v0, 2 * key_dim + v1)]
+    return torch.cat(blocks)
+
+
+def kv_replication(config: Qwen35Config, tp_degree: int) -> int:
+    """How many ranks hold each KV head (1 unless tp_degree > num_key_value_heads)."""
+    return max(1, tp_degree // config.num_key_value_heads)
+
+
+def kv_heads_of_rank(config: Qwen35Config, tp_degree: int, rank: int) -> range:
+    """The KV heads a rank holds: a block of them, or the single head rank // (t / kv) when replicated."""
+    kv = config.num_key_value_heads
+    if tp_degree <= kv:
+        per_rank = kv // tp_degree
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank // (tp_degree // kv)
+    return range(head, head + 1)
+
+
+def _padded(size: int, tp_degree: int) -> int:
+    return -(-size // tp_degree) * tp_degree
+
+
+def _pad(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    extra = size - tensor.shape[dim]
+    if extra == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = extra
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+# ------------------------------------------------------------------------------------------ pure math
+def tp_layout(name: str, tensor: torch.Tensor, config: Qwen35Config, tp_degree: int) -> tuple[torch.Tensor, int | None]:
+    """The converted whole tensor brought into its TP layout, and the split dim (None: replicated).
+
+    Rank r's shard is block r of t equal contiguous blocks of the layout along that dim (a view when
+    no permutation, padding or replication is needed).
+    """
+    config.check_tp_degree(tp_degree)
+    kind, dim = shard_kind(name), shard_dim(name)
+    t = tp_degree
+    if kind == DELTANET_QKV:
+        tensor = tensor.index_select(0, deltanet_qkv_permutation(config, t).to(tensor.device))
+    elif kind == KV_HEADS:
+        rep = kv_replication(config, t)
+        if rep > 1:
+            kv, hd = config.num_key_value_heads, config.head_dim
+            tensor = tensor.reshape(kv, hd, -1).repeat_interleave(rep, dim=0).reshape(kv * rep * hd, -1)
+    elif kind in (COLUMN_PADDED, ROW_PADDED):
+        tensor = _pad(tensor, dim, _padded(config.intermediate_size, t))
+    elif kind == VOCAB:
+        tensor = _pad(tensor, 0, _padded(config.vocab_size, t))
+    if dim is not None and tensor.shape[dim] % t:
+        raise ValueError(f"{name}: dim {dim} of size {tensor.shape[dim]} does not split into {t} equal blocks")
+    return tensor, dim
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, config: Qwen35Config, tp_degree: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of the converted whole tensor `name` (may be a view of `tensor`)."""
+    if not 0 <= rank < tp_degree:
+        raise ValueError(f"rank {rank} is outside 0..{tp_degree - 1}")
+    layout, dim = tp_layout(name, tensor, config, tp_degree)
+    return layout if dim is None else layout.chunk(tp_degree, dim)[rank]
+
+
+def unshard_tensor(name: str, shards: list[torch.Tensor], config: Qwen35Config) -> torch.Tensor:
+    """Reassemble the converted whole tensor from every rank's shard (the inverse of `shard_tensor`).
+
+    Raises if replicated copies (norms, repeated KV heads) differ between ranks.
+    """
+    t = len(shards)
+    config.check_tp_degree(t)
+    kind, dim = shard_kind(name), shard_dim(name)
+    if kind == REPLICATED:
+        for rank, s in enumerate(shards[1:], 1):
+            if not torch.equal(s, shards[0]):
+                raise ValueError(f"{name}: the replicated copy on rank {rank} differs from rank 0's")
+        return shards[0]
+    layout = torch.cat(shards, dim=dim)
+    if kind == DELTANET_QKV:
+        inverse = torch.argsort(deltanet_qkv_permutation(config, t))
+        return layout.index_select(0, inverse)
+    if kind == KV_HEADS:
+        rep = kv_replication(config, t)
+        if rep == 1:
+            return layout
+        kv, hd = config.num_key_value_heads, config.head_dim
+        copies = layout.reshape(kv, rep, hd, -1)
+        if not torch.equal(copies, copies[:, :1].expand_as(copies)):
+            raise ValueError(f"{name}: the replicated KV heads differ between ranks")
+        return copies[:, 0].reshape(kv * hd, -1)
+    if kind in (COLUMN_PADDED, ROW_PADDED):
+        return layout.narrow(dim, 0, config.intermediate_size)
+    if kind == VOCAB:
+        return layout.narrow(0, 0, config.vocab_size)
+    return layout
+
+
+def sharded_shapes(config: Qwen35Config, tp_degree: int) -> dict[str, tuple[int, ...]]:
+    """Decoder name -> the shape of each rank's shard (the same on every rank)."""
+    config.check_tp_degree(tp_degree)
+    shapes = {}
+    for name, shape in expected_shapes(config).items():
+        name = decoder_name(name)
+        if name.endswith("linear_attn.conv_weight"):
+            shape = (shape[0], shape[2])
+        meta = torch.empty(shape, device="meta")
+        shapes[name] = tuple(shard_tensor(name, meta, config, tp_degree, 0).shape)
+    return shapes
+
+
+# ------------------------------------------------------------------------------------------ from a checkpoint
+def convert_and_shard(
+    reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (decoder name, this rank's shard) lazily, tensor by tensor, each shard an owned copy.
+
+    The checkpoint is checked first (one error listing every missing, unexpected or wrongly shaped
+    tensor). With tied embeddings no `lm_head.weight` is yielded: the lm_head shares `embed_tokens`.
+    """
+    config.check_tp_degree(tp_degree)
+    for name, tensor in convert_checkpoint(reader, config):
+        shard = shard_tensor(name, tensor, config, tp_degree, rank)
+        # A copy, so that the shard does not keep the whole tensor's storage alive.
+        yield name, shard.to(dtype=dtype or shard.dtype, memory_format=torch.contiguous_format, copy=True)
+        del tensor, shard
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file tensor by tensor: the header (all names, dtypes, shapes) goes first,
+    so that no tensor has to be held until the end. Written under a temporary name, renamed on `commit`.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        self.order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        for name, dtype, shape in entries:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.order.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as safetensors itself writes
+        self.size = 8 + len(blob) + offset
+        self.file = open(self.tmp, "wb")  # noqa: SIM115
+        self.file.write(len(blob).to_bytes(8, "little") + blob)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, dtype, shape, nbytes = self.order[self.next]
+        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise RuntimeError(
+                f"{self.path.name}: got {name} {tensor.dtype} {tuple(tensor.shape)}, expected {expected} {dtype} {shape}"
+            )
+        data = tensor.contiguous().reshape(-1).view(torch.uint8)
+        self.file.write(memoryview(data.numpy()))
+        self.next += 1
+
+    def commit(self) -> int:
+        if self.next != len(self.order):
+            raise RuntimeError(f"{self.path.name}: {len(self.order) - self.next} tensors were not written")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if os.path.getsize(self.tmp) != self.size:
+            raise RuntimeError(f"{self.path.name}: wrote {os.path.getsize(self.tmp)} bytes, expected {self.size}")
+        os.replace(self.tmp, self.path)
+        return self.size
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.safetensors"
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_sharded(
+    source: CheckpointReader | str | os.PathLike,
+    config: Qwen35Config | None,
+    tp_degree: int,
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> Path:
+    """Convert and shard a checkpoint for `tp_degree` ranks and save one safetensors file per rank.
+
+    Output folder: `config.json` (the source's, unchanged), the tokenizer files if the source has them, `rank_{r}.safetensors` for r in 0..t-1
+    (decoder parameter names, each rank's shard, tied lm_head omitted), and `tp_shards.json` (written
+    last; without it the folder is an incomplete export). Each source tensor is read once and its t
+    shards are streamed into the t files, so memory holds about one source tensor at a time. Files are
+    written under temporary names and renamed when complete; an existing export in `out_dir` is
+    invalidated (its manifest removed) before anything is overwritten.
+    """
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    config = config or Qwen35Config.from_pretrained(reader.folder)
+    config.check_tp_degree(tp_degree)
+    check_checkpoint(reader, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+
+    shapes = sharded_shapes(config, tp_degree)
+    source_names = list(expected_shapes(config))
+    dtypes = {decoder_name(n): dtype or reader.dtype(n) for n in source_names}
+    entries = [(name, dtypes[name], shapes[name]) for name in shapes]
+    writers = [
+        StreamingSafetensorsWriter(
+            out / rank_file(r), entries, {"format": "pt", "tp_degree": str(tp_degree), "rank": str(r)}
+        )
+        for r in range(tp_degree)
+    ]
+    try:
+        with open(out / ".config.json.tmp", "w", encoding="utf-8") as f:
+            json.dump(config.raw or config.to_text_dict(), f, indent=2)
+        os.replace(out / ".config.json.tmp", out / "config.json")
+        _copy_side_files(reader.folder, out)
+        bar = _progress(total=sum(reader_nbytes(reader, n) for n in source_names), enabled=progress, desc=f"shard TP={tp_degree}")
+        for source_name, (name, tensor) in zip(source_names, convert_checkpoint(reader, config)):
+            layout, dim = tp_layout(name, tensor, config, tp_degree)
+            for rank, writer in enumerate(writers):
+                shard = layout if dim is None else layout.chunk(tp_degree, dim)[rank]
+                writer.write(name, shard.to(dtypes[name]))
+            bar.update(reader_nbytes(reader, source_name))
+            del tensor, layout
+        bar.close()
+        files = []
+        for rank, writer in enumerate(writers):
+            files.append({"rank": rank, "file": rank_file(rank), "bytes": writer.commit()})
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    _write_json_atomic(
+        out / MANIFEST,
+        {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "tp_degree": tp_degree,
+            "dtype": sorted({_DTYPE_CODES[d] for d in dtypes.values()}),
+            "tie_word_embeddings": config.tie_word_embeddings,
+            "source": str(reader.folder),
+            "files": files,
+        },
+    )
+    return out
+
+
+def reader_nbytes(reader: CheckpointReader, name: str) -> int:
+    return torch.Size(reader.shape(name)).numel() * reader.dtype(name).itemsize
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled)
+
+
+# ------------------------------------------------------------------------------------------ loading exports
+def is_sharded_export(path: str | os.PathLike) -> bool:
+    """True when `path` is a folder written by `save_sharded` (complete or not)."""
+    path = Path(path)
+    return (path / MANIFEST).is_file() or any(path.glob("rank_*.safetensors"))
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a complete export; a clear error for an incomplete or foreign folder."""
+    path = Path(path)
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: it is not a complete sharded export (an interrupted save_sharded leaves "
+            "no manifest); export it again"
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
+        raise CheckpointError(f"{file} is not a {MANIFEST_FORMAT} v{MANIFEST_VERSION} manifest")
+    for entry in manifest["files"]:
+        f = path / entry["file"]
+        if not f.is_file() or f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{f} is missing or has the wrong size ({entry['bytes']} bytes expected)")
+    return manifest
+
+
+def load_sharded(
+    path: str | os.PathLike, rank: int, tp_degree: int | None = None, dtype: torch.dtype | None = None
+) -> tuple[Qwen35Config, int, dict[str, torch.Tensor]]:
+    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor})."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    saved_degree = manifest["tp_degree"]
+    if tp_degree is not None and tp_degree != saved_degree:
+        raise ValueError(f"{path} holds shards for tensor_parallel_size={saved_degree}, not {tp_degree}; export it again")
+    if not 0 <= rank < saved_degree:
+        raise ValueError(f"rank {rank} is outside 0..{saved_degree - 1}")
+    config = Qwen35Config.from_pretrained(path)
+    tensors = load_file(path / rank_file(rank))
+    expected = sharded_shapes(config, saved_degree)
+    got = {n: tuple(t.shape) for n, t in tensors.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        wrong = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])
+        raise CheckpointError(
+            f"{path / rank_file(rank)} does not match config.json: missing {missing}, "
+            f"unexpected {sorted(set(got) - set(expected))}, wrong shape {wrong}"
+        )
+    if dtype is not None:
+        tensors = {n: t.to(dtype) for n, t in tensors.items()}
+    return config, saved_degree, tensors
+
+
+def _copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy the tokenizer and generation config next to an export (not needed by the loader)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)

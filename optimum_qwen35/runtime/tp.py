@@ -1,0 +1,136 @@
+"""Tensor parallelism on CPU: t gloo processes, each holding only its shard of the weights.
+
+Every rank builds `Qwen35Decoder(config, t, TorchLayers(t, rank, group))` through `load_decoder` (from
+a checkpoint folder, sharded on the fly, or from a `save_sharded` export) and runs the very graphs the
+single-process runtime runs: context encoding, then greedy token generation. The row-parallel layers
+and the embedding all-reduce, the lm_head all-gathers the vocabulary blocks, so every rank sees the
+whole logits; rank 0's are returned.
+
+    from optimum_qwen35.runtime.tp import run_tensor_parallel
+    result = run_tensor_parallel("path/to/checkpoint", tp_degree=4, prompts=[[1, 2, 3]], decode_steps=32)
+    result.prefill_logits[0]   # [3, vocab]: teacher-forced logits of every prompt position
+    result.decode_logits       # [32, n_prompts, vocab]: the logits of each decode step
+    result.tokens              # [n_prompts, 33]: the greedy tokens (1 from the prompt, 1 per decode step)
+
+`tp_degree=1` runs in the calling process (no torch.distributed), which is the reference.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..modeling.parallel import TorchLayers
+from .cpu import Qwen35ForCausalLM, default_buckets, load_decoder
+
+
+@dataclass
+class TensorParallelResult:
+    prefill_logits: list[torch.Tensor]  # one [len(prompt), vocab] tensor per prompt (fp32; fp64 for fp64 models)
+    decode_logits: torch.Tensor  # [decode_steps, n_prompts, vocab] (fp32; fp64 for fp64 models)
+    tokens: torch.Tensor  # [n_prompts, decode_steps + 1] int64, greedy
+
+
+def _widen(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in fp32, or fp64 when the model runs in fp64."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def greedy_run(
+    decoder, prompts: Sequence[Sequence[int]], decode_steps: int, max_length: int | None = None
+) -> TensorParallelResult:
+    """Prefill `prompts` (one slot each, every position's logits), then `decode_steps` greedy steps."""
+    prompts = [list(p) for p in prompts]
+    longest = max(len(p) for p in prompts)
+    max_length = max_length or longest + decode_steps + 1
+    model = Qwen35ForCausalLM(decoder, batch_size=len(prompts), max_length=max_length, buckets=default_buckets(max_length))
+    slots = list(range(len(prompts)))
+    with torch.no_grad():
+        all_logits = _widen(model.prefill(prompts, slots, all_logits=True))
+        prefill_logits = [all_logits[i, : len(p)].clone() for i, p in enumerate(prompts)]
+        tokens = [torch.stack([lg[-1] for lg in prefill_logits]).argmax(-1)]
+        positions = [len(p) for p in prompts]
+        decode_logits = []
+        for _ in range(decode_steps):
+            logits = _widen(model.decode(tokens[-1].tolist(), positions, slots))
+            decode_logits.append(logits)
+            tokens.append(logits.argmax(-1))
+            positions = [p + 1 for p in positions]
+    vocab = prefill_logits[0].shape[-1]
+    return TensorParallelResult(
+        prefill_logits=prefill_logits,
+        decode_logits=torch.stack(decode_logits) if decode_logits else torch.empty(0, len(prompts), vocab),
+        tokens=torch.stack(tokens, dim=1),
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, tp_degree, port, path, prompts, decode_steps, dtype, max_length, out_file, threads):
+    torch.set_num_threads(threads)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=tp_degree)
+    try:
+        group = dist.group.WORLD
+        results = []
+        for one_dtype in dtype:
+            decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group))
+            result = greedy_run(decoder, prompts, decode_steps, max_length)
+            del decoder
+            # Every rank gathered the same logits, so every rank must have chosen the same tokens.
+            tokens = [torch.empty_like(result.tokens) for _ in range(tp_degree)]
+            dist.all_gather(tokens, result.tokens, group=group)
+            if any(not torch.equal(t, tokens[0]) for t in tokens):
+                raise RuntimeError("ranks disagree on the greedy tokens")
+            results.append(result)
+        if rank == 0:
+            torch.save(results, out_file)
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tensor_parallel(
+    path: str | os.PathLike,
+    tp_degree: int,
+    prompts: Sequence[Sequence[int]],
+    decode_steps: int = 32,
+    dtype: torch.dtype | Sequence[torch.dtype] = torch.float32,
+    max_length: int | None = None,
+) -> TensorParallelResult | list[TensorParallelResult]:
+    """Run prefill + `decode_steps` greedy steps with `tp_degree` gloo processes; rank 0's logits.
+
+    `path` is a checkpoint folder or a `save_sharded` export. `dtype` may be a sequence of dtypes: the
+    same processes then run once per dtype (process start-up dominates on small models) and a list of
+    results is returned. Each process uses max(1, cpu_count // tp_degree) intra-op threads. An invalid
+    degree raises before any process starts. The processes are started with the `spawn` method, so a
+    calling script needs the usual `if __name__ == "__main__":` guard.
+    """
+    from ..config import Qwen35Config  # noqa: PLC0415
+
+    Qwen35Config.from_pretrained(path).check_tp_degree(tp_degree)
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("run_tensor_parallel needs at least one prompt, each of at least one token")
+    dtypes = [dtype] if isinstance(dtype, torch.dtype) else list(dtype)
+    if tp_degree == 1:
+        results = [greedy_run(load_decoder(path, d), prompts, decode_steps, max_length) for d in dtypes]
+        return results[0] if isinstance(dtype, torch.dtype) else results
+    threads = max(1, (os.cpu_count() or 1) // tp_degree)
+    with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
+        out_file = os.path.join(tmp, "rank0.pt")
+        args = (tp_degree, _free_port(), os.fspath(path), prompts, decode_steps, dtypes, max_length, out_file, threads)
+        mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
+        results = torch.load(out_file, weights_only=False)
+    return results[0] if isinstance(dtype, torch.dtype) else results
