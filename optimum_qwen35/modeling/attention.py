@@ -14,6 +14,8 @@ from ..config import Qwen35Config
 from .layers import RMSNorm, apply_rotary, upcast
 from .parallel import ShardedDims
 
+QUERY_BLOCK = 1024
+
 
 class GatedAttention(nn.Module):
     def __init__(self, config: Qwen35Config, dims: ShardedDims, layers):
@@ -56,8 +58,14 @@ class GatedAttention(nn.Module):
         """x [B, T, hidden] right-padded, valid [B, T] bool. Writes positions 0..T-1 of each slot's cache."""
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, cos, sin)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
-        out = self._attend(q, k, v, causal, gate)
+        # Queries in blocks, so that long prompts never hold a [T, T] score matrix per head.
+        outputs = []
+        for start in range(0, T, QUERY_BLOCK):
+            end = min(start + QUERY_BLOCK, T)
+            rows = torch.arange(start, end, device=x.device)[:, None]
+            causal = (torch.arange(end, device=x.device)[None, :] <= rows)[None, None]  # [1, 1, Tq, end]
+            outputs.append(self._attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], causal, gate[:, start:end]))
+        out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         # Padded positions store zeros, so that padding leaves no trace in the cache.
         keep = valid[:, None, :, None].to(k.dtype)
         k_cache = _write_prompt(k_cache, k * keep, seq_ids)
