@@ -1,0 +1,135 @@
+"""Command line: `python -m optimum_qwen35 <command>` (or `optimum-qwen35 <command>`).
+
+    demo        build the embedded tiny Qwen3.5 checkpoint and chat with it on the CPU graphs
+    generate    greedy generation from a Qwen3.5 checkpoint folder on the CPU graphs
+    shard       convert a checkpoint and save one safetensors file per tensor-parallel rank
+    build-tiny  write a tiny random Qwen3.5 checkpoint in the real on-disk format
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw: bool) -> int:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from .runtime.cpu import Qwen35ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if raw:
+        ids = tokenizer(prompt)["input_ids"]
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text)["input_ids"]
+    max_length = len(ids) + max_new_tokens
+    start = time.perf_counter()
+    model = Qwen35ForCausalLM.from_pretrained(
+        model_dir, batch_size=1, max_length=max_length, dtype=getattr(torch, dtype), buckets=[len(ids)]
+    )
+    loaded = time.perf_counter()
+    progress = tqdm(total=max_new_tokens, desc="generating", unit="tok", leave=False)
+    first_token_at = []
+
+    def on_step(step, tokens):
+        if step == 0:
+            first_token_at.append(time.perf_counter())
+        progress.update(1)
+
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokenizer.get_vocab()]
+    new_tokens = model.generate([ids], max_new_tokens=max_new_tokens, eos_token_id=eos, streamer=on_step)[0]
+    progress.close()
+    done = time.perf_counter()
+    print(f"prompt ({len(ids)} tokens): {prompt!r}")
+    print(f"reply ({len(new_tokens)} tokens): {tokenizer.decode(new_tokens, skip_special_tokens=True)!r}")
+    decode_s = done - first_token_at[0]
+    print(
+        f"load {loaded - start:.2f}s, time to first token {first_token_at[0] - loaded:.3f}s, "
+        f"decode {max(len(new_tokens) - 1, 0) / decode_s if decode_s > 0 else float('nan'):.1f} tok/s "
+        f"(CPU, {dtype}, batch 1)"
+    )
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .testing import build_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(args.out) if args.out else Path(tmp) / "tiny-qwen3.5"
+        build_tiny_checkpoint(folder, args.layout)
+        print(f"built a tiny random Qwen3.5 checkpoint ({args.layout}) at {folder}: its replies are noise by design")
+        return _generate(folder, args.prompt, args.max_new_tokens, args.dtype, raw=False)
+
+
+def cmd_generate(args) -> int:
+    return _generate(Path(args.model), args.prompt, args.max_new_tokens, args.dtype, raw=args.raw)
+
+
+def cmd_shard(args) -> int:
+    import torch
+
+    from .checkpoint.shard import save_sharded
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = save_sharded(args.model, None, args.tensor_parallel_size, args.out, dtype)
+    print(f"saved {args.tensor_parallel_size} rank shards to {out}")
+    return 0
+
+
+def cmd_build_tiny(args) -> int:
+    from .testing import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(args.out, args.layout, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="optimum-qwen35", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
+    p.add_argument("--prompt", default="Give me a short introduction to large language models.")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--layout", default="tiny-2b", choices=["tiny-2b", "tiny-nv2x", "tiny-nv3x"])
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--out", help="keep the tiny checkpoint in this folder (default: a temporary one)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="greedy generation on the CPU graphs")
+    p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder (a Hub snapshot)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("shard", help="save per-rank tensor-parallel shards")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tensor-parallel-size", type=int, required=True)
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep the checkpoint's)")
+    p.add_argument("out")
+    p.set_defaults(func=cmd_shard)
+
+    p = sub.add_parser("build-tiny", help="write a tiny random Qwen3.5 checkpoint")
+    p.add_argument("out")
+    p.add_argument("--layout", default="tiny-2b", choices=["tiny-2b", "tiny-nv2x", "tiny-nv3x"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.set_defaults(func=cmd_build_tiny)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
