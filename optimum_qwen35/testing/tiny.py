@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import zlib
 from pathlib import Path
 from typing import Any
@@ -575,58 +574,36 @@ def tiny_state_dict(layout: str = "tiny-2b", seed: int = 0) -> dict[str, np.ndar
 
 # ----------------------------------------------------------------------------------------------- safetensors
 
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-
-
-def _to_bytes(x: np.ndarray, dtype: str) -> bytes:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if dtype == "float32":
-        return x.astype("<f4").tobytes()
-    if dtype == "float16":
-        return x.astype("<f2").tobytes()
-    if dtype == "bfloat16":
-        # Round to nearest even on the upper 16 bits (the values are finite).
-        bits = x.view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return rounded.astype("<u2").tobytes()
-    raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_ST_DTYPES)}")
+_DTYPES = ("float32", "float16", "bfloat16")
+_ST_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def write_safetensors(file: str | os.PathLike, tensors: dict[str, np.ndarray], dtype: str = "float32") -> int:
-    """Write `tensors` (cast to `dtype`) as a safetensors file with metadata {"format": "pt"}, byte-deterministic.
+    """Write `tensors` cast to `dtype` with the safetensors library, metadata {"format": "pt"} as transformers
+    writes it. The library lays tensors out deterministically, so equal inputs give equal files.
+    Returns the number of data bytes."""
+    import torch
+    from safetensors.torch import save_file
 
-    Tensors are laid out in sorted name order. Returns the number of data bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        blob = _to_bytes(tensors[name], dtype)
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(tensors[name].shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        blobs.append(blob)
-        offset += len(blob)
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    with open(file, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for blob in blobs:
-            f.write(blob)
-    return offset
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(_DTYPES)}")
+    cast = {n: torch.from_numpy(np.ascontiguousarray(t, dtype=np.float32)).to(getattr(torch, dtype)) for n, t in tensors.items()}
+    save_file(cast, os.fspath(file), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in cast.values())
 
 
 def read_safetensors(file: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dict[str, bytes]]:
-    """(header without metadata, raw bytes per tensor) of a safetensors file; used to compare checkpoints."""
-    with open(file, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    raw = {k: data[v["data_offsets"][0] : v["data_offsets"][1]] for k, v in header.items()}
+    """({name: {"dtype", "shape"}}, raw bytes per tensor) of a safetensors file; used to compare checkpoints bitwise."""
+    import torch
+    from safetensors import safe_open
+
+    codes = {getattr(torch, d): c for d, c in _ST_CODES.items()}
+    header, raw = {}, {}
+    with safe_open(os.fspath(file), framework="pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name).contiguous()
+            header[name] = {"dtype": codes.get(t.dtype, str(t.dtype)), "shape": list(t.shape)}
+            raw[name] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
     return header, raw
 
 
@@ -649,8 +626,8 @@ def build_tiny_checkpoint(
     tokenizer_config.json. `dtype` is the on-disk dtype: "float32", "bfloat16" or "float16".
     Deterministic: the same arguments give byte-identical files on every machine.
     """
-    if dtype not in _ST_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {sorted(_ST_DTYPES)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(_DTYPES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     for stale in path.glob("model*.safetensors*"):
