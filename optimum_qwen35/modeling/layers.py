@@ -68,7 +68,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+        # Built on the CPU even when the model is built on the meta device (weights are loaded later).
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
         # fp32 frequencies computed in fp32, as transformers does; a float64 copy for float64 reference runs.
         self.register_buffer("inv_freq", 1.0 / (theta ** exponents.float()), persistent=False)
         self.register_buffer("inv_freq64", 1.0 / (theta**exponents), persistent=False)

@@ -20,7 +20,6 @@ import torch
 from ..checkpoint import CheckpointReader, convert_checkpoint
 from ..config import Qwen35Config
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
-from ..modeling.layers import RotaryEmbedding
 from ..modeling.state import allocate_state
 
 DEFAULT_BUCKET_MIN = 64
@@ -63,7 +62,6 @@ def load_decoder(
         raise RuntimeError(f"decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     if config.tie_word_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
-    decoder.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
     return decoder.eval()
 
 
