@@ -3,7 +3,7 @@
     python benchmarks/convert_and_shard.py [--degrees 1 4] [--workdir DIR] [--keep]
 
 Builds a random bf16 checkpoint (~1.5 GB) with the exact text tensor names and shapes of Qwen3.5-0.8B
-(from /work/shared/configs/qwen3.5-0.8b.config.json), two safetensors shards + an index, plus small
+(from tests/qwen3.5-0.8b.config.json, the published config), two safetensors shards + an index, plus small
 vision (`model.visual.*`) and MTP (`mtp.*`) stand-ins that must be skipped. It is written tensor by tensor.
 Then, for each degree, a fresh subprocess runs `save_sharded` (with its progress bar) and reports its peak
 RSS; the bound is 1.5 x the largest file it wrote + 0.5 GB. Exits non-zero if any run breaks the bound.
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIG = Path("/work/shared/configs/qwen3.5-0.8b.config.json")
+CONFIG = Path(__file__).parents[1] / "tests" / "qwen3.5-0.8b.config.json"  # the published Qwen3.5-0.8B config
 GB = 1024**3
 
 

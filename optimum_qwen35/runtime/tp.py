@@ -18,7 +18,6 @@ whole logits; rank 0's are returned.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,16 +70,12 @@ def greedy_run(
     )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, tp_degree, port, path, prompts, decode_steps, dtype, max_length, out_file, threads):
+def _worker(rank, tp_degree, store_file, path, prompts, decode_steps, dtype, max_length, out_file, threads):
     torch.set_num_threads(threads)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=tp_degree)
+    # A file store, not a TCP store: with TCP, rank 0 hosts the store's server and could exit while another
+    # rank's store client is still closing, which aborts that rank ("terminate called without an active
+    # exception"). No port to pick either.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
     try:
         group = dist.group.WORLD
         results = []
@@ -129,8 +124,8 @@ def run_tensor_parallel(
         return results[0] if isinstance(dtype, torch.dtype) else results
     threads = max(1, (os.cpu_count() or 1) // tp_degree)
     with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
-        out_file = os.path.join(tmp, "rank0.pt")
-        args = (tp_degree, _free_port(), os.fspath(path), prompts, decode_steps, dtypes, max_length, out_file, threads)
+        out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
+        args = (tp_degree, store_file, os.fspath(path), prompts, decode_steps, dtypes, max_length, out_file, threads)
         mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
         results = torch.load(out_file, weights_only=False)
     return results[0] if isinstance(dtype, torch.dtype) else results
