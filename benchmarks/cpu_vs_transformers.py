@@ -3,7 +3,7 @@
     python benchmarks/cpu_vs_transformers.py [--prompt 512] [--decode 64] [--dtype float32]
 
 Needs transformers >= 5 (the `reference` nox environment). Builds a random Qwen3.5 with transformers
-(hidden 1024, 8 layers in the 3:1 pattern, vocab 32k: about 147M parameters), saves it in the real
+(hidden 1024, 8 layers in the 3:1 pattern, vocab 32k: about 200M parameters, printed), saves it in the real
 on-disk format, loads it in both implementations and measures, batch 1:
 prefill throughput (one prompt of --prompt tokens) and greedy decode throughput (--decode tokens after it),
 plus the agreement of the generated tokens. Prints absolute numbers and ratios; asserts nothing.
