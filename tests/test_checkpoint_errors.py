@@ -186,3 +186,14 @@ def test_export_with_a_damaged_rank_file(pristine, tmp_path):
         f.write(b"junk")
     with pytest.raises(CheckpointError, match="wrong size"):
         load_decoder(out)
+
+
+def test_corrupt_safetensors_file_gets_a_clear_error(tmp_path):
+    from optimum_qwen35.checkpoint import CheckpointReader
+    from optimum_qwen35.testing import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-nv2x")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + data[8:200])
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        CheckpointReader(folder)

@@ -65,10 +65,12 @@ def greedy_alone(prompt, steps):
 
 
 def test_continuous_batching_sequences_join_and_leave():
-    """Three slots; sequences start at different steps, one slot is reused: each matches its solo run."""
+    """Three slots; sequences start at different steps, one slot is reused: each matches its solo run.
+
+    Through traced graphs of the static batch of 3: rows without a sequence are inactive (seq_id -1)."""
     prompts = {"a": random_prompt(40, 1), "b": random_prompt(7, 2), "c": random_prompt(90, 3), "d": random_prompt(2, 4)}
     solo = {name: greedy_alone(p, 12) for name, p in prompts.items()}
-    model = Qwen35ForCausalLM.from_pretrained(LAYOUT, batch_size=3, max_length=256)
+    model = Qwen35ForCausalLM.from_pretrained(LAYOUT, batch_size=3, max_length=256, trace=True)
 
     running = {}  # slot -> [name, step, position, last token]
 
@@ -110,14 +112,47 @@ def test_prefill_touches_only_its_slots_and_padding_changes_nothing():
     for spec, old, new in zip(model.state_specs, before, model.state):
         assert torch.equal(old[0], new[0]) and torch.equal(old[2], new[2]), f"{spec.name}: another slot changed"
 
-    # The same prompt padded to 256 with a different padding token leaves the same state in its slot.
-    model.buckets = [256]
-    padded_ids = list(prompt)
-    model.prefill([padded_ids], [1])
-    for spec, small, big in zip(model.state_specs, in_small_bucket, model.state):
+    # The same prompt in a longer bucket, padded with another token id, leaves the same state in its slot.
+    T = 256
+    ids = torch.full((3, T), 333, dtype=torch.int32)
+    ids[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.int32)
+    mask = torch.zeros(3, T, dtype=torch.int32)
+    mask[0, : len(prompt)] = 1
+    positions = torch.arange(T, dtype=torch.int32).expand(3, T).contiguous()  # padding positions too: ignored
+    seq_ids = torch.tensor([1, -1, -1], dtype=torch.int32)
+    with torch.no_grad():
+        out = model.decoder.context_encoding(ids, mask, positions, seq_ids, *model.state)
+    for spec, small, big, old in zip(model.state_specs, in_small_bucket, out[1:], model.state):
         torch.testing.assert_close(big[1], small, rtol=0, atol=1e-6, msg=spec.name)
+        assert torch.equal(big[0], old[0]) and torch.equal(big[2], old[2]), f"{spec.name}: an inactive row wrote"
         if "cache" in spec.name:  # nothing is written past the prompt
             assert not big[1][:, len(prompt) :].any(), spec.name
+
+
+def test_slots_must_be_distinct_and_in_range():
+    model = Qwen35ForCausalLM.from_pretrained(LAYOUT, batch_size=2, max_length=64)
+    for bad in ([0, 0], [2], [-1]):
+        with pytest.raises(ValueError, match=r"slots must be distinct and in \[0, 2\)"):
+            model.prefill([[1, 2]] * len(bad), bad)
+        with pytest.raises(ValueError, match=r"slots must be distinct and in \[0, 2\)"):
+            model.decode([1] * len(bad), [3] * len(bad), bad)
+
+
+def test_graphs_export_without_data_dependent_control_flow():
+    """torch.export fails on any Python branch on tensor values inside the graphs (a static-shape check
+    stronger than tracing): both graphs must export, and the exported programs must match eager."""
+    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-nv3x", batch_size=2, max_length=128, buckets=[64, 128])
+    for kind, length, module in [
+        ("context", 64, ContextEncodingGraph(model.decoder)),
+        ("token", 1, TokenGenerationGraph(model.decoder)),
+    ]:
+        example = list(model._example_inputs(kind, length))
+        example[-len(model.state) - 1] = torch.tensor([1, -1], dtype=torch.int32)  # seq_ids: one inactive row
+        example = tuple(example)
+        with torch.no_grad():
+            exported = torch.export.export(module, example, strict=False)
+            for a, b in zip(module(*example), exported.module()(*example)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 4])

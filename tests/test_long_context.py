@@ -23,9 +23,9 @@ PREFILL, DECODE = 8192, 64
 # 4e-6 (state). The bound leaves room for other BLAS builds and is still far below any real error.
 KERNEL_ATOL = 1e-4
 # Whole model (logits of std ~1) after 8192 tokens: its fp32 rounding alone, measured against float64
-# running the same chunked rule, is 6e-4 (attention over 8k keys included). Against the float64
-# recurrence the error is the same 6e-4: the chunked form adds nothing measurable. Bound at ~3x.
-MODEL_ATOL = 2e-3
+# running the same chunked rule, is 1.2e-4 (attention over 8k keys included); against the float64
+# recurrence it is the same 1.2e-4, so the chunked form adds nothing measurable. Bound at ~4x.
+MODEL_ATOL = 5e-4
 
 
 def adversarial_inputs(B=1, nk=2, nv=4, dk=32, dv=32, T=PREFILL + DECODE, seed=0):
@@ -64,8 +64,9 @@ def make_adversarial(decoder):
     """Edit a tiny model in place so that every DeltaNet layer sees gates ~ 0, beta ~ 1 and one key."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        # A constant positive channel in every embedding survives the norms as a positive input x[0] ...
-        decoder.embed_tokens.weight[:, 0] = 3.0
+        # A large constant channel in every embedding dominates the residual stream, so that after every
+        # norm each layer sees a large positive input x[0] ...
+        decoder.embed_tokens.weight[:, 0] = 30.0
         for layer in decoder.layers:
             if layer.is_attention:
                 continue
@@ -100,7 +101,22 @@ def test_model_long_adversarial_prefill_and_decode_against_float64_recurrence():
     options = dict(batch_size=1, max_length=PREFILL + DECODE, buckets=[PREFILL])
 
     fp32 = Qwen35ForCausalLM(make_adversarial(load_decoder(folder)), **options)
-    got, tokens = run(fp32, prompt)
+    regime = []  # what the chunked kernel actually sees, layer by layer
+
+    def probed_chunk(q, k, v, g, beta, initial_state=None, lengths=None):
+        key_cosine = (k * k[:, :, :1]).sum(-1).min().item()  # keys are unit vectors: 1 = identical to the first
+        regime.append((beta.min().item(), g.abs().max().item(), key_cosine))
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state, lengths)
+
+    kernels.register_backend("probed", {"chunk_gated_delta_rule": probed_chunk})
+    kernels.set_backend("probed")
+    try:
+        got, tokens = run(fp32, prompt)
+    finally:
+        kernels.set_backend("torch")
+    assert len(regime) == len(fp32.config.linear_layers)
+    for min_beta, max_abs_g, min_key_cosine in regime:
+        assert min_beta > 0.99 and max_abs_g < 1e-9 and min_key_cosine > 0.99, regime
     assert torch.isfinite(got).all()
     for spec, tensor in zip(fp32.state_specs, fp32.state):
         assert torch.isfinite(tensor).all(), spec.name

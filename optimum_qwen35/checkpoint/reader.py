@@ -4,6 +4,10 @@ Single file (`model.safetensors`) or sharded (`model.safetensors.index.json` + s
 decoder is read: `model.language_model.*` in the vision-language checkpoints Qwen ships, or bare
 `model.*` in text-only ones; the vision tower (`model.visual.*`) and the multi-token-prediction head
 (`mtp.*`) are skipped without being read.
+
+Files are read directly (the JSON header, then plain reads of each tensor's bytes) rather than through
+the safetensors library's memory map: the mapped pages a long conversion touches all count in its RSS,
+and converting must stay within a small multiple of one output shard of memory.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -26,7 +29,15 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def _torch_dtype(code: str, where: str) -> torch.dtype:
+    if code not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{where}: safetensors dtype {code!r} is not supported (supported: {sorted(SAFETENSORS_DTYPES)})")
+    return SAFETENSORS_DTYPES[code]
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -49,13 +60,13 @@ class CheckpointReader:
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
+        self._headers: dict[str, tuple[int, dict]] = {}
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                weight_map = {key: single.name for key in f.keys()}
+            weight_map = {key: single.name for key in self._tensor_keys(single.name)}
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
             if not files:
@@ -65,8 +76,7 @@ class CheckpointReader:
                 )
             weight_map = {}
             for name in files:
-                with safe_open(self.folder / name, framework="pt") as f:
-                    weight_map.update({key: name for key in f.keys()})
+                weight_map.update({key: name for key in self._tensor_keys(name)})
         missing_files = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
         if missing_files:
             raise FileNotFoundError(f"{self.folder} is incomplete: the index names missing files {missing_files}")
@@ -76,7 +86,6 @@ class CheckpointReader:
             name = text_name(key)
             if name is not None:
                 self._files[name], self._keys[name] = file, key
-        self._headers: dict[str, tuple[int, dict]] = {}
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -84,12 +93,22 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
+    def _tensor_keys(self, file: str) -> list[str]:
+        return [key for key in self._header(file)[1] if key != "__metadata__"]
+
     def _header(self, file: str) -> tuple[int, dict]:
         """(data start, header) of a safetensors file, parsed once."""
         if file not in self._headers:
-            with open(self.folder / file, "rb") as f:
+            path = self.folder / file
+            with open(path, "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
-                self._headers[file] = (8 + size, json.loads(f.read(size)))
+                try:
+                    if size > os.path.getsize(path) - 8:
+                        raise ValueError(f"header length {size} is past the end of the file")
+                    header = json.loads(f.read(size))
+                except ValueError as e:
+                    raise ValueError(f"{path} is not a valid safetensors file ({e}); re-download it") from None
+                self._headers[file] = (8 + size, header)
         return self._headers[file]
 
     def _info(self, name: str) -> tuple[int, dict]:
@@ -101,7 +120,7 @@ class CheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         """The on-disk dtype of a tensor, read from the file header (no data is read)."""
-        return SAFETENSORS_DTYPES[self._info(name)[1]["dtype"]]
+        return _torch_dtype(self._info(name)[1]["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}")
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into its own memory with plain file reads.
@@ -111,7 +130,7 @@ class CheckpointReader:
         """
         base, info = self._info(name)
         start, end = info["data_offsets"]
-        out = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+        out = torch.empty(info["shape"], dtype=_torch_dtype(info["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}"))
         nbytes = out.numel() * out.element_size()
         if end - start != nbytes:
             raise ValueError(f"{self.folder / self._files[name]}: tensor {self._keys[name]} has {end - start} bytes, {nbytes} expected")

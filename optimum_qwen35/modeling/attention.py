@@ -54,7 +54,7 @@ class GatedAttention(nn.Module):
         out = (upcast(probs) @ upcast(v)).to(v.dtype).transpose(1, 2).reshape(gate.shape)
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def context_encoding(self, x, cos, sin, valid, seq_ids, k_cache, v_cache):
+    def context_encoding(self, x, cos, sin, valid, slots, k_cache, v_cache):
         """x [B, T, hidden] right-padded, valid [B, T] bool. Writes positions 0..T-1 of each slot's cache."""
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, cos, sin)
@@ -68,27 +68,27 @@ class GatedAttention(nn.Module):
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         # Padded positions store zeros, so that padding leaves no trace in the cache.
         keep = valid[:, None, :, None].to(k.dtype)
-        k_cache = _write_prompt(k_cache, k * keep, seq_ids)
-        v_cache = _write_prompt(v_cache, v * keep, seq_ids)
+        k_cache = _write_prompt(k_cache, k * keep, slots)
+        v_cache = _write_prompt(v_cache, v * keep, slots)
         return out, k_cache, v_cache
 
-    def token_generation(self, x, cos, sin, position_ids, seq_ids, k_cache, v_cache):
+    def token_generation(self, x, cos, sin, position_ids, slots, k_cache, v_cache):
         """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there, attend to positions <= it."""
         q, k, v, gate = self._project(x, cos, sin)
         max_length = k_cache.shape[2]
         positions = torch.arange(max_length, device=x.device)[None, :]  # [1, S]
         here = (positions == position_ids)[:, None, :, None]  # [B, 1, S, 1]
-        k_slot = torch.where(here, k, k_cache.index_select(0, seq_ids))
-        v_slot = torch.where(here, v, v_cache.index_select(0, seq_ids))
+        k_slot = torch.where(here, k, slots.gather(k_cache))
+        v_slot = torch.where(here, v, slots.gather(v_cache))
         visible = (positions <= position_ids)[:, None, None, :]  # [B, 1, 1, S]
         out = self._attend(q, k_slot, v_slot, visible, gate)
-        return out, k_cache.index_copy(0, seq_ids, k_slot), v_cache.index_copy(0, seq_ids, v_slot)
+        return out, slots.scatter(k_cache, k_slot), slots.scatter(v_cache, v_slot)
 
 
-def _write_prompt(cache: torch.Tensor, new: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+def _write_prompt(cache: torch.Tensor, new: torch.Tensor, slots) -> torch.Tensor:
     """A new prompt replaces its slots whole: positions 0..T-1 from `new`, zeros after."""
-    slots, heads, max_length, hd = cache.shape
+    _, heads, max_length, hd = cache.shape
     B, _, T, _ = new.shape
     if T < max_length:
         new = torch.cat([new, new.new_zeros(B, heads, max_length - T, hd)], dim=2)
-    return cache.index_copy(0, seq_ids, new.to(cache.dtype))
+    return slots.scatter(cache, new)

@@ -4,7 +4,8 @@ It has two entry points, written the way Neuron traces them (static shapes, no d
 control flow, no tensor of rank above 4):
 
 - `context_encoding(input_ids, attention_mask, position_ids, seq_ids, *state)`: right-padded prompts
-  [B, T] (T is the bucket length) start fresh sequences in the slots `seq_ids`; returns the logits of
+  [B, T] (T is the bucket length) start fresh sequences in the slots `seq_ids` (-1: an inactive row
+  whose results are dropped); returns the logits of
   each prompt's last real token [B, vocab] (or of every position [B, T, vocab] when built with
   `all_logits=True`), then the updated state list.
 - `token_generation(input_ids, position_ids, seq_ids, *state)`: one token per sequence [B, 1] at
@@ -19,9 +20,9 @@ from torch import nn
 from ..config import FULL_ATTENTION, Qwen35Config
 from .attention import GatedAttention
 from .deltanet import GatedDeltaNet
-from .layers import MLP, RMSNorm, RotaryEmbedding
+from .layers import MLP, RMSNorm, RotaryEmbedding, upcast
 from .parallel import ShardedDims, TorchLayers
-from .state import StateSpec, state_specs
+from .state import Slots, StateSpec, state_specs
 
 
 class DecoderLayer(nn.Module):
@@ -36,26 +37,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def _norm(self, norm: RMSNorm, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream is fp32; what enters a linear layer is in the weights' dtype."""
+        return norm(h).to(self.input_layernorm.weight.dtype)
+
     def _finish(self, residual, mixed):
         h = residual + mixed
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self._norm(self.post_attention_layernorm, h))
 
-    def context_encoding(self, h, cos, sin, valid, lengths, seq_ids, state_a, state_b):
-        x = self.input_layernorm(h)
+    def context_encoding(self, h, cos, sin, valid, lengths, slots, state_a, state_b):
+        x = self._norm(self.input_layernorm, h)
         if self.is_attention:
-            mixed, state_a, state_b = self.self_attn.context_encoding(x, cos, sin, valid, seq_ids, state_a, state_b)
+            mixed, state_a, state_b = self.self_attn.context_encoding(x, cos, sin, valid, slots, state_a, state_b)
         else:
-            mixed, state_a, state_b = self.linear_attn.context_encoding(x, lengths, seq_ids, state_a, state_b)
+            mixed, state_a, state_b = self.linear_attn.context_encoding(x, lengths, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
 
-    def token_generation(self, h, cos, sin, position_ids, seq_ids, state_a, state_b):
-        x = self.input_layernorm(h)
+    def token_generation(self, h, cos, sin, position_ids, slots, state_a, state_b):
+        x = self._norm(self.input_layernorm, h)
         if self.is_attention:
-            mixed, state_a, state_b = self.self_attn.token_generation(
-                x, cos, sin, position_ids, seq_ids, state_a, state_b
-            )
+            mixed, state_a, state_b = self.self_attn.token_generation(x, cos, sin, position_ids, slots, state_a, state_b)
         else:
-            mixed, state_a, state_b = self.linear_attn.token_generation(x, seq_ids, state_a, state_b)
+            mixed, state_a, state_b = self.linear_attn.token_generation(x, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
 
 
@@ -79,14 +82,14 @@ class Qwen35Decoder(nn.Module):
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
 
     def context_encoding(self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False):
-        seq_ids = seq_ids.to(torch.int64)  # graph inputs are int32; index_copy wants int64
+        slots = Slots(seq_ids, state[0].shape[0])
         valid = attention_mask.to(torch.bool)
         lengths = attention_mask.to(torch.int64).sum(-1)
-        h = self.embed_tokens(input_ids)
+        h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
-            h, a, b = layer.context_encoding(h, cos, sin, valid, lengths, seq_ids, state[2 * i], state[2 * i + 1])
+            h, a, b = layer.context_encoding(h, cos, sin, valid, lengths, slots, state[2 * i], state[2 * i + 1])
             new_state += [a, b]
         if not all_logits:
             # Only the last real token of each prompt feeds lm_head.
@@ -96,12 +99,12 @@ class Qwen35Decoder(nn.Module):
         return (logits, *new_state)
 
     def token_generation(self, input_ids, position_ids, seq_ids, *state):
-        seq_ids = seq_ids.to(torch.int64)
-        h = self.embed_tokens(input_ids)
+        slots = Slots(seq_ids, state[0].shape[0])
+        h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
-            h, a, b = layer.token_generation(h, cos, sin, position_ids, seq_ids, state[2 * i], state[2 * i + 1])
+            h, a, b = layer.token_generation(h, cos, sin, position_ids, slots, state[2 * i], state[2 * i + 1])
             new_state += [a, b]
         logits = self.lm_head(self.norm(h))[:, 0]
         return (logits, *new_state)

@@ -4,8 +4,8 @@ x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = s
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
 delta rule (kernels) -> per-head gated RMSNorm with z = in_proj_z x -> out_proj.
 
-Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] and the recurrent state
-[slots, value_heads, dk, dv], kept in fp32.
+Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] (model dtype) and the
+recurrent state [slots, value_heads, dk, dv] (fp32).
 
 Tensor parallelism splits by heads: each rank holds its key heads and the value heads that read them,
 with in_proj_qkv rows (and conv channels) ordered [q_r | k_r | v_r] per rank.
@@ -67,26 +67,22 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
         return self.out_proj(o.to(x.dtype))
 
-    def context_encoding(self, x, lengths, seq_ids, conv_state, recurrent_state):
+    def context_encoding(self, x, lengths, slots, conv_state, recurrent_state):
         """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""
         mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, None, lengths)
         q, k, v = self._split_heads(mixed.transpose(1, 2))
         g, beta = self._gates(x)
         o, new_recurrent = kernels.chunk_gated_delta_rule(q, k, v, g, beta, None, lengths)
-        conv_state = conv_state.index_copy(0, seq_ids, new_conv.to(conv_state.dtype))
-        recurrent_state = recurrent_state.index_copy(0, seq_ids, new_recurrent.to(recurrent_state.dtype))
-        return self._output(o, x), conv_state, recurrent_state
+        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)
 
-    def token_generation(self, x, seq_ids, conv_state, recurrent_state):
+    def token_generation(self, x, slots, conv_state, recurrent_state):
         """x [B, 1, hidden]: one step from each slot's states."""
         mixed, new_conv = kernels.causal_conv1d_step(
-            self.in_proj_qkv(x)[:, 0], self.conv_weight, conv_state.index_select(0, seq_ids)
+            self.in_proj_qkv(x)[:, 0], self.conv_weight, slots.gather(conv_state)
         )
         q, k, v = self._split_heads(mixed[:, None])
         g, beta = self._gates(x)
         o, new_recurrent = kernels.recurrent_gated_delta_rule_step(
-            q, k, v, g, beta, recurrent_state.index_select(0, seq_ids)
+            q, k, v, g, beta, slots.gather(recurrent_state)
         )
-        conv_state = conv_state.index_copy(0, seq_ids, new_conv.to(conv_state.dtype))
-        recurrent_state = recurrent_state.index_copy(0, seq_ids, new_recurrent.to(recurrent_state.dtype))
-        return self._output(o, x), conv_state, recurrent_state
+        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)

@@ -1,9 +1,9 @@
-"""The layer factory: one model definition, three ways to build its parallel layers.
+"""The layer factory: one model definition, whatever builds its parallel layers.
 
 The model asks the factory for column-parallel and row-parallel linears, a vocab-parallel embedding
-and lm_head, and for collectives. Sizes are always given per rank. `TorchLayers` builds plain torch
-modules and uses torch.distributed collectives (tensor parallelism on CPU with gloo, or nothing at
-tp_degree 1); the Neuron backend (`optimum_qwen35.neuron`) builds neuronx-distributed's layers.
+and lm_head. Sizes are always given per rank. `TorchLayers` builds plain torch modules with
+torch.distributed collectives (tensor parallelism on CPU with gloo, or none at tp_degree 1). A Neuron
+factory, with the same four methods over neuronx-distributed's parallel layers, is not written yet.
 
 Weight shards follow neuronx-distributed's contract (ColumnParallelLinear splits the output dim into
 contiguous rank blocks, RowParallelLinear the input dim, ParallelEmbedding the vocab), so both
@@ -100,7 +100,11 @@ class VocabParallelHead(nn.Linear):
         self.vocab_size, self.group, self.tp_degree = vocab_size, group, tp_degree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        # Logits come out in fp32 (float64 for float64 models) whatever the weights' dtype: operands in
+        # the model dtype, accumulation and result in fp32, as TensorE accumulates into PSUM. Rounding
+        # logits to bf16 (steps of 1/32 at |logit| ~ 5) would flip near-tied top-1 tokens for nothing.
+        acc = torch.promote_types(x.dtype, torch.float32)
+        y = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
         if self.tp_degree > 1:
             parts = [torch.empty_like(y) for _ in range(self.tp_degree)]
             dist.all_gather(parts, y.contiguous(), group=self.group)

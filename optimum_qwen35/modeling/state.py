@@ -7,6 +7,9 @@
 Only the full-attention layers have a KV cache. Graphs take the whole list in and give it back updated
 (only the slots named by `seq_ids` change): the CPU runtime keeps it in a Python list, the Neuron
 backend aliases each tensor to a graph output so that it updates in place.
+
+`seq_ids[b]` names the slot of batch row b; -1 marks an inactive row (a static-batch graph run with fewer
+sequences than rows): it reads slot 0, and what it computes is dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +20,27 @@ import torch
 
 from ..config import FULL_ATTENTION, Qwen35Config
 from .parallel import ShardedDims
+
+
+class Slots:
+    """Which batch row reads and which writes each slot, computed once per graph call (static shapes)."""
+
+    def __init__(self, seq_ids: torch.Tensor, num_slots: int):
+        seq_ids = seq_ids.to(torch.int64)
+        self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
+        match = seq_ids[None, :] == torch.arange(num_slots, device=seq_ids.device)[:, None]  # [slots, B]
+        self.row = match.to(torch.int64).argmax(1)  # [slots]: the row that writes each slot (0 if none)
+        self.written = match.any(1)  # [slots]
+
+    def gather(self, state: torch.Tensor) -> torch.Tensor:
+        """[slots, ...] -> [B, ...]: each row's slot."""
+        return state.index_select(0, self.read)
+
+    def scatter(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """state with each slot named by an active row replaced by that row; every other slot unchanged."""
+        new = rows.to(state.dtype).index_select(0, self.row)
+        keep_old = ~self.written.view(-1, *([1] * (state.dim() - 1)))
+        return torch.where(keep_old, state, new)
 
 
 @dataclass(frozen=True)

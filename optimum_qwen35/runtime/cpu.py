@@ -20,6 +20,7 @@ import torch
 from ..checkpoint import CheckpointReader, convert_checkpoint
 from ..config import Qwen35Config
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
+from ..modeling.parallel import TorchLayers
 from ..modeling.state import allocate_state
 
 DEFAULT_BUCKET_MIN = 64
@@ -45,6 +46,8 @@ def load_decoder(
     sharded_export = is_sharded_export(path)
     if sharded_export:
         _, _, params = load_sharded(path, rank, tp_degree, dtype)
+    if layers is None:
+        layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
     with torch.device("meta"):
         decoder = Qwen35Decoder(config, tp_degree, layers)
     if sharded_export:
@@ -140,6 +143,16 @@ class Qwen35ForCausalLM:
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     # ------------------------------------------------------------------ the two steps
+    def _check_slots(self, slots: Sequence[int]) -> None:
+        if len(set(slots)) != len(slots) or any(not 0 <= s < self.batch_size for s in slots):
+            raise ValueError(f"slots must be distinct and in [0, {self.batch_size}), got {list(slots)}")
+
+    def _seq_ids(self, slots: Sequence[int]) -> torch.Tensor:
+        """The graphs' static batch: one row per slot given, -1 (inactive, results dropped) for the rest."""
+        seq_ids = torch.full((self.batch_size,), -1, dtype=torch.int32)
+        seq_ids[: len(slots)] = torch.as_tensor(list(slots), dtype=torch.int32)
+        return seq_ids
+
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], all_logits: bool = False):
         """Start `prompts` in `slots` (one prompt per slot). Returns logits [n, vocab] (or [n, T, vocab])."""
@@ -147,37 +160,33 @@ class Qwen35ForCausalLM:
             raise ValueError("prefill needs one slot per prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt: every prompt needs at least one token")
-        n = len(prompts)
+        self._check_slots(slots)
         T = self.bucket_for(max(len(p) for p in prompts))
-        ids = torch.zeros(n, T, dtype=torch.int32)
-        mask = torch.zeros(n, T, dtype=torch.int32)
+        ids = torch.zeros(self.batch_size, T, dtype=torch.int32)
+        mask = torch.zeros(self.batch_size, T, dtype=torch.int32)
         for row, p in enumerate(prompts):
             ids[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int32)
             mask[row, : len(p)] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32) * mask
-        seq_ids = torch.as_tensor(list(slots), dtype=torch.int32)
-        graph = self._graph("context", T, all_logits) if n == self.batch_size else None
-        if graph is None:  # fewer prompts than slots: eager (a traced graph has the full batch shape)
-            out = self.decoder.context_encoding(ids, mask, positions, seq_ids, *self.state, all_logits=all_logits)
-        else:
-            out = graph(ids, mask, positions, seq_ids, *self.state)
+        out = self._graph("context", T, all_logits)(ids, mask, positions, self._seq_ids(slots), *self.state)
         self.state = list(out[1:])
-        return out[0]
+        return out[0][: len(prompts)]
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """One token per slot at the given positions. Returns next-token logits [n, vocab]."""
+        if not len(tokens) == len(positions) == len(slots):
+            raise ValueError("decode needs one token and one position per slot")
+        self._check_slots(slots)
         if max(positions) >= self.max_length:
             raise ValueError(f"position {max(positions)} is past max_length {self.max_length}")
-        ids = torch.as_tensor(list(tokens), dtype=torch.int32)[:, None]
-        pos = torch.as_tensor(list(positions), dtype=torch.int32)[:, None]
-        seq_ids = torch.as_tensor(list(slots), dtype=torch.int32)
-        if len(slots) == self.batch_size:
-            out = self._graph("token", 1)(ids, pos, seq_ids, *self.state)
-        else:
-            out = self.decoder.token_generation(ids, pos, seq_ids, *self.state)
+        ids = torch.zeros(self.batch_size, 1, dtype=torch.int32)
+        pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
+        ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
+        pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
+        out = self._graph("token", 1)(ids, pos, self._seq_ids(slots), *self.state)
         self.state = list(out[1:])
-        return out[0]
+        return out[0][: len(tokens)]
 
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -208,11 +217,9 @@ class Qwen35ForCausalLM:
                     f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
                     f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
                 )
-            # Keep the graphs' static batch: idle slots run a one-token dummy prompt whose output is dropped.
-            padded = group + [[0]] * (self.batch_size - len(group))
-            slots = list(range(self.batch_size))
-            next_tokens = self.prefill(padded, slots).argmax(-1).tolist()
-            positions = [len(p) for p in padded]
+            slots = list(range(len(group)))
+            next_tokens = self.prefill(group, slots).argmax(-1).tolist()
+            positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
             for step in range(max_new_tokens):
