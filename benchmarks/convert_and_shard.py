@@ -124,12 +124,12 @@ def main() -> int:
                 [sys.executable, __file__, "--worker", str(src), str(out), str(t)], stdout=subprocess.PIPE, text=True, check=True
             )
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            bound = 1.5 * r["largest_file"] + 0.5 * GB
+            bound = 1.5 * r["largest_file"] + 0.5e9  # the bound: 1.5 x the largest file + 0.5 GB
             ok = r["peak_rss"] < bound
             failed |= not ok
             print(
                 f"TP={t}: {r['files']} file(s), {r['total'] / GB:.2f} GiB written in {r['seconds']:.1f} s; "
-                f"peak RSS {r['peak_rss'] / GB:.2f} GiB, bound 1.5 x {r['largest_file'] / GB:.2f} GiB + 0.5 GiB = "
+                f"peak RSS {r['peak_rss'] / GB:.2f} GiB, bound 1.5 x {r['largest_file'] / GB:.2f} GiB + 0.5 GB = "
                 f"{bound / GB:.2f} GiB -> {'OK' if ok else 'BROKEN'}"
             )
             if not args.keep:
