@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from optimum_qwen35 import Qwen35Config, UnsupportedModelError
-from optimum_qwen35.config import FULL_ATTENTION, LINEAR_ATTENTION
+from optimum_qwen35.config import FULL_ATTENTION
 
 # The config.json of Qwen/Qwen3.5-0.8B as published (the vision-language wrapper with a nested text_config).
 REAL_CONFIG = Path(__file__).parent / "qwen3.5-0.8b.config.json"

@@ -15,7 +15,7 @@ import enum
 import numpy as np
 
 from . import cost, runtime
-from .language import Op, float32, resolve_op
+from .language import float32, resolve_op
 from .rules import NkiRuleError, NkiValidationError  # noqa: F401
 from .tensors import (
     FLOAT8,
