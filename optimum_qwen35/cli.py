@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .errors import Qwen35Error
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
 
@@ -93,9 +95,22 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2) that point at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _fail(error: BaseException, status: int) -> int:
+    print(f"optimum-qwen35: error: {error}", file=sys.stderr)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="optimum-qwen35", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="optimum-qwen35", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
     p.add_argument("--prompt", default="Give me a short introduction to large language models.")
@@ -128,7 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_build_tiny)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Qwen35Error as error:
+        if args.debug:
+            raise
+        return _fail(error, error.exit_status)
+    except KeyboardInterrupt:
+        return _fail(KeyboardInterrupt("interrupted"), 130)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import UnsupportedModelError
+
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-
-
-class UnsupportedModelError(ValueError):
-    """The configuration describes a model this package does not implement."""
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..config import FULL_ATTENTION, Qwen35Config
+from ..errors import CheckpointError
 from .reader import CheckpointReader
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not hold the tensors this config needs."""
 
 
 def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
