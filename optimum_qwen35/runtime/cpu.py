@@ -60,12 +60,18 @@ def load_decoder(
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
+    params.update(rank_tensors(rank))
     result = decoder.load_state_dict(params, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(f"decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
     if config.tie_word_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
     return decoder.eval()
+
+
+def rank_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """The per-rank tensors that are not checkpoint weights (loaded beside them, one graph for every rank)."""
+    return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int64)}
 
 
 def default_buckets(max_length: int, smallest: int = DEFAULT_BUCKET_MIN) -> list[int]:
@@ -88,15 +94,18 @@ class Qwen35ForCausalLM:
         buckets: Sequence[int] | None = None,
         trace: bool = False,
     ):
-        self.decoder, self.config = decoder, decoder.config
+        self._set_shapes(decoder.config, batch_size, max_length, buckets)
+        self.decoder, self.trace = decoder, trace
+        self.state_specs = decoder.state_specs(batch_size, max_length)
+        self.state = allocate_state(self.state_specs)
+        self._graphs: dict[tuple, torch.nn.Module] = {}
+
+    def _set_shapes(self, config: Qwen35Config, batch_size: int, max_length: int, buckets: Sequence[int] | None) -> None:
+        self.config = config
         self.batch_size, self.max_length = batch_size, max_length
         self.buckets = sorted(buckets) if buckets else default_buckets(max_length)
         if self.buckets[-1] > max_length:
             raise ValueError(f"bucket {self.buckets[-1]} is longer than max_length {max_length}")
-        self.trace = trace
-        self.state_specs = decoder.state_specs(batch_size, max_length)
-        self.state = allocate_state(self.state_specs)
-        self._graphs: dict[tuple, torch.nn.Module] = {}
 
     @classmethod
     def from_pretrained(
@@ -168,9 +177,7 @@ class Qwen35ForCausalLM:
             ids[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int32)
             mask[row, : len(p)] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32) * mask
-        out = self._graph("context", T, all_logits)(ids, mask, positions, self._seq_ids(slots), *self.state)
-        self.state = list(out[1:])
-        return out[0][: len(prompts)]
+        return self._run_context(T, all_logits, ids, mask, positions, self._seq_ids(slots))[: len(prompts)]
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
@@ -184,9 +191,18 @@ class Qwen35ForCausalLM:
         pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
         pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
-        out = self._graph("token", 1)(ids, pos, self._seq_ids(slots), *self.state)
+        return self._run_token(ids, pos, self._seq_ids(slots))[: len(tokens)]
+
+    # The graph calls: the state list goes in and comes back (a compiled runtime keeps it elsewhere).
+    def _run_context(self, length: int, all_logits: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        out = self._graph("context", length, all_logits)(*inputs, *self.state)
         self.state = list(out[1:])
-        return out[0][: len(tokens)]
+        return out[0]
+
+    def _run_token(self, *inputs: torch.Tensor) -> torch.Tensor:
+        out = self._graph("token", 1)(*inputs, *self.state)
+        self.state = list(out[1:])
+        return out[0]
 
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -204,8 +220,12 @@ class Qwen35ForCausalLM:
         max_new_tokens: int = 32,
         eos_token_id: int | Sequence[int] | None = None,
         streamer=None,
+        sampler=None,
     ) -> list[list[int]]:
-        """Greedy decoding; returns the new tokens of each prompt (stopping after an EOS token)."""
+        """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns the new tokens of each
+        prompt, stopping after an EOS token. Prompts beyond `batch_size` run in successive waves.
+        `streamer(step, tokens)` is called once per step with the tokens of the wave's rows."""
+        pick = sampler or (lambda logits: logits.argmax(-1))
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         results: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
@@ -218,7 +238,7 @@ class Qwen35ForCausalLM:
                     f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
                 )
             slots = list(range(len(group)))
-            next_tokens = self.prefill(group, slots).argmax(-1).tolist()
+            next_tokens = pick(self.prefill(group, slots)).tolist()
             positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
@@ -231,7 +251,7 @@ class Qwen35ForCausalLM:
                     streamer(step, next_tokens[: len(group)])
                 if all(done) or step == max_new_tokens - 1:
                     break
-                next_tokens = self.decode(next_tokens, positions, slots).argmax(-1).tolist()
+                next_tokens = pick(self.decode(next_tokens, positions, slots)).tolist()
                 positions = [p + 1 for p in positions]
             results += outputs
         return results
