@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import threading
 import traceback
 from pathlib import Path
@@ -213,57 +214,72 @@ class CompiledGraphs:
         self._programs.clear()
 
 
-def _worker(rank: int, tp_degree: int, store_file: str, folder: str, threads: int, conn) -> None:
-    """A tensor-parallel rank: load, say ready, then run what the parent sends until it says stop."""
+def _send(conn, obj) -> None:
+    """Plain pickle over the socket: multiprocessing's own pickler would pass torch tensors as shared-memory
+    handles, which only processes of one multiprocessing family may open."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) -> None:
+    """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
         graphs = CompiledGraphs(folder, rank)
         if dist.group.WORLD.group_name != graphs.manifest["group_name"]:
             raise RuntimeError(f"process group {dist.group.WORLD.group_name!r} is not the graphs' {graphs.manifest['group_name']!r}")
-        conn.send(("ready", None))
+        _send(conn, ("ready", None))
     except BaseException:  # noqa: BLE001 (reported to the parent, which raises it)
-        conn.send(("error", traceback.format_exc()))
+        _send(conn, ("error", traceback.format_exc()))
         return
     try:
         while True:
-            message = conn.recv()
+            message = _recv(conn)
             if message is None:
                 break
             name, inputs = message
             try:
                 logits = graphs.run(name, *inputs)
-                conn.send(("ok", logits if rank == 0 else None))
+                _send(conn, ("ok", logits if rank == 0 else None))
             except BaseException:  # noqa: BLE001
-                conn.send(("error", traceback.format_exc()))
+                _send(conn, ("error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
 class TensorParallelGraphs:
-    """t ranks in t worker processes (gloo over a file store); `run` sends every rank the same inputs."""
+    """t ranks in t worker processes (gloo over a file store); `run` sends every rank the same inputs.
+
+    The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each talking to this
+    process over its own socket pair: unlike multiprocessing's spawn, they never re-import the caller's
+    main module, so a script needs no `if __name__ == "__main__":` guard.
+    """
 
     def __init__(self, folder: str | os.PathLike, tp_degree: int):
+        import socket  # noqa: PLC0415
+        import subprocess  # noqa: PLC0415
+        import sys  # noqa: PLC0415
         import tempfile  # noqa: PLC0415
-
-        import torch.multiprocessing as mp  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
 
         self.tp_degree = tp_degree
         self._tmp = tempfile.TemporaryDirectory(prefix="qwen35-tp-")
-        context = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // tp_degree)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        store = os.path.join(self._tmp.name, "store")
         self._conns, self._procs = [], []
         self._lock = threading.Lock()
-        store = os.path.join(self._tmp.name, "store")
         for rank in range(tp_degree):
-            parent, child = context.Pipe()
-            proc = context.Process(target=_worker, args=(rank, tp_degree, store, os.fspath(folder), threads, child), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+            ours, theirs = socket.socketpair()
+            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank), str(tp_degree), store, str(theirs.fileno()), str(threads)]
+            self._procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
         try:
             self._collect()
         except BaseException:
@@ -274,9 +290,9 @@ class TensorParallelGraphs:
         results, errors = [], []
         for rank, conn in enumerate(self._conns):
             try:
-                status, value = conn.recv()
+                status, value = _recv(conn)
             except EOFError:
-                status, value = "error", f"rank {rank} exited (code {self._procs[rank].exitcode})"
+                status, value = "error", f"exited with code {self._procs[rank].wait()}"
             if status == "error":
                 errors.append(f"rank {rank}: {value}")
             results.append(value)
@@ -287,22 +303,28 @@ class TensorParallelGraphs:
     def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
         with self._lock:
             for conn in self._conns:
-                conn.send((name, inputs))
+                _send(conn, (name, inputs))
             return self._collect()[0]
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs):
+        for conn in self._conns:
             try:
-                if proc.is_alive():
-                    conn.send(None)
-            except (BrokenPipeError, OSError):
+                _send(conn, None)
+            except OSError:
                 pass
         for proc in self._procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
+            try:
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
                 proc.kill()
+        for conn in self._conns:
+            conn.close()
         self._conns, self._procs = [], []
         self._tmp.cleanup()
+
+    def __del__(self):
+        if getattr(self, "_procs", None):
+            self.close()
 
 
 class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
