@@ -1,9 +1,7 @@
 """Command line: `python -m optimum_qwen35 <command>` (or `optimum-qwen35 <command>`).
 
-    demo        build the embedded tiny Qwen3.5 checkpoint and chat with it on the CPU graphs
-    generate    greedy generation from a Qwen3.5 checkpoint folder on the CPU graphs
-    shard       convert a checkpoint and save one safetensors file per tensor-parallel rank
-    build-tiny  write a tiny random Qwen3.5 checkpoint in the real on-disk format
+Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU. `optimum-qwen35 --help` lists
+the commands, `optimum-qwen35 <command> --help` their options.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import Qwen35Error
+from .errors import ExportError, Qwen35Error, UsageError
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 
@@ -76,6 +74,32 @@ def cmd_generate(args) -> int:
     return _generate(Path(args.model), args.prompt, args.max_new_tokens, args.dtype, raw=args.raw)
 
 
+def cmd_export(args) -> int:
+    if args.task != "text-generation":
+        raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
+    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ExportError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        args.model,
+        revision=args.revision,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.torch_dtype,
+        target=args.target,
+    )
+    model = Qwen35NeuronModelForCausalLM.export(args.model, neuron_config, revision=args.revision)
+    model.save_pretrained(out, overwrite=args.overwrite)
+    print(
+        f"exported {args.model} for {neuron_config.target} (batch {neuron_config.batch_size}, sequence length "
+        f"{neuron_config.sequence_length}, TP {neuron_config.tp_degree}, {str(neuron_config.torch_dtype).removeprefix('torch.')}) to {out}"
+    )
+    return 0
+
+
 def cmd_shard(args) -> int:
     import torch
 
@@ -108,9 +132,9 @@ def _fail(error: BaseException, status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="optimum-qwen35", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="optimum-qwen35", description="Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
     p.add_argument("--prompt", default="Give me a short introduction to large language models.")
@@ -120,7 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="keep the tiny checkpoint in this folder (default: a temporary one)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("generate", help="greedy generation on the CPU graphs")
+    p = sub.add_parser(
+        "export",
+        help="compile a checkpoint into an optimum-neuron export folder (the flags of `optimum-cli export neuron`)",
+        description="Compile a Qwen3.5 checkpoint for a target and save the export folder that "
+        "`NeuronModelForCausalLM.from_pretrained` (and Qwen35NeuronModelForCausalLM) loads.",
+    )
+    p.add_argument("--model", "-m", required=True, help="a Qwen3.5 checkpoint folder or Hugging Face Hub id")
+    p.add_argument("--revision", help="the Hub revision (branch, tag or commit) of --model")
+    p.add_argument("--task", default="text-generation", help="the task (only text-generation)")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=1, help="compiled batch size: sequences served at once (default 1)")
+    p.add_argument("--sequence_length", "--sequence-length", type=int, help="compiled length: prompt + new tokens (default min(max positions, 4096))")
+    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu, all Neuron cores)")
+    p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
+    p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    p.add_argument("out", help="the export folder to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="greedy generation from a checkpoint folder on the CPU graphs")
     p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder (a Hub snapshot)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -128,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("shard", help="save per-rank tensor-parallel shards")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tensor-parallel-size", type=int, required=True)
+    p = sub.add_parser("shard", help="convert a checkpoint and save one safetensors file per tensor-parallel rank")
+    p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder")
+    p.add_argument("--tensor-parallel-size", type=int, required=True, help="number of ranks")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep the checkpoint's)")
     p.add_argument("out")
     p.set_defaults(func=cmd_shard)
