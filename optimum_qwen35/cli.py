@@ -107,6 +107,7 @@ def cmd_push(args) -> int:
         revision=args.revision,
         private=True if args.private else None,
         token=args.token,
+        endpoint=args.endpoint,
         commit_message=args.commit_message,
     )
     if result.changed:
@@ -122,7 +123,7 @@ def cmd_push(args) -> int:
 def cmd_pull(args) -> int:
     from .hub import resolve_export
 
-    print(resolve_export(args.model, revision=args.revision, token=args.token))
+    print(resolve_export(args.model, revision=args.revision, token=args.token, endpoint=args.endpoint))
     return 0
 
 
@@ -130,7 +131,12 @@ def cmd_cache_sync(args) -> int:
     from .hub import sync_registry
 
     result = sync_registry(
-        args.folder, cache_repo=args.cache_repo, token=args.token, model_id=args.model_id, config=args.source_config
+        args.folder,
+        cache_repo=args.cache_repo,
+        token=args.token,
+        endpoint=args.endpoint,
+        model_id=args.model_id,
+        config=args.source_config,
     )
     print(f"registered in {result.cache_repo} (commit {result.commit_sha}):")
     for path in result.paths:
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(func=cmd_build_tiny)
 
-    token_help = "Hugging Face token (default: HF_TOKEN or the stored login); the endpoint is HF_ENDPOINT"
+    token_help = "Hugging Face token (default: HF_TOKEN or the stored login)"
+    endpoint_help = "the Hub URL (default: HF_ENDPOINT, else https://huggingface.co)"
     p = sub.add_parser("push", help="push an exported folder to a Hub model repo in one commit")
     p.add_argument("folder", help="the exported folder (config.json, neuron_config.json, graphs)")
     p.add_argument("repo_id", help="the Hub model repo, 'namespace/name' (created if missing)")
@@ -214,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
     p.add_argument("--token", help=token_help)
     p.add_argument("--commit-message", help="the commit message (default: describes the export)")
+    p.add_argument("--endpoint", help=endpoint_help)
     p.set_defaults(func=cmd_push)
 
     p = sub.add_parser("pull", help="download an exported model from the Hub and print its local folder")
     p.add_argument("model", help="a Hub repo id of an export, or a local export folder")
     p.add_argument("--revision", help="branch, tag or commit (default: main)")
     p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("cache", help="the optimum-neuron compile-cache registry (needs optimum-neuron)")
@@ -230,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-id", help="the Hub id to file the entry under (default: the export's checkpoint_id)")
     p.add_argument("--source-config", help="a config (folder or config.json) to compute the architecture digest from (default: the export's)")
     p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
     p.set_defaults(func=cmd_cache_sync)
     p = cache.add_parser("lookup", help="list the registered configurations of a Hub model")
     p.add_argument("model_id", help="the Hub id of the source model")

@@ -282,6 +282,13 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
         ) from e
     except hf_errors.GatedRepoError as e:
         raise HubAuthError(f"cannot {action} {where}: the repository is gated; request access on the Hub") from e
+    except getattr(hf_errors, "IncompleteSnapshotError", ()) as e:  # huggingface_hub 2.x: a partial cached snapshot
+        found = re.search(r"(\d+ file\(s\) are missing \(.*?\))\.", " ".join(str(e).split()))
+        what = found.group(1) if found else "files are missing"
+        raise HubOfflineError(
+            f"cannot load {where} offline: its cached snapshot is incomplete, {what}; download it once online,"
+            " or unset HF_HUB_OFFLINE"
+        ) from e
     except getattr(hf_errors, "LocalEntryNotFoundError", ()) as e:  # before EntryNotFoundError (its subclass in 0.x)
         if _offline():
             raise HubOfflineError(
@@ -317,9 +324,6 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
             raise HubConnectionError(
                 f"cannot {action} {where}: the Hub at {_endpoint_name(endpoint)} cannot be reached ({type(e).__name__})"
             ) from e
-        name = type(e).__name__
-        if name == "IncompleteSnapshotError":  # huggingface_hub 2.x, offline with a partial snapshot
-            raise HubOfflineError(f"cannot {action} {where}: {' '.join(str(e).split())[:300]}") from e
         raise
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from optimum_qwen35 import hub
+from optimum_qwen35.cli import main
 from optimum_qwen35.errors import (
     HubAuthError,
     HubConnectionError,
@@ -211,28 +212,35 @@ def test_errors_are_one_line_package_errors(hub_server, export, tmp_path):
     assert hub.resolve_export("alice/private", token=READ, endpoint=url, cache_dir=cache).is_dir()
 
 
-def test_the_command_line_pushes_pulls_and_fails_on_one_line(hub_server, export, tmp_path):
-    env = hub_server.client_env(tmp_path / "home", token=WRITE)
-    ok = run_cli(["push", str(export), "alice/cli", "--revision", "v1"], env)
-    assert ok.returncode == 0, ok.stderr
-    assert "pushed" in ok.stdout and len(hub_server.commits("alice/cli", "v1")) == 2
-    again = run_cli(["push", str(export), "alice/cli", "--revision", "v1"], env)
-    assert again.returncode == 0 and "nothing pushed" in again.stdout
-    pulled = run_cli(["pull", "alice/cli", "--revision", "v1"], env)
-    assert pulled.returncode == 0 and contents(Path(pulled.stdout.strip().splitlines()[-1])) == contents(export)
+def test_the_command_line_pushes_pulls_and_fails_on_one_line(hub_server, export, tmp_path, capsys):
+    url = hub_server.url
+    assert main(["push", str(export), "alice/cli", "--revision", "v1", "--token", WRITE, "--endpoint", url]) == 0
+    assert "pushed" in capsys.readouterr().out and len(hub_server.commits("alice/cli", "v1")) == 2
+    assert main(["push", str(export), "alice/cli", "--revision", "v1", "--token", WRITE, "--endpoint", url]) == 0
+    assert "nothing pushed" in capsys.readouterr().out and len(hub_server.commits("alice/cli", "v1")) == 2
 
-    unreachable = hub_server.client_env(tmp_path / "home2", token=WRITE, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    unreachable = f"http://127.0.0.1:{free_port()}"
     failures = [
-        (["pull", "alice/missing"], env, "not found"),
-        (["push", str(export), "alice/cli", "--token", "hf_wrong"], env, "401"),
-        (["push", str(export), "alice/cli", "--token", READ], env, "403"),
-        (["pull", "alice/cli"], unreachable, "cannot be reached"),
+        (["pull", "alice/missing", "--endpoint", url], "not found"),
+        (["pull", "alice/cli", "--revision", "v2", "--endpoint", url], "revision 'v2' does not exist"),
+        (["push", str(export), "alice/cli", "--token", "hf_wrong", "--endpoint", url], "401"),
+        (["push", str(export), "alice/cli2", "--token", READ, "--endpoint", url], "403"),
+        (["pull", "alice/cli", "--endpoint", unreachable], "cannot be reached"),
+        (["push", str(tmp_path), "alice/cli", "--endpoint", url], "not an exported model"),
     ]
-    for args, run_env, words in failures:
-        proc = run_cli(args, run_env)
-        lines = error_lines(proc.stderr)
-        assert proc.returncode == 1 and len(lines) == 1 and words in lines[0], proc.stderr
-        assert "Traceback" not in proc.stderr
+    for args, words in failures:
+        assert main(args) == 1, args
+        err = capsys.readouterr().err
+        lines = error_lines(err)
+        assert len(lines) == 1 and words in lines[0], err
+
+    # A real process: the pull prints the folder; a failure is one line, exit status 1, no traceback.
+    env = hub_server.client_env(tmp_path / "home")
+    pulled = run_cli(["pull", "alice/cli", "--revision", "v1"], env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert contents(Path(pulled.stdout.strip().splitlines()[-1])) == contents(export)
+    failed = run_cli(["push", str(export), "alice/cli", "--token", "hf_wrong"], env)
+    assert failed.returncode == 1 and len(error_lines(failed.stderr)) == 1 and "Traceback" not in failed.stderr
 
 
 # ------------------------------------------------------------------------------------------------ offline
@@ -240,34 +248,37 @@ def test_the_command_line_pushes_pulls_and_fails_on_one_line(hub_server, export,
 
 def test_offline_resolves_from_the_cache_or_names_what_is_missing(hub_server, export, tmp_path):
     hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
-    home = tmp_path / "home"
-    code = """
-        import sys
+    cache, empty = tmp_path / "home" / "hub", tmp_path / "empty-home" / "hub"
+    folder = hub.resolve_export("alice/m", endpoint=hub_server.url, cache_dir=cache)  # one download, online
+    requests = len(hub_server.requests)
+    # Then, in an offline process: the cached export resolves, an empty cache and a damaged one are named.
+    proc = run_py(
+        f"""
+        import json
+        from pathlib import Path
         from optimum_qwen35.errors import Qwen35Error
         from optimum_qwen35.hub import resolve_export
-        try:
-            print(resolve_export("alice/m"))
-        except Qwen35Error as e:
-            print(f"{type(e).__name__}: {e}")
-        """
-    online = run_py(code, hub_server.client_env(home))
-    assert online.returncode == 0 and Path(online.stdout.split()[-1]).is_dir(), online.stderr
-    requests = len(hub_server.requests)
 
-    offline = run_py(code, hub_server.client_env(home, HF_HUB_OFFLINE="1"))
-    folder = Path(offline.stdout.strip().splitlines()[-1])
-    assert offline.returncode == 0 and contents(folder) == contents(export), offline.stdout + offline.stderr
+        def attempt(cache):
+            try:
+                return str(resolve_export("alice/m", cache_dir=cache))
+            except Qwen35Error as e:
+                return f"{{type(e).__name__}}: {{e}}"
+
+        results = [attempt({str(cache)!r}), attempt({str(empty)!r})]
+        (Path(results[0]) / "checkpoint" / "manifest.json").unlink()
+        results.append(attempt({str(cache)!r}))
+        print(json.dumps(results))
+        """,
+        hub_server.client_env(tmp_path / "home", HF_HUB_OFFLINE="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    found, nothing, damaged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(found) == folder
     assert len(hub_server.requests) == requests, "offline mode must not talk to the Hub"
-
-    empty = run_py(code, hub_server.client_env(tmp_path / "empty-home", HF_HUB_OFFLINE="1"))
-    last = empty.stdout.strip().splitlines()[-1]
-    assert last.startswith("HubOfflineError:") and "alice/m" in last and "neuron_config.json" in last, empty.stdout
-
-    # A snapshot that lost a file (an interrupted download, a cleaned cache) names that file.
-    (folder / "checkpoint" / "manifest.json").unlink()
-    partial = run_py(code, hub_server.client_env(home, HF_HUB_OFFLINE="1"))
-    last = partial.stdout.strip().splitlines()[-1]
-    assert last.startswith("HubOfflineError:") and "checkpoint/manifest.json" in last, partial.stdout
+    assert nothing.startswith("HubOfflineError:") and "alice/m" in nothing and "neuron_config.json" in nothing
+    assert damaged.startswith("HubOfflineError:") and "checkpoint/manifest.json" in damaged
+    assert "\n" not in nothing + damaged
 
 
 # ------------------------------------------------------------------------------------- Neuron export weights
@@ -334,10 +345,9 @@ def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, 
     assert f"Cached entries for {SOURCE_ID}" in listed
     row = [line.split() for line in listed.splitlines() if line.split()[:1] == ["2"]]
     assert row == [["2", "256", "2", "bfloat16", "cpu"]], listed
-    assert "No cached entries" in lookup("--batch_size", "4")
-    assert "No cached entries" in lookup("--dtype", "float16")
 
-    # select_hub_cached_entries directly: the matching filters find the entry, any other one does not.
+    # select_hub_cached_entries (what `lookup --batch_size/--dtype/...` and vLLM call): the matching filters find
+    # the entry, any other batch size, dtype, TP degree or target does not.
     proc = run_py(
         """
         import json
@@ -396,13 +406,14 @@ def test_registry_errors(hub_server, cache_setup, tmp_path, source):
     assert hub.registry_entry(local, model_id="alice/tiny").model_id == "alice/tiny"
 
 
-def test_the_cache_commands(hub_server, cache_setup, tmp_path):
-    env = hub_server.client_env(tmp_path / "home", token=WRITE, CUSTOM_CACHE_REPO="alice/neuron-cache")
-    synced = run_cli(["cache", "sync", str(cache_setup)], env)
-    assert synced.returncode == 0 and "0_REGISTRY/0.4.5/" in synced.stdout, synced.stderr
-    found = run_cli(["cache", "lookup", SOURCE_ID, "--batch-size", "2"], env, cwd=tmp_path)
+def test_the_cache_commands(hub_server, cache_setup, tmp_path, capsys):
+    url = hub_server.url
+    assert main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/neuron-cache", "--token", WRITE, "--endpoint", url]) == 0
+    assert "0_REGISTRY/0.4.5/" in capsys.readouterr().out
+    assert main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/nope", "--token", WRITE, "--endpoint", url]) == 1
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "alice/nope" in lines[0]
+    # `cache lookup` goes through optimum-neuron, which takes the endpoint from HF_ENDPOINT only: a subprocess.
+    env = hub_server.client_env(tmp_path / "home", CUSTOM_CACHE_REPO="alice/neuron-cache")
+    found = run_cli(["cache", "lookup", SOURCE_ID, "--batch-size", "2", "--dtype", "bfloat16"], env, cwd=tmp_path)
     assert found.returncode == 0 and "cpu  2  256  2  bfloat16" in found.stdout, found.stderr
-    none = run_cli(["cache", "lookup", SOURCE_ID, "--dtype", "float32"], env, cwd=tmp_path)
-    assert none.returncode == 0 and "no cached configuration" in none.stdout
-    missing = run_cli(["cache", "sync", str(cache_setup), "--cache-repo", "alice/nope"], env)
-    assert missing.returncode == 1 and len(error_lines(missing.stderr)) == 1 and "Traceback" not in missing.stderr
