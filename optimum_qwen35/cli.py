@@ -116,7 +116,8 @@ def cmd_push(args) -> int:
             f"@{result.revision}: {result.commit_url}"
         )
     else:
-        print(f"{result.repo_id}@{result.revision} already holds this export (commit {result.commit_sha}): nothing pushed")
+        where = f"{result.repo_id}@{result.revision}"
+        print(f"{where} already holds this export (commit {result.commit_sha}): nothing pushed")
     return 0
 
 
@@ -161,7 +162,8 @@ def cmd_cache_lookup(args) -> int:
         return 0
     print("target  batch  sequence  tp  dtype")
     for e in entries:
-        print(f"{e.get('target')}  {e.get('batch_size')}  {e.get('sequence_length')}  {e.get('tp_degree')}  {e.get('torch_dtype')}")
+        fields = ("target", "batch_size", "sequence_length", "tp_degree", "torch_dtype")
+        print("  ".join(str(e.get(f)) for f in fields))
     return 0
 
 
@@ -218,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder", help="the exported folder (config.json, neuron_config.json, graphs)")
     p.add_argument("repo_id", help="the Hub model repo, 'namespace/name' (created if missing)")
     p.add_argument("--revision", help="the branch to push to (created from main if missing; default: main)")
-    p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)")
+    p.add_argument(
+        "--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)"
+    )
     p.add_argument("--token", help=token_help)
     p.add_argument("--commit-message", help="the commit message (default: describes the export)")
     p.add_argument("--endpoint", help=endpoint_help)
@@ -237,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder", help="the exported folder")
     p.add_argument("--cache-repo", help="the cache repo (default: CUSTOM_CACHE_REPO, else optimum-neuron's)")
     p.add_argument("--model-id", help="the Hub id to file the entry under (default: the export's checkpoint_id)")
-    p.add_argument("--source-config", help="a config (folder or config.json) to compute the architecture digest from (default: the export's)")
+    p.add_argument(
+        "--source-config",
+        help="the config (folder or config.json) the architecture digest is computed from (default: the export's)",
+    )
     p.add_argument("--token", help=token_help)
     p.add_argument("--endpoint", help=endpoint_help)
     p.set_defaults(func=cmd_cache_sync)

@@ -162,10 +162,21 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
     front = ["---", "library_name: optimum-neuron", "pipeline_tag: text-generation"]
     if base:
         front.append(f"base_model: {base}")
-    front += ["tags:", "- optimum-neuron", "- optimum-qwen35", "- qwen3_5", f"- {'cpu' if target == 'cpu' else 'neuron'}"]
+    front += [
+        "tags:",
+        "- optimum-neuron",
+        "- optimum-qwen35",
+        "- qwen3_5",
+        f"- {'cpu' if target == 'cpu' else 'neuron'}",
+    ]
     front.append("---")
     rows = [
-        ("base model", f"`{base}`" + (f" @ `{nc['checkpoint_revision']}`" if nc.get("checkpoint_revision") else "") if base else "exported from a local folder"),
+        (
+            "base model",
+            f"`{base}`" + (f" @ `{nc['checkpoint_revision']}`" if nc.get("checkpoint_revision") else "")
+            if base
+            else "exported from a local folder",
+        ),
         ("target", f"`{target}`"),
         ("batch size", nc.get("batch_size")),
         ("sequence length", nc.get("sequence_length")),
@@ -295,10 +306,14 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
                 f"cannot {action} {where}: offline mode (HF_HUB_OFFLINE=1) and it is not in the local cache"
             ) from e
         if _is_connection_error(e) or "internet connection" in str(e):
-            raise HubConnectionError(f"cannot {action} {where}: the Hub at {_endpoint_name(endpoint)} cannot be reached") from e
+            raise HubConnectionError(
+                f"cannot {action} {where}: the Hub at {_endpoint_name(endpoint)} cannot be reached"
+            ) from e
         raise HubNotFoundError(f"cannot {action} {where}: {' '.join(str(e).split())[:200]}") from e
     except hf_errors.EntryNotFoundError as e:
-        raise HubNotFoundError(f"cannot {action} {where}: a file is missing from the repository ({_short_url(e)})") from e
+        raise HubNotFoundError(
+            f"cannot {action} {where}: a file is missing from the repository ({_short_url(e)})"
+        ) from e
     except hf_errors.HfHubHTTPError as e:
         status, message = _status(e), _server_message(e)
         if status == 401:
@@ -439,7 +454,9 @@ def push_to_hub(
         operations = [CommitOperationDelete(path_in_repo=p) for p in stale]
         for p in changed:
             src = sources[p]
-            operations.append(CommitOperationAdd(path_in_repo=p, path_or_fileobj=src if isinstance(src, bytes) else str(src)))
+            operations.append(
+                CommitOperationAdd(path_in_repo=p, path_or_fileobj=src if isinstance(src, bytes) else str(src))
+            )
         message = commit_message or _default_message(nc)
         sha, url = _create_commit(
             api,

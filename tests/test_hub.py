@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,6 @@ from optimum_qwen35.errors import (
     HubConnectionError,
     HubError,
     HubNotFoundError,
-    HubOfflineError,
     IncompatibleExportError,
     Qwen35Error,
 )
@@ -91,8 +89,16 @@ def test_push_then_resolve_in_a_fresh_process_gives_the_same_files(hub_server, e
     assert snapshot(export) == before, "push must not touch the local folder"
     remote = hub_server.files("alice/tiny-cpu")
     card = remote["README.md"].decode()
-    for fact in ("base_model: Qwen/Qwen3.5-tiny", "| batch size | 2 |", "| sequence length | 256 |",
-                 "| tensor parallel degree | 2 |", "`bfloat16`", "`cpu`", "optimum-neuron 0.4.5", "torch "):
+    for fact in (
+        "base_model: Qwen/Qwen3.5-tiny",
+        "| batch size | 2 |",
+        "| sequence length | 256 |",
+        "| tensor parallel degree | 2 |",
+        "`bfloat16`",
+        "`cpu`",
+        "optimum-neuron 0.4.5",
+        "torch ",
+    ):
         assert fact in card, fact
     # The commit is one: the repo's initial commit, then the export.
     assert len(hub_server.commits("alice/tiny-cpu")) == 2
@@ -120,7 +126,11 @@ def test_pushing_an_unchanged_folder_makes_no_commit_and_uploads_nothing(hub_ser
     again = hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
     assert not again.changed and again.commit_sha == commits[0]
     assert hub_server.commits("alice/m") == commits
-    assert (hub_server.count("POST", "/commit/"), hub_server.count("POST", "/preupload/"), hub_server.count("PUT", "")) == posts
+    assert (
+        hub_server.count("POST", "/commit/"),
+        hub_server.count("POST", "/preupload/"),
+        hub_server.count("PUT", ""),
+    ) == posts
 
     # One changed file and one removed file: one commit that uploads the one and deletes the other.
     (export / "compiled" / "token_generation_rank1.pt2").write_bytes(b"new program")
@@ -294,7 +304,11 @@ def test_a_neuron_export_of_a_hub_model_fetches_its_source_weights(hub_server, s
     assert hub.resolve_source_checkpoint(cpu) is None and hub.resolve_source_checkpoint(local) is None
     weights = hub.resolve_source_checkpoint(neuron, endpoint=hub_server.url, cache_dir=tmp_path / "cache")
     assert sha in str(weights)
-    assert {p.name for p in weights.iterdir()} == {n for n in files if n.endswith(".safetensors") or "safetensors" in n or n in ("config.json", "generation_config.json")}
+    assert {p.name for p in weights.iterdir()} == {
+        n
+        for n in files
+        if n.endswith(".safetensors") or "safetensors" in n or n in ("config.json", "generation_config.json")
+    }
     # Pushed, the Hub-id Neuron export carries no weights; the local one carries its sharded checkpoint.
     hub.push_to_hub(neuron, "alice/trn1", token=WRITE, endpoint=hub_server.url)
     hub.push_to_hub(local, "alice/trn1-local", token=WRITE, endpoint=hub_server.url)
@@ -408,12 +422,42 @@ def test_registry_errors(hub_server, cache_setup, tmp_path, source):
 
 def test_the_cache_commands(hub_server, cache_setup, tmp_path, capsys):
     url = hub_server.url
-    assert main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/neuron-cache", "--token", WRITE, "--endpoint", url]) == 0
+    assert (
+        main(
+            [
+                "cache",
+                "sync",
+                str(cache_setup),
+                "--cache-repo",
+                "alice/neuron-cache",
+                "--token",
+                WRITE,
+                "--endpoint",
+                url,
+            ]
+        )
+        == 0
+    )
     assert "0_REGISTRY/0.4.5/" in capsys.readouterr().out
-    assert main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/nope", "--token", WRITE, "--endpoint", url]) == 1
+    assert (
+        main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/nope", "--token", WRITE, "--endpoint", url])
+        == 1
+    )
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "alice/nope" in lines[0]
     # `cache lookup` goes through optimum-neuron, which takes the endpoint from HF_ENDPOINT only: a subprocess.
     env = hub_server.client_env(tmp_path / "home", CUSTOM_CACHE_REPO="alice/neuron-cache")
     found = run_cli(["cache", "lookup", SOURCE_ID, "--batch-size", "2", "--dtype", "bfloat16"], env, cwd=tmp_path)
     assert found.returncode == 0 and "cpu  2  256  2  bfloat16" in found.stdout, found.stderr
+
+
+def test_the_registry_without_optimum_neuron_is_a_one_line_error(export, capsys):
+    try:
+        import optimum.neuron  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("optimum-neuron is installed (nox session `reference` runs this)")
+    assert main(["cache", "sync", str(export), "--cache-repo", "alice/cache"]) == 1
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "optimum-qwen35[optimum]" in lines[0]

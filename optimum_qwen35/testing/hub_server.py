@@ -253,7 +253,9 @@ class HubServer:
     def _new_repo(self, repo_id: str, private: bool) -> _Repo:
         repo = _Repo(repo_id, private)
         self.repos[repo_id] = repo
-        self._commit(repo, "main", None, "initial commit", {".gitattributes": self._store(".gitattributes", GITATTRIBUTES)})
+        self._commit(
+            repo, "main", None, "initial commit", {".gitattributes": self._store(".gitattributes", GITATTRIBUTES)}
+        )
         return repo
 
 
@@ -545,7 +547,11 @@ class _Handler(BaseHTTPRequestHandler):
         for line in lines:
             key, value = line["key"], line["value"]
             if key == "file":
-                data = base64.b64decode(value["content"]) if value.get("encoding") == "base64" else value["content"].encode()
+                data = (
+                    base64.b64decode(value["content"])
+                    if value.get("encoding") == "base64"
+                    else value["content"].encode()
+                )
                 files[value["path"]] = _File(len(data), git_blob_oid(data), data=data)
             elif key == "lfsFile":
                 oid = value["oid"]
