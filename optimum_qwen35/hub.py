@@ -554,12 +554,36 @@ def resolve_export(
     name = str(repo_id_or_path)
     if not _REPO_ID.match(name) or name.startswith((".", "/")):
         raise ModelNotFoundError(f"{name} is neither a folder nor a Hub repository id")
+    offline = local_files_only or _offline()
+    try:
+        folder = _download_export(name, revision, token, endpoint, cache_dir, local_files_only, offline)
+    except HubNotFoundError as e:
+        if "not found on" in str(e):  # maybe a mistyped relative path
+            raise HubNotFoundError(f"{e}; there is no local folder {name} either") from e
+        raise
+    missing = _missing(folder, ["config.json", NEURON_CONFIG])
+    if missing and not offline:
+        raise IncompatibleExportError(
+            f"{name}{_at(revision)} is not an exported model: it has no {' and no '.join(missing)}"
+        )
+    if not missing:
+        missing = _missing(folder, _required_files(folder, _read_json(folder / NEURON_CONFIG)))
+    if missing:
+        if offline:
+            raise HubOfflineError(
+                f"cannot load {name}{_at(revision)} offline: the cached snapshot {folder} lacks {', '.join(missing)};"
+                " download it once online, or unset HF_HUB_OFFLINE"
+            )
+        raise IncompatibleExportError(f"{name}{_at(revision)} is an incomplete export: it lacks {', '.join(missing)}")
+    return folder
+
+
+def _download_export(name, revision, token, endpoint, cache_dir, local_files_only: bool, offline: bool) -> Path:
     from huggingface_hub import snapshot_download
 
-    offline = local_files_only or _offline()
     with _hub_errors("download", name, endpoint, revision, token):
         try:
-            folder = Path(
+            return Path(
                 snapshot_download(
                     name,
                     revision=revision,
@@ -579,21 +603,6 @@ def resolve_export(
                     " weights). Download it once online, or unset HF_HUB_OFFLINE"
                 ) from e
             raise
-    missing = _missing(folder, ["config.json", NEURON_CONFIG])
-    if missing and not offline:
-        raise IncompatibleExportError(
-            f"{name}{_at(revision)} is not an exported model: it has no {' and no '.join(missing)}"
-        )
-    if not missing:
-        missing = _missing(folder, _required_files(folder, _read_json(folder / NEURON_CONFIG)))
-    if missing:
-        if offline:
-            raise HubOfflineError(
-                f"cannot load {name}{_at(revision)} offline: the cached snapshot {folder} lacks {', '.join(missing)};"
-                " download it once online, or unset HF_HUB_OFFLINE"
-            )
-        raise IncompatibleExportError(f"{name}{_at(revision)} is an incomplete export: it lacks {', '.join(missing)}")
-    return folder
 
 
 def _at(revision: str | None) -> str:
@@ -634,7 +643,7 @@ def resolve_source_checkpoint(
 
     revision = nc.get("checkpoint_revision")
     with _hub_errors("download the source checkpoint", checkpoint_id, endpoint, revision, token):
-        return Path(
+        weights = Path(
             snapshot_download(
                 checkpoint_id,
                 revision=revision,
@@ -646,6 +655,11 @@ def resolve_source_checkpoint(
                 local_files_only=local_files_only,
             )
         )
+    if not any(weights.glob("*.safetensors")):
+        raise CheckpointError(
+            f"the source checkpoint {checkpoint_id}{_at(revision)} of {folder} has no safetensors weights"
+        )
+    return weights
 
 
 # ------------------------------------------------------------------------------------ compile-cache registry

@@ -21,6 +21,7 @@ import pytest
 from optimum_qwen35 import hub
 from optimum_qwen35.cli import main
 from optimum_qwen35.errors import (
+    CheckpointError,
     HubAuthError,
     HubConnectionError,
     HubError,
@@ -229,8 +230,11 @@ def test_the_command_line_pushes_pulls_and_fails_on_one_line(hub_server, export,
     assert main(["push", str(export), "alice/cli", "--revision", "v1", "--token", WRITE, "--endpoint", url]) == 0
     assert "nothing pushed" in capsys.readouterr().out and len(hub_server.commits("alice/cli", "v1")) == 2
 
+    hub_server.create_repo("alice/not-an-export")
+    hub_server.upload("alice/not-an-export", {"config.json": b"{}"})
     unreachable = f"http://127.0.0.1:{free_port()}"
     failures = [
+        (["pull", "alice/not-an-export", "--endpoint", url], "has no neuron_config.json"),
         (["pull", "alice/missing", "--endpoint", url], "not found"),
         (["pull", "alice/cli", "--revision", "v2", "--endpoint", url], "revision 'v2' does not exist"),
         (["push", str(export), "alice/cli", "--token", "hf_wrong", "--endpoint", url], "401"),
@@ -315,6 +319,16 @@ def test_a_neuron_export_of_a_hub_model_fetches_its_source_weights(hub_server, s
     assert not any(p.startswith("checkpoint/") for p in hub_server.files("alice/trn1"))
     assert "checkpoint/weights/tp0_sharded_checkpoint.safetensors" in hub_server.files("alice/trn1-local")
     assert "fetched from `Qwen/Qwen3.5-tiny` at load time" in hub_server.files("alice/trn1")["README.md"].decode()
+    # A source checkpoint without weights, or a revision that does not exist: one-line errors.
+    hub_server.create_repo("alice/no-weights")
+    hub_server.upload("alice/no-weights", {"config.json": files["config.json"]})
+    for checkpoint_id, revision, kind, words in [
+        ("alice/no-weights", None, CheckpointError, "has no safetensors"),
+        ("Qwen/Qwen3.5-tiny", "nope", HubNotFoundError, "revision 'nope'"),
+    ]:
+        bad = build_fake_export(tmp_path / f"bad-{kind.__name__}", source, checkpoint_id, revision, target="trn1")
+        with pytest.raises(kind, match=words):
+            hub.resolve_source_checkpoint(bad, endpoint=hub_server.url, cache_dir=tmp_path / "cache")
 
 
 # --------------------------------------------------------------------------------- compile-cache registry
@@ -329,7 +343,7 @@ def cache_setup(hub_server, source, export):
     return export
 
 
-def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, cache_setup, tmp_path):
+def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, cache_setup, source, tmp_path):
     export = cache_setup
     result = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
     digest = result.arch_digest
@@ -338,6 +352,12 @@ def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, 
     commits = hub_server.commits("alice/neuron-cache")
     again = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
     assert again.paths == result.paths and hub_server.commits("alice/neuron-cache") == commits  # no new commit
+    # A trn1 export of the same model (batch 4, TP 8) lands under the same compiler folder and digest.
+    trn1 = build_fake_export(
+        tmp_path / "trn1", source, SOURCE_ID, "main", target="trn1", batch_size=4, sequence_length=4096, tp_degree=8
+    )
+    neuron = hub.sync_registry(trn1, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    assert neuron.arch_digest == digest and neuron.paths[0].split("/")[0] == "neuronxcc-2.21.33363.0"
 
     # optimum-neuron's own lookup, in a fresh process pointed at the stand-in. AutoConfig must know qwen3_5 there:
     # until the package's registration hook (issue 7) is installed, a sitecustomize imports the package.
@@ -357,8 +377,8 @@ def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, 
 
     listed = lookup()
     assert f"Cached entries for {SOURCE_ID}" in listed
-    row = [line.split() for line in listed.splitlines() if line.split()[:1] == ["2"]]
-    assert row == [["2", "256", "2", "bfloat16", "cpu"]], listed
+    rows = sorted(line.split() for line in listed.splitlines() if line.split()[:1] in (["2"], ["4"]))
+    assert rows == [["2", "256", "2", "bfloat16", "cpu"], ["4", "4096", "8", "bfloat16", "trn1"]], listed
 
     # select_hub_cached_entries (what `lookup --batch_size/--dtype/...` and vLLM call): the matching filters find
     # the entry, any other batch size, dtype, TP degree or target does not.
@@ -374,14 +394,15 @@ def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, 
             len(select(m, task="text-generation", batch_size=1)),
             len(select(m, task="text-generation", torch_dtype="float32")),
             len(select(m, task="text-generation", tensor_parallel_size=4)),
-            len(select(m, task="text-generation", instance_type="trn1")),
+            len(select(m, task="text-generation", instance_type="inf2")),
+            len(select(m, task="text-generation", instance_type="trn1", batch_size=4, tensor_parallel_size=8)),
         ]))
         """,
         env,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1, 1, 0, 0, 0, 0]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [2, 1, 0, 0, 0, 0, 1]
 
 
 def test_the_entry_is_optimum_neurons_own(cache_setup, source):
