@@ -4,7 +4,12 @@ the same answers, and raise the same exception types, as from the Hub."""
 from __future__ import annotations
 
 import pytest
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
+from huggingface_hub import (
+    CommitOperationAdd,
+    CommitOperationDelete,
+    HfApi,
+    hf_hub_download,
+)
 from huggingface_hub import errors as hf_errors
 from huggingface_hub.hf_api import RepoFile, RepoFolder
 
