@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from optimum_qwen35 import hub
 from optimum_qwen35.cli import main
@@ -90,6 +91,8 @@ def test_push_then_resolve_in_a_fresh_process_gives_the_same_files(hub_server, e
     assert snapshot(export) == before, "push must not touch the local folder"
     remote = hub_server.files("alice/tiny-cpu")
     card = remote["README.md"].decode()
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["base_model"] == SOURCE_ID and metadata["pipeline_tag"] == "text-generation"
     for fact in (
         "base_model: Qwen/Qwen3.5-tiny",
         "| batch size | 2 |",
