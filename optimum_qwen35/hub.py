@@ -297,8 +297,8 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
         found = re.search(r"(\d+ file\(s\) are missing \(.*?\))\.", " ".join(str(e).split()))
         what = found.group(1) if found else "files are missing"
         raise HubOfflineError(
-            f"cannot load {where} offline: its cached snapshot is incomplete, {what}; download it once online,"
-            " or unset HF_HUB_OFFLINE"
+            f"cannot {action} {where}: the Hub is not used (offline mode) or not reachable, and its cached snapshot"
+            f" is incomplete, {what}; download it once online"
         ) from e
     except getattr(hf_errors, "LocalEntryNotFoundError", ()) as e:  # before EntryNotFoundError (its subclass in 0.x)
         if _offline():
