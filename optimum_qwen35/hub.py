@@ -46,6 +46,7 @@ from .errors import (
 
 __all__ = [
     "EXPORT_PATTERNS",
+    "lookup_registry",
     "PushResult",
     "RegistrySyncResult",
     "model_card",
