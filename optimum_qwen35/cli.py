@@ -119,6 +119,75 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from .hub import push_to_hub
+
+    result = push_to_hub(
+        args.folder,
+        args.repo_id,
+        revision=args.revision,
+        private=True if args.private else None,
+        token=args.token,
+        endpoint=args.endpoint,
+        commit_message=args.commit_message,
+    )
+    if result.changed:
+        print(
+            f"pushed {len(result.uploaded)} file(s), deleted {len(result.deleted)} from {result.repo_id}"
+            f"@{result.revision}: {result.commit_url}"
+        )
+    else:
+        where = f"{result.repo_id}@{result.revision}"
+        print(f"{where} already holds this export (commit {result.commit_sha}): nothing pushed")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .hub import resolve_export
+
+    print(resolve_export(args.model, revision=args.revision, token=args.token, endpoint=args.endpoint))
+    return 0
+
+
+def cmd_cache_sync(args) -> int:
+    from .hub import sync_registry
+
+    result = sync_registry(
+        args.folder,
+        cache_repo=args.cache_repo,
+        token=args.token,
+        endpoint=args.endpoint,
+        model_id=args.model_id,
+        config=args.source_config,
+    )
+    print(f"registered in {result.cache_repo} (commit {result.commit_sha}):")
+    for path in result.paths:
+        print(f"  {path}")
+    return 0
+
+
+def cmd_cache_lookup(args) -> int:
+    from .hub import lookup_registry
+
+    entries = lookup_registry(
+        args.model_id,
+        cache_repo=args.cache_repo,
+        target=args.target,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        tp_degree=args.tensor_parallel_size,
+        torch_dtype=args.dtype,
+    )
+    if not entries:
+        print(f"no cached configuration of {args.model_id} matches")
+        return 0
+    print("target  batch  sequence  tp  dtype")
+    for e in entries:
+        fields = ("target", "batch_size", "sequence_length", "tp_degree", "torch_dtype")
+        print("  ".join(str(e.get(f)) for f in fields))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors (exit status 2) that point at --help."""
 
@@ -183,6 +252,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.set_defaults(func=cmd_build_tiny)
+
+    token_help = "Hugging Face token (default: HF_TOKEN or the stored login)"
+    endpoint_help = "the Hub URL (default: HF_ENDPOINT, else https://huggingface.co)"
+    p = sub.add_parser("push", help="push an exported folder to a Hub model repo in one commit")
+    p.add_argument("folder", help="the exported folder (config.json, neuron_config.json, graphs)")
+    p.add_argument("repo_id", help="the Hub model repo, 'namespace/name' (created if missing)")
+    p.add_argument("--revision", help="the branch to push to (created from main if missing; default: main)")
+    p.add_argument(
+        "--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)"
+    )
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--commit-message", help="the commit message (default: describes the export)")
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("pull", help="download an exported model from the Hub and print its local folder")
+    p.add_argument("model", help="a Hub repo id of an export, or a local export folder")
+    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("cache", help="the optimum-neuron compile-cache registry (needs optimum-neuron)")
+    cache = p.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    p = cache.add_parser("sync", help="register an export in the compile-cache repo")
+    p.add_argument("folder", help="the exported folder")
+    p.add_argument("--cache-repo", help="the cache repo (default: CUSTOM_CACHE_REPO, else optimum-neuron's)")
+    p.add_argument("--model-id", help="the Hub id to file the entry under (default: the export's checkpoint_id)")
+    p.add_argument(
+        "--source-config",
+        help="the config (folder or config.json) the architecture digest is computed from (default: the export's)",
+    )
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_cache_sync)
+    p = cache.add_parser("lookup", help="list the registered configurations of a Hub model")
+    p.add_argument("model_id", help="the Hub id of the source model")
+    p.add_argument("--cache-repo", help="the cache repo (default: CUSTOM_CACHE_REPO, else optimum-neuron's)")
+    p.add_argument("--target", help="only this target (cpu, trn1, trn2)")
+    p.add_argument("--batch-size", type=int, help="only this batch size")
+    p.add_argument("--sequence-length", type=int, help="only this sequence length")
+    p.add_argument("--tensor-parallel-size", type=int, help="only this tensor parallel degree")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["float16"], help="only this dtype")
+    p.set_defaults(func=cmd_cache_lookup)
 
     args = parser.parse_args(argv)
     try:
