@@ -60,6 +60,9 @@ __all__ = [
 
 TASK = "text-generation"
 NEURON_CONFIG = "neuron_config.json"
+# A cpu export's manifests (runtime/compiled.py GRAPHS_FILE, checkpoint/shard.py MANIFEST; a test keeps them equal):
+# each is written last, so a folder with both is complete.
+CPU_MANIFESTS = ("compiled/graphs.json", "checkpoint/tp_shards.json")
 # The files of an export (what `resolve_export` downloads): configs, tokenizer, graphs and per-rank weights.
 # README.md (the model card) and .gitattributes are not part of it.
 EXPORT_PATTERNS = [
@@ -135,7 +138,7 @@ def _export_versions(folder: Path, nc: dict) -> dict[str, str | None]:
     from . import __version__
 
     recorded: dict[str, Any] = {}
-    for manifest in ("compiled/manifest.json", "checkpoint/manifest.json"):
+    for manifest in CPU_MANIFESTS:
         try:
             recorded.update(json.loads((Path(folder) / manifest).read_text()))
         except (OSError, ValueError):
@@ -525,7 +528,7 @@ def _check_repo_id(repo_id: str) -> None:
 
 def _required_files(folder: Path, nc: dict) -> list[str]:
     if _is_cpu(nc):
-        return ["compiled", "checkpoint/manifest.json"]
+        return list(CPU_MANIFESTS)
     return ["model.pt"]
 
 
@@ -616,6 +619,22 @@ def _cache_name(cache_dir) -> str:
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
+
+
+def download_checkpoint(
+    repo_id: str,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+    allow_patterns: list[str] | None = None,
+) -> Path:
+    """A Hub model (a source checkpoint to export) in the Hugging Face cache; one-line errors as above."""
+    from huggingface_hub import snapshot_download
+
+    if not _REPO_ID.match(repo_id) or repo_id.startswith((".", "/")):
+        raise ModelNotFoundError(f"{repo_id} is neither a local folder nor a Hub repository id (owner/name)")
+    with _hub_errors("download", repo_id, endpoint, revision, token):
+        return Path(snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, allow_patterns=allow_patterns))
 
 
 def resolve_source_checkpoint(

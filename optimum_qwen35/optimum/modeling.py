@@ -81,28 +81,15 @@ def _neuron_backend_unavailable(target: str) -> IncompatibleExportError:
 
 
 def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, allow_patterns=None) -> Path:
-    """A local folder as is, or a Hub snapshot (downloaded into the Hugging Face cache)."""
+    """A local folder as is, or a Hub model downloaded into the Hugging Face cache."""
     path = Path(model_id)
     if path.is_dir():
         return path
     if path.exists():
         raise ModelNotFoundError(f"{model_id} is a file, not a model folder")
-    text = os.fspath(model_id)
-    if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"{model_id} is neither a local folder nor a Hugging Face Hub id (owner/name)")
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError  # noqa: PLC0415
+    from .. import hub  # noqa: PLC0415
 
-    try:
-        return Path(snapshot_download(text, revision=revision, token=token, allow_patterns=allow_patterns))
-    except RepositoryNotFoundError as error:
-        raise ModelNotFoundError(f"no model {text!r} on the Hub (or no access with this token): check the id and the token") from error
-    except LocalEntryNotFoundError as error:
-        raise ModelNotFoundError(
-            f"{text!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?): download it first"
-        ) from error
-    except HfHubHTTPError as error:
-        raise ModelNotFoundError(f"could not download {text!r} from the Hub: {error}") from error
+    return hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=allow_patterns)
 
 
 def _copy_side_files(source: Path, target: Path) -> None:
@@ -331,7 +318,9 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             raise UsageError(f"from_pretrained() does not take {unknown}")
         if expected.pop("export", False):
             raise UsageError("export=True is not supported for decoders (as in optimum-neuron): call get_neuron_config() then export()")
-        folder = _local_or_download(model_id, revision, token)
+        from .. import hub  # noqa: PLC0415
+
+        folder = Path(model_id) if Path(model_id).is_dir() else hub.resolve_export(model_id, revision, token)
         if not _is_export(folder):
             raise IncompatibleExportError(
                 f"{model_id} is not an exported model (no {nc.NEURON_CONFIG_FILE}); export it first: "
