@@ -513,8 +513,11 @@ class NkiTensor:
             ratio = self.itemsize / storage_dtype(new_dtype).itemsize
             base = int(base * ratio)
         if scalar_offset is not None:
-            raw = scalar_offset.read() if isinstance(scalar_offset, NkiTensor) else scalar_offset
-            value = int(np.asarray(raw).reshape(-1)[0])
+            if isinstance(scalar_offset, NkiTensor) and not runtime.current().compute:
+                value = 0  # cost-only runs (compute=False) hold no values: take the first row, in bounds
+            else:
+                raw = scalar_offset.read() if isinstance(scalar_offset, NkiTensor) else scalar_offset
+                value = int(np.asarray(raw).reshape(-1)[0])
             base += value * pattern[indirect_dim][0]
         view = NkiTensor(self._buf, [n for _, n in pattern], [st for st, _ in pattern], base, new_dtype)
         if isinstance(scalar_offset, NkiTensor) and not view._in_bounds():

@@ -1,0 +1,135 @@
+"""The fused DeltaNet seams: raw projections in, the slots' conv and recurrent states updated in place.
+
+    deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids) -> o
+        mixed_qkv [B, C] (in_proj_qkv output before the conv), a, b [B, nv] raw, A_log, dt_bias [nv],
+        conv_weight [C, K], conv_state [slots, C, K - 1], recurrent_state [slots, nv, dk, dv] fp32, seq_ids [B]
+        (-1: inactive row). Returns o [B, nv, dv] fp32 (before the gated RMSNorm). The states of the slots named by
+        active rows are updated in place; nothing else is written.
+
+    deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths) -> o
+        q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU, before normalisation (activation dtype);
+        a, b [B, T, nv] raw; lengths [B] (tokens past lengths[b] are padding and change no state). The initial state
+        is read from recurrent_state[seq_ids[b]] and the final state written back there in place, in fp32. Returns
+        o [B, nv, T, dv] fp32.
+
+Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op) and an NKI version
+(`*_nki`) that runs the kernels of `tkg.py` / `cte.py` (on the emulator when no Neuron device is present).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..causal_conv1d import causal_conv1d_step
+from .reference import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
+
+
+def _upcast(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gates(a, b, A_log, dt_bias):
+    """Raw projections -> (g, beta), as the model computes them: beta = sigmoid(b) in b's dtype; g in fp32."""
+    beta = torch.sigmoid(b)
+    g = -_upcast(A_log).exp() * F.softplus(_upcast(a) + dt_bias)
+    return g, beta
+
+
+def _active(seq_ids, n_slots):
+    seq_ids = seq_ids.to(torch.int64)
+    return [(row, int(s)) for row, s in enumerate(seq_ids.tolist()) if 0 <= s < n_slots]
+
+
+# ------------------------------------------------------------------------------------------------------ references
+def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+    B, C = mixed_qkv.shape
+    n_slots, nv, dk, dv = recurrent_state.shape
+    nk = (C - nv * dv) // (2 * dk)
+    read = seq_ids.to(torch.int64).clamp(min=0)
+    mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, conv_state.index_select(0, read))
+    q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
+    q = l2norm(_upcast(q.reshape(B, nk, 1, dk))) * dk**-0.5
+    k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
+    v = _upcast(v.reshape(B, nv, 1, dv))
+    g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
+    o, new_state = recurrent_gated_delta_rule_step(
+        q, k, v, g[:, :, None], beta[:, :, None], recurrent_state.index_select(0, read)
+    )
+    for row, slot in _active(seq_ids, n_slots):
+        conv_state[slot] = new_conv[row].to(conv_state.dtype)
+        recurrent_state[slot] = new_state[row].to(recurrent_state.dtype)
+    return o[:, :, 0]
+
+
+def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+    B, nk, T, dk = q.shape
+    n_slots = recurrent_state.shape[0]
+    q = l2norm(_upcast(q)) * dk**-0.5
+    k = l2norm(_upcast(k))
+    v = _upcast(v)
+    g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
+    read = seq_ids.to(torch.int64).clamp(min=0)
+    o, final = chunk_gated_delta_rule(
+        q, k, v, g.transpose(1, 2), beta.transpose(1, 2), recurrent_state.index_select(0, read), lengths
+    )
+    for row, slot in _active(seq_ids, n_slots):
+        recurrent_state[slot] = final[row].to(recurrent_state.dtype)
+    return o
+
+
+# ------------------------------------------------------------------------------------------------------ NKI versions
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A NumPy array sharing x's memory (bf16 through an int16 view), so that a kernel writing it writes x."""
+    if not x.is_contiguous():
+        raise ValueError("the NKI seams update states in place and need contiguous tensors")
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _check_emulator():
+    from ..nki_import import USING_EMULATOR
+
+    if not USING_EMULATOR:
+        raise RuntimeError(
+            "the CPU NKI seams run the kernels on the emulator; with a real Neuron device the kernels are called "
+            "from the traced graphs (not wired yet)"
+        )
+
+
+def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+    from .tkg import gated_delta_rule_tkg
+
+    _check_emulator()
+    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
+    o = gated_delta_rule_tkg(
+        _numpy(mixed_qkv.contiguous()), _numpy(a.contiguous()), _numpy(b.contiguous()),
+        _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
+        _numpy(conv_weight.contiguous()), _numpy(conv_state), _numpy(recurrent_state), seq,
+    )
+    return torch.from_numpy(np.asarray(o, dtype=np.float32))
+
+
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+    from .cte import gated_delta_rule_cte
+
+    _check_emulator()
+    B = q.shape[0]
+    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
+    if lengths is None:
+        lengths = torch.full((B,), q.shape[2], dtype=torch.int32)
+    lens = np.ascontiguousarray(lengths.to(torch.int32).reshape(1, -1).numpy())
+    o = gated_delta_rule_cte(
+        _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
+        _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
+        _numpy(recurrent_state), seq, lens,
+    )
+    return torch.from_numpy(np.asarray(o, dtype=np.float32))
