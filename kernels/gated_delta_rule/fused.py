@@ -119,7 +119,7 @@ def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state
 
 
 def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
-    from .cte import gated_delta_rule_cte
+    from .cte import gated_delta_rule_cte, solve_masks
 
     _check_emulator()
     B = q.shape[0]
@@ -130,6 +130,6 @@ def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     o = gated_delta_rule_cte(
         _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
         _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(recurrent_state), seq, lens,
+        _numpy(recurrent_state), seq, lens, solve_masks(),
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
