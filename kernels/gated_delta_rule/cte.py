@@ -166,8 +166,11 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nisa.scalar_tensor_tensor(dst=g, data=g, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                                           operand1=rate[:, h:h + 1])
                 nisa.tensor_tensor(dst=g, data1=g, data2=valid, op=nl.multiply)
+                # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
+                beta_act = nl.ndarray((C, 1), dtype=b.dtype, buffer=nl.sbuf)
+                nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_col)
                 beta = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=beta, op=nl.sigmoid, data=b_col)
+                nisa.tensor_copy(dst=beta, src=beta_act)
                 nisa.tensor_tensor(dst=beta, data1=beta, data2=valid, op=nl.multiply)
 
                 # gc (column), gc_C (every partition), gc_j along the free axis

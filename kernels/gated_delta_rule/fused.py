@@ -42,15 +42,20 @@ def gates(a, b, A_log, dt_bias):
     return g, beta
 
 
-def _active(seq_ids, n_slots):
-    seq_ids = seq_ids.to(torch.int64)
-    return [(row, int(s)) for row, s in enumerate(seq_ids.tolist()) if 0 <= s < n_slots]
+def _write_slots(state, rows, seq_ids):
+    """state[seq_ids[b]] = rows[b] in place for every active row (seq_id in range); other slots untouched.
+
+    Tensor ops only (no Python loop over values), so that the reference seams trace into static graphs."""
+    n_slots = state.shape[0]
+    match = seq_ids.to(torch.int64)[None, :] == torch.arange(n_slots, device=state.device)[:, None]  # [slots, B]
+    new = rows.to(state.dtype).index_select(0, match.to(torch.int64).argmax(1))
+    state.copy_(torch.where(match.any(1).view(-1, *([1] * (state.dim() - 1))), new, state))
 
 
 # ------------------------------------------------------------------------------------------------------ references
 def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
     B, C = mixed_qkv.shape
-    n_slots, nv, dk, dv = recurrent_state.shape
+    _, nv, dk, dv = recurrent_state.shape
     nk = (C - nv * dv) // (2 * dk)
     read = seq_ids.to(torch.int64).clamp(min=0)
     mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, conv_state.index_select(0, read))
@@ -62,15 +67,13 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv
     o, new_state = recurrent_gated_delta_rule_step(
         q, k, v, g[:, :, None], beta[:, :, None], recurrent_state.index_select(0, read)
     )
-    for row, slot in _active(seq_ids, n_slots):
-        conv_state[slot] = new_conv[row].to(conv_state.dtype)
-        recurrent_state[slot] = new_state[row].to(recurrent_state.dtype)
+    _write_slots(conv_state, new_conv, seq_ids)
+    _write_slots(recurrent_state, new_state, seq_ids)
     return o[:, :, 0]
 
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
     B, nk, T, dk = q.shape
-    n_slots = recurrent_state.shape[0]
     q = l2norm(_upcast(q)) * dk**-0.5
     k = l2norm(_upcast(k))
     v = _upcast(v)
@@ -79,8 +82,7 @@ def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, s
     o, final = chunk_gated_delta_rule(
         q, k, v, g.transpose(1, 2), beta.transpose(1, 2), recurrent_state.index_select(0, read), lengths
     )
-    for row, slot in _active(seq_ids, n_slots):
-        recurrent_state[slot] = final[row].to(recurrent_state.dtype)
+    _write_slots(recurrent_state, final, seq_ids)
     return o
 
 

@@ -101,8 +101,11 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
     decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
     nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
+    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32).
+    beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
     beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.activation(dst=beta, op=nl.sigmoid, data=b_bc)
+    nisa.tensor_copy(dst=beta, src=beta_act)
     neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -beta * decay
     nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                               operand1=decay)

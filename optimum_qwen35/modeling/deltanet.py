@@ -67,22 +67,33 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
         return self.out_proj(o.to(x.dtype))
 
+    def _raw_heads(self, mixed: torch.Tensor):
+        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk], v [B, nv, T, dv], as they are (the seam normalises)."""
+        B, T, _ = mixed.shape
+        q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q = q.reshape(B, T, self.nk, self.dk).transpose(1, 2).contiguous()
+        k = k.reshape(B, T, self.nk, self.dk).transpose(1, 2).contiguous()
+        v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).contiguous()
+        return q, k, v
+
     def context_encoding(self, x, lengths, slots, conv_state, recurrent_state):
         """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""
         mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, None, lengths)
-        q, k, v = self._split_heads(mixed.transpose(1, 2))
-        g, beta = self._gates(x)
-        o, new_recurrent = kernels.chunk_gated_delta_rule(q, k, v, g, beta, None, lengths)
-        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)
+        q, k, v = self._raw_heads(mixed.transpose(1, 2))
+        # Fresh sequences: their slots start from zero; the seam updates the (copied) state in place.
+        recurrent_state = slots.scatter(recurrent_state, torch.zeros_like(recurrent_state[: x.shape[0]]))
+        o = kernels.deltanet_prefill(
+            q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
+            recurrent_state, slots.seq_ids, lengths,
+        )
+        return self._output(o, x), slots.scatter(conv_state, new_conv), recurrent_state
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
-        """x [B, 1, hidden]: one step from each slot's states."""
-        mixed, new_conv = kernels.causal_conv1d_step(
-            self.in_proj_qkv(x)[:, 0], self.conv_weight, slots.gather(conv_state)
+        """x [B, 1, hidden]: one step from each slot's states (copied, then updated in place by the seam)."""
+        conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
+        o = kernels.deltanet_decode(
+            self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
+            self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,
+            recurrent_state, slots.seq_ids,
         )
-        q, k, v = self._split_heads(mixed[:, None])
-        g, beta = self._gates(x)
-        o, new_recurrent = kernels.recurrent_gated_delta_rule_step(
-            q, k, v, g, beta, slots.gather(recurrent_state)
-        )
-        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)
+        return self._output(o[:, :, None], x), conv_state, recurrent_state
