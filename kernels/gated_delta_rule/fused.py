@@ -12,7 +12,8 @@
         is read from recurrent_state[seq_ids[b]] and the final state written back there in place, in fp32. Returns
         o [B, nv, T, dv] fp32.
 
-Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op) and an NKI version
+Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
+points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
 (`*_nki`) that runs the kernels of `tkg.py` / `cte.py` (on the emulator when no Neuron device is present).
 """
 
@@ -23,8 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..causal_conv1d import causal_conv1d_step
-from .reference import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 
 
 def _upcast(x):
@@ -54,6 +53,8 @@ def _write_slots(state, rows, seq_ids):
 
 # ------------------------------------------------------------------------------------------------------ references
 def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+    from .. import causal_conv1d_step, recurrent_gated_delta_rule_step  # the dispatched entry points
+
     B, C = mixed_qkv.shape
     _, nv, dk, dv = recurrent_state.shape
     nk = (C - nv * dv) // (2 * dk)
@@ -73,6 +74,8 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv
 
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+    from .. import chunk_gated_delta_rule  # the dispatched entry point
+
     B, nk, T, dk = q.shape
     q = l2norm(_upcast(q)) * dk**-0.5
     k = l2norm(_upcast(k))
