@@ -411,7 +411,9 @@ def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_o
     else:
         dst._mark_written()
         dst._view_of(dst._buf.acc_open, bool)[...] = True
-    fp32 = all(wide)
+    # The 4x rate is fp32's; tf32 runs at the bf16 rate ("79 BF16/FP16/TF32 TFLOPS", NeuronCore-v3 architecture page;
+    # the cost-model docs list tf32 with bf16), so a tf32 operand (with an fp32 or tf32 partner) costs 1x.
+    fp32 = all(t.dtype == float32 and t.dtype is not tfloat32 for t in (stationary, moving))
     trace = ctx.trace
     if trace is not None:
         key = (stationary._buf.uid, stationary.offset, stationary.shape)
