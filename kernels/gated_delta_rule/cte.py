@@ -33,8 +33,8 @@ raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk
 seq_ids, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
 o [B, nv, T, dv] fp32. On chip, tokens are on partitions ([C, dk], [C, dv], [C, C]) and the state is [dk, dv].
 
-Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial); matmuls run in fp32 (4x the bf16
-TensorE cost), so bf16 and fp32 inputs give fp32-accurate results.
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands are fp32 for fp32
+inputs (4x the bf16 TensorE cost) and tf32 for bf16 inputs (bf16 rate); the cumulative gates and the state stay fp32.
 
 Cost report (emulator cost model, trn2, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096 tokens, batch 1):
 see `benchmarks/deltanet_kernels.py` and docs/kernels.md. It is far above the issue's 1.0 ms target: this kernel
@@ -50,6 +50,7 @@ from ..nki_import import nki, nisa, nl
 CHUNK = 128
 L2_EPS = 1e-6
 NEG_BIG = -3.0e38
+HEADS_INTERLEAVED = 16
 
 
 def solve_masks(chunk: int = CHUNK) -> np.ndarray:
@@ -60,21 +61,22 @@ def solve_masks(chunk: int = CHUNK) -> np.ndarray:
     return np.stack([(((i ^ j) >> lvl) == 1) for lvl in range(levels)]).astype(np.float32)
 
 
-def _transpose(src, rows, cols, f32):
-    """[rows, cols] SBUF fp32 -> a new [cols, rows] SBUF fp32 tile (TensorE transpose through PSUM)."""
-    ps = nl.ndarray((cols, rows), dtype=f32, buffer=nl.psum)
+def _transpose(src, rows, cols, dtype, engine=None):
+    """[rows, cols] SBUF -> a new [cols, rows] SBUF tile of `dtype` (TensorE transpose through PSUM; the PSUM -> SBUF
+    copy on ScalarE by default, which has the most room)."""
+    ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
     nisa.nc_transpose(dst=ps, data=src)
-    out = nl.ndarray((cols, rows), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=ps)
+    out = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps, engine=engine or nisa.engine.scalar)
     return out
 
 
-def _matmul(stationary, moving, rows, cols, f32):
-    """stationary^T @ moving -> a new [rows, cols] SBUF fp32 tile."""
-    ps = nl.ndarray((rows, cols), dtype=f32, buffer=nl.psum)
+def _matmul(stationary, moving, rows, cols, dtype, engine=None):
+    """stationary^T @ moving (fp32 PSUM) -> a new [rows, cols] SBUF tile of `dtype` (copied out on `engine`)."""
+    ps = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=ps, stationary=stationary, moving=moving)
-    out = nl.ndarray((rows, cols), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=ps)
+    out = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps, engine=engine or nisa.engine.vector)
     return out
 
 
@@ -96,6 +98,10 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     group = nv // nk
     C = CHUNK
     f32 = nl.float32
+    # TensorE operands: fp32 for fp32 inputs (1e-4 accuracy, 4x the bf16 TensorE cost), tf32 for bf16 inputs (bf16's
+    # TensorE rate, 10 mantissa bits: far finer than the bf16 inputs). The cumulative gates (whose errors would be
+    # exponentiated) and the carried state stay fp32 either way.
+    mm = f32 if q.dtype == nl.float32 else nl.tfloat32
     levels = solve_masks.shape[0]
     assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
     n_chunks = (T + C - 1) // C
@@ -128,133 +134,190 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
 
     for bi in range(B):
         slot = seq[0:1, bi:bi + 1]
-        for h in range(nv):
-            kh = h // group
-            state_view = recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [1, dv]], offset=h * dk * dv,
-                                            scalar_offset=slot, indirect_dim=0)
-            S = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.memset(S, 0.0)  # an inactive row starts from (and keeps) nothing
-            nisa.dma_copy(dst=S, src=state_view, oob_mode=nisa.oob_mode.skip)
+        for h0 in range(0, nv, HEADS_INTERLEAVED):
+            # A few heads advance in lockstep, statement by statement, so that each engine's instruction stream
+            # alternates between independent heads and one head's dependency chain does not idle the others.
+            hs = list(range(h0, min(nv, h0 + HEADS_INTERLEAVED)))
+            G = len(hs)
+            views, S = [], []
+            for h in hs:
+                views.append(recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [1, dv]], offset=h * dk * dv,
+                                                scalar_offset=slot, indirect_dim=0))
+                s_tile = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.memset(s_tile, 0.0)  # an inactive row starts from (and keeps) nothing
+                nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
+                S.append(s_tile)
 
+            def load_chunk(c):
+                """DMA chunk c of every head of the group (zeros past T): q, k, v [C, d] and raw a, b [C, nv]."""
+                t0 = c * C
+                n = min(C, T - t0)
+                tiles = {"Q": [], "K": [], "V": []}
+                ab = {}
+                for name, src in (("a", a), ("b", b)):
+                    ab[name] = nl.ndarray((C, nv), dtype=src.dtype, buffer=nl.sbuf)
+                    if n < C:
+                        nisa.memset(ab[name], 0.0, engine=nisa.engine.gpsimd)
+                    nisa.dma_copy(dst=ab[name][0:n, :], src=src[bi, t0:t0 + n, :])
+                for h in hs:
+                    kh = h // group
+                    for name, src, hh, d in (("Q", q, kh, dk), ("K", k, kh, dk), ("V", v, h, dv)):
+                        t = nl.ndarray((C, d), dtype=f32, buffer=nl.sbuf)
+                        if n < C:
+                            nisa.memset(t, 0.0, engine=nisa.engine.gpsimd)
+                        nisa.dma_copy(dst=t[0:n, :], src=src[bi, hh, t0:t0 + n, :])
+                        tiles[name].append(t)
+                return tiles, ab
+
+            # Software pipelining: chunk c + 1 is requested before chunk c's outputs are stored, so the DMA queues
+            # stream the next inputs while the engines work on this chunk.
+            pending = load_chunk(0)
             for c in range(n_chunks):
                 t0 = c * C
                 n = min(C, T - t0)
-                # ---------------------------------------------------- load (zeros past T), normalise
-                Q = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
-                K = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
-                V = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                a_col = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                b_col = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                if n < C:
-                    for t in (Q, K, V, a_col, b_col):
-                        nisa.memset(t, 0.0)
-                nisa.dma_copy(dst=Q[0:n, :], src=q[bi, kh, t0:t0 + n, :])
-                nisa.dma_copy(dst=K[0:n, :], src=k[bi, kh, t0:t0 + n, :])
-                nisa.dma_copy(dst=V[0:n, :], src=v[bi, h, t0:t0 + n, :])
-                nisa.dma_copy(dst=a_col[0:n, :], src=a.ap(pattern=[[nv, n], [1, 1]], offset=(bi * T + t0) * nv + h))
-                nisa.dma_copy(dst=b_col[0:n, :], src=b.ap(pattern=[[nv, n], [1, 1]], offset=(bi * T + t0) * nv + h))
-                _l2norm_rows(Q, C, dk, eps_col, float(dk) ** -0.5, f32)
-                _l2norm_rows(K, C, dk, eps_col, 1.0, f32)
-
-                # ---------------------------------------------------- gates, padding mask
+                tiles, ab = pending
+                Q, K, V = tiles["Q"], tiles["K"], tiles["V"]
                 valid = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # t0 + p < lengths[b]
                 nisa.tensor_scalar(dst=valid, data=token, op0=nl.add, operand0=float(t0), op1=nl.less,
                                    operand1=len_bc[:, bi:bi + 1])
-                g = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=g, data1=a_col, data2=dtb_bc[:, h:h + 1], op=nl.add)
-                nisa.activation(dst=g, op=nl.softplus, data=g)
-                nisa.scalar_tensor_tensor(dst=g, data=g, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                          operand1=rate[:, h:h + 1])
-                nisa.tensor_tensor(dst=g, data1=g, data2=valid, op=nl.multiply)
-                # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
-                beta_act = nl.ndarray((C, 1), dtype=b.dtype, buffer=nl.sbuf)
-                nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_col)
-                beta = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=beta, src=beta_act)
-                nisa.tensor_tensor(dst=beta, data1=beta, data2=valid, op=nl.multiply)
+                a_col = [ab["a"][:, h:h + 1] for h in hs]
+                b_col = [ab["b"][:, h:h + 1] for h in hs]
+                for j in range(G):
+                    _l2norm_rows(Q[j], C, dk, eps_col, float(dk) ** -0.5, f32)
+                    _l2norm_rows(K[j], C, dk, eps_col, 1.0, f32)
 
-                # gc (column), gc_C (every partition), gc_j along the free axis
-                gc = _matmul(upper, g, C, 1, f32)
-                g_tot = _matmul(ones, g, C, 1, f32)
-                g_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=g_rows, data=ones, op0=nl.multiply, operand0=g)
-                gc_rows = _matmul(g_rows, upper, C, C, f32)  # [i, j] = gc_j
-                # decay[i, j] = exp(gc_i - gc_j) for j <= i, 0 above the diagonal
-                logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc, reverse0=True)
-                nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
-                                   on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
-                decay = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=decay, op=nl.exp, data=logd)
-                e_gc = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=e_gc, op=nl.exp, data=gc)
-                to_end = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # exp(gc_C - gc_i)
-                nisa.tensor_tensor(dst=to_end, data1=g_tot, data2=gc, op=nl.subtract)
-                nisa.activation(dst=to_end, op=nl.exp, data=to_end)
-                e_tot = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=e_tot, op=nl.exp, data=g_tot)
+                # ---------------------------------------------------- gates, padding mask
+                g, beta = [], []
+                for j, h in enumerate(hs):
+                    g.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=g[j], data1=a_col[j], data2=dtb_bc[:, h:h + 1], op=nl.add)
+                    nisa.activation(dst=g[j], op=nl.softplus, data=g[j])
+                    nisa.scalar_tensor_tensor(dst=g[j], data=g[j], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                              operand1=rate[:, h:h + 1])
+                    nisa.tensor_tensor(dst=g[j], data1=g[j], data2=valid, op=nl.multiply)
+                    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
+                    beta_act = nl.ndarray((C, 1), dtype=b.dtype, buffer=nl.sbuf)
+                    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_col[j])  # b_col: the raw b (act dtype)
+                    beta.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=beta[j], data1=beta_act, data2=valid, op=nl.multiply)
+
+                # gc (column), gc_C (every partition), gc_j along the free axis; decay[i, j] = exp(gc_i - gc_j) for
+                # j <= i, 0 above the diagonal
+                gc, g_tot, decay, e_gc, to_end, e_tot = [], [], [], [], [], []
+                for j in range(G):
+                    gc.append(_matmul(upper, g[j], C, 1, f32))
+                    g_tot.append(_matmul(ones, g[j], C, 1, f32))
+                for j in range(G):
+                    g_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=g_rows, data=ones, op0=nl.multiply, operand0=g[j],
+                                       engine=nisa.engine.gpsimd)
+                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [i, j] = gc_j
+                    nisa.nc_matmul(dst=gc_rows, stationary=g_rows, moving=upper)
+                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc[j], reverse0=True)
+                    nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
+                                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
+                    decay.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=decay[j], op=nl.exp, data=logd)
+                    e_gc.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=e_gc[j], op=nl.exp, data=gc[j])
+                    to_end.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))  # exp(gc_C - gc_i)
+                    nisa.tensor_tensor(dst=to_end[j], data1=g_tot[j], data2=gc[j], op=nl.subtract)
+                    nisa.activation(dst=to_end[j], op=nl.exp, data=to_end[j])
+                    e_tot.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=e_tot[j], op=nl.exp, data=g_tot[j])
 
                 # ---------------------------------------------------- A, intra-chunk attention
-                KT = _transpose(K, C, dk, f32)
-                QT = _transpose(Q, C, dk, f32)
-                KK = _matmul(KT, KT, C, C, f32)  # k_i . k_j
-                QK = _matmul(QT, KT, C, C, f32)  # q_i . k_j
-                A = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=A, data1=KK, data2=decay, op=nl.multiply)
-                nisa.tensor_scalar(dst=A, data=A, op0=nl.multiply, operand0=beta)
-                nisa.affine_select(dst=A, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=A,
-                                   on_false_value=0.0, cmp_op=nl.greater)
-                intra = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=intra, data1=QK, data2=decay, op=nl.multiply)
+                KT = [_transpose(K[j], C, dk, mm) for j in range(G)]
+                QT = [_transpose(Q[j], C, dk, mm) for j in range(G)]
+                A, intra, AT = [], [], []
+                for j in range(G):
+                    KK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # k_i . k_j
+                    nisa.nc_matmul(dst=KK, stationary=KT[j], moving=KT[j])
+                    A.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=A[j], data1=KK, data2=decay[j], op=nl.multiply)
+                    nisa.tensor_scalar(dst=A[j], data=A[j], op0=nl.multiply, operand0=beta[j],
+                                       engine=nisa.engine.gpsimd)
+                    nisa.affine_select(dst=A[j], pattern=[[-1, C]], channel_multiplier=1, on_true_tile=A[j],
+                                       on_false_value=0.0, cmp_op=nl.greater)
+                    QK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # q_i . k_j
+                    nisa.nc_matmul(dst=QK, stationary=QT[j], moving=KT[j])
+                    intra.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=intra[j], data1=QK, data2=decay[j], op=nl.multiply)
+                AT = [_transpose(A[j], C, C, f32) for j in range(G)]
 
                 # ---------------------------------------------------- T = (I + A)^-1, recursive block inversion
-                Tm = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=Tm, src=ident)
-                TmT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=TmT, src=ident)
-                AT = _transpose(A, C, C, f32)
+                Tm, TmT = [], []
+                for j in range(G):
+                    Tm.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_copy(dst=Tm[j], src=ident, engine=nisa.engine.gpsimd)
+                    TmT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_copy(dst=TmT[j], src=ident, engine=nisa.engine.gpsimd)
                 for lvl in range(levels):
-                    AoffT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # (A * M_s)^T; M_s is symmetric
-                    nisa.tensor_tensor(dst=AoffT, data1=AT, data2=masks[:, lvl, :], op=nl.multiply)
-                    Y = _matmul(AoffT, Tm, C, C, f32)  # (A * M_s) T
-                    Z = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=Z, stationary=TmT, moving=Y)  # T (A * M_s) T
-                    Tn = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_tensor(dst=Tn, data1=Tm, data2=Z, op=nl.subtract)
-                    Tm = Tn
-                    TmT = _transpose(Tm, C, C, f32)
+                    Y = []
+                    for j in range(G):
+                        AoffT = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)  # (A * M_s)^T; M_s is symmetric
+                        nisa.tensor_tensor(dst=AoffT, data1=AT[j], data2=masks[:, lvl, :], op=nl.multiply,
+                                           engine=nisa.engine.gpsimd)
+                        Y.append(_matmul(AoffT, Tm[j], C, C, mm, engine=nisa.engine.scalar))  # (A * M_s) T
+                    for j in range(G):
+                        Z = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)
+                        nisa.nc_matmul(dst=Z, stationary=TmT[j], moving=Y[j])  # T (A * M_s) T
+                        Tn = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)
+                        nisa.tensor_tensor(dst=Tn, data1=Tm[j], data2=Z, op=nl.subtract)
+                        Tm[j] = Tn
+                    for j in range(G):
+                        TmT[j] = _transpose(Tm[j], C, C, mm)
 
                 # ---------------------------------------------------- u, w; v' = u - w S; o; S
-                rhs = nl.ndarray((C, dv + dk), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=rhs[:, 0:dv], data=V, op0=nl.multiply, operand0=beta)
-                nisa.tensor_scalar(dst=rhs[:, dv:dv + dk], data=K, op0=nl.multiply, operand0=beta, op1=nl.multiply,
-                                   operand1=e_gc)
-                uw = _matmul(TmT, rhs, C, dv + dk, f32)  # T [beta v | beta k exp(gc)]
-                WT = _transpose(uw[:, dv:dv + dk], C, dk, f32)
-                ws = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                nisa.nc_matmul(dst=ws, stationary=WT, moving=S)
-                v_new = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=v_new, data1=uw[:, 0:dv], data2=ws, op=nl.subtract)
+                uw, WT, S_mm = [], [], []
+                for j in range(G):
+                    rhs = nl.ndarray((C, dv + dk), dtype=mm, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=rhs[:, 0:dv], data=V[j], op0=nl.multiply, operand0=beta[j],
+                                       engine=nisa.engine.gpsimd)
+                    nisa.tensor_scalar(dst=rhs[:, dv:dv + dk], data=K[j], op0=nl.multiply, operand0=beta[j],
+                                       op1=nl.multiply, operand1=e_gc[j], engine=nisa.engine.gpsimd)
+                    uw.append(_matmul(TmT[j], rhs, C, dv + dk, f32))  # T [beta v | beta k exp(gc)]
+                    if mm == f32:
+                        S_mm.append(S[j])
+                    else:
+                        S_mm.append(nl.ndarray((dk, dv), dtype=mm, buffer=nl.sbuf))
+                        nisa.tensor_copy(dst=S_mm[j], src=S[j], engine=nisa.engine.gpsimd)
+                for j in range(G):
+                    WT.append(_transpose(uw[j][:, dv:dv + dk], C, dk, mm))
+                v_new = []
+                for j in range(G):
+                    ws = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=ws, stationary=WT[j], moving=S_mm[j])
+                    v_new.append(nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=v_new[j], data1=uw[j][:, 0:dv], data2=ws, op=nl.subtract)
+                outs = []
+                for j, h in enumerate(hs):
+                    qs = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=qs, stationary=QT[j], moving=S_mm[j])
+                    o1 = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.activation(dst=o1, op=nl.copy, data=qs, scale=e_gc[j])
+                    intraT = _transpose(intra[j], C, C, mm)
+                    o2 = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=o2, stationary=intraT, moving=v_new[j])
+                    o_sb = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_tensor(dst=o_sb, data1=o1, data2=o2, op=nl.add)
+                    outs.append(o_sb)
+                for j in range(G):
+                    Kd = nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=Kd, data=K[j], op0=nl.multiply, operand0=to_end[j],
+                                       engine=nisa.engine.gpsimd)
+                    kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=kv, stationary=Kd, moving=v_new[j])
+                    S_next = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.scalar_tensor_tensor(dst=S_next, data=S[j], op0=nl.multiply, operand0=e_tot[j][0:dk, :],
+                                              op1=nl.add, operand1=kv)
+                    S[j] = S_next
+                if c + 1 < n_chunks:
+                    pending = load_chunk(c + 1)
+                for j, h in enumerate(hs):
+                    nisa.dma_copy(dst=o_out[bi, h, t0:t0 + n, :], src=outs[j][0:n, :])
 
-                qs = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                nisa.nc_matmul(dst=qs, stationary=QT, moving=S)
-                o1 = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=o1, data=qs, op0=nl.multiply, operand0=e_gc)
-                intraT = _transpose(intra, C, C, f32)
-                o2 = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                nisa.nc_matmul(dst=o2, stationary=intraT, moving=v_new)
-                o_sb = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=o_sb, data1=o1, data2=o2, op=nl.add)
-                nisa.dma_copy(dst=o_out[bi, h, t0:t0 + n, :], src=o_sb[0:n, :])
-
-                Kd = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=Kd, data=K, op0=nl.multiply, operand0=to_end)
-                kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
-                nisa.nc_matmul(dst=kv, stationary=Kd, moving=v_new)
-                S_next = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.scalar_tensor_tensor(dst=S_next, data=S, op0=nl.multiply, operand0=e_tot[0:dk, :], op1=nl.add,
-                                          operand1=kv)
-                S = S_next
-
-            nisa.dma_copy(dst=state_view, src=S, oob_mode=nisa.oob_mode.skip)
+            for j in range(G):
+                nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
     return o_out
