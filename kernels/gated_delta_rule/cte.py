@@ -203,16 +203,24 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
 
                 # gc (column), gc_C (every partition), gc_j along the free axis; decay[i, j] = exp(gc_i - gc_j) for
                 # j <= i, 0 above the diagonal
-                gc, g_tot, decay, e_gc, to_end, e_tot = [], [], [], [], [], []
+                # All heads' g side by side: one matmul gives every head's gc, one every head's gc_C (fp32: these
+                # are exponentiated). gc_j along the free axis: ones^T diag(gc) (the ones stationary stays loaded).
+                g_all = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)
                 for j in range(G):
-                    gc.append(_matmul(upper, g[j], C, 1, f32))
-                    g_tot.append(_matmul(ones, g[j], C, 1, f32))
+                    nisa.tensor_copy(dst=g_all[:, j:j + 1], src=g[j], engine=nisa.engine.gpsimd)
+                gc_all = _matmul(upper, g_all, C, G, f32)
+                g_tot_all = _matmul(ones, g_all, C, G, f32)
+                gc = [gc_all[:, j:j + 1] for j in range(G)]
+                g_tot = [g_tot_all[:, j:j + 1] for j in range(G)]
+                diag_gc = []
                 for j in range(G):
-                    g_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=g_rows, data=ones, op0=nl.multiply, operand0=g[j],
+                    diag_gc.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=diag_gc[j], data=ident, op0=nl.multiply, operand0=gc[j],
                                        engine=nisa.engine.gpsimd)
+                decay, e_gc, to_end, e_tot = [], [], [], []
+                for j in range(G):
                     gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [i, j] = gc_j
-                    nisa.nc_matmul(dst=gc_rows, stationary=g_rows, moving=upper)
+                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc[j])
                     logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
                     nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc[j], reverse0=True)
                     nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
