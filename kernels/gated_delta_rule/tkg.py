@@ -66,21 +66,28 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # ---------------------------------------------------------------- constants and gates for every row
     ones_dk = nl.ndarray((dk, dk), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones_dk, 1.0)
-    ones_dv_dk = nl.ndarray((dv, dk), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(ones_dv_dk, 1.0)
+    # TensorE operands: fp32 for fp32 activations (1e-4 accuracy), tf32 for bf16 activations (bf16's TensorE rate).
+    mm = f32 if act == f32 else nl.tfloat32
+    ones_dv_dk_mm = nl.ndarray((dv, dk), dtype=mm, buffer=nl.sbuf)
+    nisa.memset(ones_dv_dk_mm, 1.0)
     ones_dk_dv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones_dk_dv, 1.0)
     ident = nl.shared_identity_matrix(n=P, dtype=f32)
     eps_col = nl.ndarray((dk, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(eps_col, L2_EPS)
 
+    # Slots: rows read max(seq_id, 0) (an inactive row reads slot 0, harmlessly, as the unfused model does) and
+    # write seq_id with oob_mode.skip, so that seq_id -1 writes nothing.
+    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=seq, src=seq_ids)
+    seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=seq_read, data=seq, op0=nl.maximum, operand0=0)
+
     w_qk = nl.ndarray((2 * nk, dk, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_qk, src=conv_weight.ap(pattern=[[dk * K, 2 * nk], [K, dk], [1, K]], offset=0))
     w_v = nl.ndarray((nv, dv, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=conv_weight.ap(pattern=[[dv * K, nv], [K, dv], [1, K]], offset=qk_ch * K))
 
-    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq, src=seq_ids)
 
     # Gates of every row and head, repeated on the partitions that use them (value-dim partitions): [P, B, nv].
     a_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
@@ -110,43 +117,58 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                               operand1=decay)
 
-    # Every row's state is requested before any compute, in groups of heads, so that the DMA queues stream the
-    # loads while TensorE/VectorE work on the rows and groups already in SBUF (the stores queue behind the loads).
-    heads_per_mm = max(1, 512 // dv)
-    groups = [(h0, min(heads_per_mm, nv - h0)) for h0 in range(0, nv, heads_per_mm)]
-    states = []
+    # Every row's conv state and token first (small; contiguous tiles on both sides of each DMA, one run per
+    # partition), then every row's recurrent state: all loads are queued before the first store, which waits for
+    # compute, and the first row's conv can start while the states stream in.
+    qk_pattern = [[C * (K - 1), 1], [dk * (K - 1), 2 * nk], [1, dk * (K - 1)]]
+    v_pattern = [[C * (K - 1), 1], [dv * (K - 1), nv], [1, dv * (K - 1)]]
+    conv_inputs = []
     for bi in range(B):
-        state = nl.ndarray((dk, nv, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.memset(state, 0.0, engine=nisa.engine.gpsimd)  # an inactive row reads nothing
-        for h0, hn in groups:
-            nisa.dma_copy(
-                dst=state[:, h0:h0 + hn, :],
-                src=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
-                                       offset=h0 * dk * dv, scalar_offset=seq[0:1, bi:bi + 1], indirect_dim=0),
-                oob_mode=nisa.oob_mode.skip,
-            )
-        states.append(state)
-
-    for bi in range(B):
-        slot = seq[0:1, bi:bi + 1]
-        state = states[bi]
-
-        # ------------------------------------------------------------ conv window: [state | x], heads on partitions
-        # Contiguous tiles on both sides of each DMA (one run per partition), assembled on chip.
+        slot_read = seq_read[0:1, bi:bi + 1]
         st_qk = nl.ndarray((2 * nk, dk, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st_qk, src=conv_state.ap(pattern=qk_pattern, offset=0, scalar_offset=slot_read,
+                                                   indirect_dim=0))
         st_v = nl.ndarray((nv, dv, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.memset(st_qk, 0.0, engine=nisa.engine.gpsimd)  # an inactive row reads no state
-        nisa.memset(st_v, 0.0, engine=nisa.engine.gpsimd)
-        qk_state = conv_state.ap(pattern=[[C * (K - 1), 1], [dk * (K - 1), 2 * nk], [1, dk * (K - 1)]],
-                                 offset=0, scalar_offset=slot, indirect_dim=0)
-        v_state = conv_state.ap(pattern=[[C * (K - 1), 1], [dv * (K - 1), nv], [1, dv * (K - 1)]],
-                                offset=qk_ch * (K - 1), scalar_offset=slot, indirect_dim=0)
-        nisa.dma_copy(dst=st_qk, src=qk_state, oob_mode=nisa.oob_mode.skip)
-        nisa.dma_copy(dst=st_v, src=v_state, oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(dst=st_v, src=conv_state.ap(pattern=v_pattern, offset=qk_ch * (K - 1),
+                                                  scalar_offset=slot_read, indirect_dim=0))
         x_in_qk = nl.ndarray((2 * nk, dk), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_in_qk, src=mixed_qkv.ap(pattern=[[dk, 2 * nk], [1, dk]], offset=bi * C))
         x_in_v = nl.ndarray((nv, dv), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_in_v, src=mixed_qkv.ap(pattern=[[dv, nv], [1, dv]], offset=bi * C + qk_ch))
+        conv_inputs.append((st_qk, st_v, x_in_qk, x_in_v))
+    # Every row's state is requested before any compute, in groups of heads, so that the DMA queues stream the
+    # loads while TensorE/VectorE work on the rows and groups already in SBUF (the stores queue behind the loads).
+    heads_per_mm = max(1, 512 // dv)
+    groups = [(h0, min(heads_per_mm, nv - h0)) for h0 in range(0, nv, heads_per_mm)]
+    # One tile per group of heads (not one per row), so that each group's matmuls wait for that group's load only.
+    states, states_mm = [], []
+    for bi in range(B):
+        row_tiles, row_tiles_mm = [], []
+        for gi, (h0, hn) in enumerate(groups):
+            tile = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.sbuf)
+            nisa.dma_copy(
+                dst=tile,
+                src=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
+                                       offset=h0 * dk * dv, scalar_offset=seq_read[0:1, bi:bi + 1], indirect_dim=0),
+            )
+            tile_mm = tile
+            if mm != f32:  # the matmul copy, as each group lands, on the less busy engines
+                tile_mm = nl.ndarray((dk, hn, dv), dtype=mm, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=tile_mm, src=tile, engine=nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar)
+            row_tiles.append(tile)
+            row_tiles_mm.append(tile_mm)
+        states.append(row_tiles)
+        states_mm.append(row_tiles_mm)
+
+    for bi in range(B):
+        slot = seq[0:1, bi:bi + 1]
+        state, state_mm = states[bi], states_mm[bi]
+
+        # ------------------------------------------------------------ conv window: [state | x], heads on partitions
+        # The window assembled on chip.
+        st_qk, st_v, x_in_qk, x_in_v = conv_inputs[bi]
+        qk_state = conv_state.ap(pattern=qk_pattern, offset=0, scalar_offset=slot, indirect_dim=0)
+        v_state = conv_state.ap(pattern=v_pattern, offset=qk_ch * (K - 1), scalar_offset=slot, indirect_dim=0)
         win_qk = nl.ndarray((2 * nk, dk, K), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=win_qk[:, :, 0:K - 1], src=st_qk)
         nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk)
@@ -202,12 +224,13 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.nc_matmul(dst=kq, stationary=ones_dk_dv, moving=kq_prod)
 
         # mem_h = S_h^T k, Sq_h = S_h^T q: [dv, nv, 2]
-        kq_pairs = nl.ndarray((dk, nk, 2), dtype=f32, buffer=nl.sbuf)  # (k, q) of each key head, side by side
+        kq_pairs = nl.ndarray((dk, nk, 2), dtype=mm, buffer=nl.sbuf)  # (k, q) of each key head, side by side
         nisa.tensor_copy(dst=kq_pairs[:, :, 0], src=qk[:, nk:2 * nk])
         nisa.tensor_copy(dst=kq_pairs[:, :, 1], src=qk[:, 0:nk])
         msq = nl.ndarray((dv, nv, 2), dtype=f32, buffer=nl.psum)
         for h in range(nv):
-            nisa.nc_matmul(dst=msq[:, h, :], stationary=state[:, h, :], moving=kq_pairs[:, h // group, :])
+            gi, jj = h // heads_per_mm, h % heads_per_mm
+            nisa.nc_matmul(dst=msq[:, h, :], stationary=state_mm[gi][:, jj, :], moving=kq_pairs[:, h // group, :])
 
         # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, nv] for all heads
         delta = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
@@ -234,18 +257,19 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         # diag(delta_h) (GpSimd), then ones^T diag(delta) puts delta_h on every row (TensorE, four heads a matmul);
         # decay * S on ScalarE; decay * S + k * rows on VectorE. Each group of heads is stored as soon as it is done.
         for h0, hn in groups:
-            diag = nl.ndarray((dv, hn, dv), dtype=f32, buffer=nl.sbuf)
+            diag = nl.ndarray((dv, hn, dv), dtype=mm, buffer=nl.sbuf)
             for j in range(hn):
                 nisa.tensor_scalar(dst=diag[:, j, :], data=ident[0:dv, 0:dv], op0=nl.multiply,
                                    operand0=delta[:, h0 + j:h0 + j + 1], engine=nisa.engine.gpsimd)
             rows = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=rows, stationary=ones_dv_dk, moving=diag)
+            nisa.nc_matmul(dst=rows, stationary=ones_dv_dk_mm, moving=diag)
             new_state = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.sbuf)
             for j in range(hn):
                 h = h0 + j
                 kh = h // group
                 decayed = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=decayed, op=nl.copy, data=state[:, h, :], scale=decay[0:dk, bi, h:h + 1])
+                nisa.activation(dst=decayed, op=nl.copy, data=state[h0 // heads_per_mm][:, j, :],
+                                scale=decay[0:dk, bi, h:h + 1])
                 nisa.scalar_tensor_tensor(dst=new_state[:, j, :], data=rows[:, j, :], op0=nl.multiply,
                                           operand0=qk[:, nk + kh:nk + kh + 1], op1=nl.add, operand1=decayed)
             nisa.dma_copy(
@@ -254,4 +278,5 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                 src=new_state, oob_mode=nisa.oob_mode.skip,
             )
         states[bi] = None
+        states_mm[bi] = None
     return o_out
