@@ -141,9 +141,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     heads_per_mm = max(1, 512 // dv)
     groups = [(h0, min(heads_per_mm, nv - h0)) for h0 in range(0, nv, heads_per_mm)]
     # One tile per group of heads (not one per row), so that each group's matmuls wait for that group's load only.
-    states, states_mm = [], []
+    states = []
     for bi in range(B):
-        row_tiles, row_tiles_mm = [], []
+        row_tiles = []
         for gi, (h0, hn) in enumerate(groups):
             tile = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.sbuf)
             nisa.dma_copy(
@@ -151,18 +151,19 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                 src=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
                                        offset=h0 * dk * dv, scalar_offset=seq_read[0:1, bi:bi + 1], indirect_dim=0),
             )
-            tile_mm = tile
-            if mm != f32:  # the matmul copy, as each group lands, on the less busy engines
-                tile_mm = nl.ndarray((dk, hn, dv), dtype=mm, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=tile_mm, src=tile, engine=nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar)
             row_tiles.append(tile)
-            row_tiles_mm.append(tile_mm)
         states.append(row_tiles)
-        states_mm.append(row_tiles_mm)
 
     for bi in range(B):
         slot = seq[0:1, bi:bi + 1]
-        state, state_mm = states[bi], states_mm[bi]
+        state = states[bi]
+        state_mm = state
+        if mm != f32:  # the matmul copies (issued here, in row order, so no engine stream waits on a later row's load)
+            state_mm = []
+            for gi, (h0, hn) in enumerate(groups):
+                tile_mm = nl.ndarray((dk, hn, dv), dtype=mm, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=tile_mm, src=state[gi], engine=nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar)
+                state_mm.append(tile_mm)
 
         # ------------------------------------------------------------ conv window: [state | x], heads on partitions
         # The window assembled on chip.
@@ -278,5 +279,4 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                 src=new_state, oob_mode=nisa.oob_mode.skip,
             )
         states[bi] = None
-        states_mm[bi] = None
     return o_out
