@@ -33,12 +33,20 @@ raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk
 seq_ids, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
 o [B, nv, T, dv] fp32. On chip, tokens are on partitions ([C, dk], [C, dv], [C, C]) and the state is [dk, dv].
 
-Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands are fp32 for fp32
-inputs (4x the bf16 TensorE cost) and tf32 for bf16 inputs (bf16 rate); the cumulative gates and the state stay fp32.
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands are fp32 (4x the
+bf16 TensorE cost), or tf32 for bf16 inputs with `tf32_matmul=True` (bf16 rate); gates' cumsum and state stay fp32.
 
-Cost report (emulator cost model, trn2, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096 tokens, batch 1):
-see `benchmarks/deltanet_kernels.py` and docs/kernels.md. It is far above the issue's 1.0 ms target: this kernel
-is written for correctness first (one head and chunk at a time, fp32 operands, a 7-round solve).
+Scheduling: 16 heads advance in lockstep, statement by statement, so that each engine's in-order stream alternates
+between independent heads; the next chunk is loaded before this chunk's outputs are stored; PSUM -> SBUF copies and
+masks are spread over ScalarE and GpSimd.
+
+Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
+tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md): TensorE is the busiest engine.
+    fp32 operands (default): 6.01 ms (TensorE 5.48 ms busy, 91%; VectorE 1.27, ScalarE 1.50, GpSimd 0.90, DMA 0.54)
+    tf32 operands (`tf32_matmul=True`): 2.63 ms (TensorE 1.96 ms busy, 74.5%; VectorE 1.27, ScalarE 1.50)
+The issue's target is 1.0 ms: NOT met. The solve alone (7 rounds x 3 TensorE instructions per head and chunk) is
+1.15 ms of TensorE time even at the tf32 rate; a cheaper solve (small diagonal blocks packed several to a tile) is
+what it would take.
 """
 
 from __future__ import annotations
@@ -92,16 +100,17 @@ def _l2norm_rows(x, rows, n, eps_col, scale, f32):
 
 
 @nki.jit
-def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks):
+def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks,
+                         tf32_matmul=False):
     B, nk, T, dk = q.shape
     nv, dv = v.shape[1], v.shape[3]
     group = nv // nk
     C = CHUNK
     f32 = nl.float32
-    # TensorE operands: fp32 for fp32 inputs (1e-4 accuracy, 4x the bf16 TensorE cost), tf32 for bf16 inputs (bf16's
-    # TensorE rate, 10 mantissa bits: far finer than the bf16 inputs). The cumulative gates (whose errors would be
-    # exponentiated) and the carried state stay fp32 either way.
-    mm = f32 if q.dtype == nl.float32 else nl.tfloat32
+    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost), or tf32 with `tf32_matmul` and bf16 inputs (bf16's
+    # TensorE rate, 10 mantissa bits: ~1e-3 relative error, inside the bf16 tolerance but enough to flip near-tied
+    # greedy tokens of the reference). The cumulative gates (exponentiated) and the carried state stay fp32.
+    mm = nl.tfloat32 if (tf32_matmul and q.dtype != nl.float32) else f32
     levels = solve_masks.shape[0]
     assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
     n_chunks = (T + C - 1) // C

@@ -12,6 +12,9 @@
         is read from recurrent_state[seq_ids[b]] and the final state written back there in place, in fp32. Returns
         o [B, nv, T, dv] fp32.
 
+The NKI versions take `tf32_matmul` (default False): tf32 TensorE operands for bf16 activations, at the bf16 TensorE
+rate, instead of fp32 ones (exact; what the `nki` backend runs, so that it gives the reference's greedy tokens).
+
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
 (`*_nki`) that runs the kernels of `tkg.py` / `cte.py` (on the emulator when no Neuron device is present).
@@ -110,7 +113,8 @@ def _check_emulator():
         )
 
 
-def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
+                        tf32_matmul=False):
     from .tkg import gated_delta_rule_tkg
 
     _check_emulator()
@@ -118,12 +122,12 @@ def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state
     o = gated_delta_rule_tkg(
         _numpy(mixed_qkv.contiguous()), _numpy(a.contiguous()), _numpy(b.contiguous()),
         _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(conv_weight.contiguous()), _numpy(conv_state), _numpy(recurrent_state), seq,
+        _numpy(conv_weight.contiguous()), _numpy(conv_state), _numpy(recurrent_state), seq, tf32_matmul,
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
 
 
-def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul=False):
     from .cte import gated_delta_rule_cte, solve_masks
 
     _check_emulator()
@@ -135,6 +139,6 @@ def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     o = gated_delta_rule_cte(
         _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
         _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(recurrent_state), seq, lens, solve_masks(),
+        _numpy(recurrent_state), seq, lens, solve_masks(), tf32_matmul,
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))

@@ -29,9 +29,13 @@ through `.ap(scalar_offset=seq_id)` with `oob_mode.skip`, so an inactive row (se
 Limits: dk, dv <= 128; 2 nk <= 128, nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every
 exponent is <= 0 (decay = exp(g), g <= 0). The state is never rounded below fp32.
 
-Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128): see
-`benchmarks/deltanet_kernels.py` and docs/kernels.md (batch 1 and 8, against the time to read and write the slots'
-states at the core's HBM bandwidth).
+Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128;
+`benchmarks/deltanet_kernels.py`, docs/kernels.md), fp32 TensorE operands (default) / tf32 (`tf32_matmul=True`):
+    batch 1:  26.8 / 23.4 us (TensorE 9.6 / 3.1, VectorE 6.9, DMA 10.1 us busy); the slots' state traffic at HBM
+              bandwidth is 5.79 us: 4.64x / 4.05x (the issue's target is 1.5x: NOT met)
+    batch 8: 144.3 / 144.3 us (TensorE 77.0 / 24.5, VectorE 50.0, DMA 78.3 us busy); 46.3 us: 3.12x
+The DMA alone is 1.69x at batch 8 in the model (calibrated 0.70 efficiency, 64 B per 512 B run): the 1.5x target
+is below the model's floor for this state layout; the rest is the in-order DMA queue and its 2 us latency.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def _bcast_rows(vector_hbm, partitions, n):
 
 
 @nki.jit
-def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
+                         tf32_matmul=False):
     B, C = mixed_qkv.shape
     nv = a.shape[1]
     n_slots, _, dk, dv = recurrent_state.shape
@@ -66,8 +71,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # ---------------------------------------------------------------- constants and gates for every row
     ones_dk = nl.ndarray((dk, dk), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones_dk, 1.0)
-    # TensorE operands: fp32 for fp32 activations (1e-4 accuracy), tf32 for bf16 activations (bf16's TensorE rate).
-    mm = f32 if act == f32 else nl.tfloat32
+    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost), or tf32 with `tf32_matmul` and bf16 activations
+    # (bf16's TensorE rate; ~3e-4 relative error, inside the bf16 tolerance but enough to flip near-tied greedy
+    # tokens of the reference).
+    mm = nl.tfloat32 if (tf32_matmul and act != f32) else f32
     ones_dv_dk_mm = nl.ndarray((dv, dk), dtype=mm, buffer=nl.sbuf)
     nisa.memset(ones_dv_dk_mm, 1.0)
     ones_dk_dv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)

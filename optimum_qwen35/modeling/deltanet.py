@@ -2,7 +2,9 @@
 
 x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = sigmoid(in_proj_b x);
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
-delta rule (kernels) -> per-head gated RMSNorm with z = in_proj_z x -> out_proj.
+delta rule -> per-head gated RMSNorm with z = in_proj_z x -> out_proj. The gates, the normalisation and the rule
+(and, in decode, the conv step) run behind the fused kernel seams `kernels.deltanet_prefill` /
+`kernels.deltanet_decode`, which take the raw projections and update the slot states in place.
 
 Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] (model dtype) and the
 recurrent state [slots, value_heads, dk, dv] (fp32).
@@ -14,17 +16,12 @@ with in_proj_qkv rows (and conv channels) ordered [q_r | k_r | v_r] per rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 from ..config import Qwen35Config
-from .layers import GatedRMSNorm, upcast
+from .layers import GatedRMSNorm
 from .parallel import ShardedDims
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -43,22 +40,6 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = layers.row_linear(self.nv * self.dv, hidden)
-
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> g, beta of shape [B, nv, T]; g in fp32 (exp(A_log) would overflow in half precision)."""
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x)) + self.dt_bias)
-        return g.transpose(1, 2), beta.transpose(1, 2)
-
-    def _split_heads(self, mixed: torch.Tensor):
-        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk] (normalized) and v [B, nv, T, dv], all fp32."""
-        B, T, _ = mixed.shape
-        q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q = l2norm(upcast(q.reshape(B, T, self.nk, self.dk))) * self.dk**-0.5
-        k = l2norm(upcast(k.reshape(B, T, self.nk, self.dk)))
-        # v in fp32 too, so that the kernel's output reaches the gated norm unrounded.
-        v = upcast(v.reshape(B, T, self.nv, self.dv))
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""

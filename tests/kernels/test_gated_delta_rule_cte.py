@@ -65,6 +65,17 @@ def test_prefill_2b_layer_shape(dtype, tol):
     check(o_ref, o_nki, ref, nki, seq_ids, lengths, tol)
 
 
+def test_tf32_operands_bf16():
+    """tf32_matmul=True (tf32 TensorE operands) with bf16 inputs: within the bf16 tolerance, mixed lengths."""
+    inputs = make(2, 3, 2, 4, 32, 32, 200, torch.bfloat16, seed=6)
+    seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
+    o_nki = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths, tf32_matmul=True)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
+
+
 def test_padding_and_inactive_rows_change_no_state():
     inputs = make(3, 3, 2, 4, 16, 16, 64, torch.float32, seed=2)
     seq_ids, lengths = torch.tensor([1, -1, 0]), torch.tensor([10, 64, 1])

@@ -55,6 +55,18 @@ def test_decode_matches_reference(shape, dtype, tol):
         assert torch.equal(nki["conv_state"][slot], ref["conv_state"][slot])
 
 
+def test_tf32_operands_bf16_2b_shape():
+    """tf32_matmul=True (tf32 TensorE operands) with bf16 activations: within the bf16 tolerance."""
+    inputs = make(1, 2, 16, 16, 128, 128, torch.bfloat16, seed=5)
+    seq_ids = torch.tensor([1])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o_ref = fused.deltanet_decode_reference(**ref, seq_ids=seq_ids)
+    o_nki = fused.deltanet_decode_nki(**nki, seq_ids=seq_ids, tf32_matmul=True)
+    assert rel(o_nki, o_ref) <= 2e-2
+    assert rel(nki["recurrent_state"][1], ref["recurrent_state"][1]) <= 2e-2
+
+
 def test_inactive_rows_touch_nothing():
     inputs = make(3, 4, 2, 4, 16, 16, torch.float32, seed=1)
     seq_ids = torch.tensor([3, -1, 1])
