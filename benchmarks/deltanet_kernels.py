@@ -4,7 +4,8 @@
     python benchmarks/deltanet_kernels.py --tokens 512
 
 Both operand variants are estimated: fp32 TensorE operands (the default, what the `nki` backend runs: exact) and tf32
-operands (`tf32_matmul=True`, bf16's TensorE rate). Runs the kernels on the NKI emulator with compute=False (rules and costs, no arithmetic) and prints each engine's busy
+operands (`tf32_matmul=True`, bf16's TensorE rate). Runs the kernels on the NKI emulator with compute=False (rules
+and costs, no arithmetic) and prints each engine's busy
 time and utilization. Decode is compared with the time to read and write the slots' fp32 states at the NeuronCore's
 HBM bandwidth (2.9 TB/s / 8 on trn2); the issue's targets: prefill of 4096 tokens <= 1.0 ms with TensorE the
 busiest engine, decode within 1.5x of that state-traffic time.

@@ -99,6 +99,31 @@ def _l2norm_rows(x, rows, n, eps_col, scale, f32):
     nisa.tensor_scalar(dst=x, data=x, op0=nl.multiply, operand0=inv, op1=nl.multiply, operand1=scale)
 
 
+def _load_chunk(q, k, v, a, b, bi, hs, group, c):
+    """DMA chunk c of row bi for the heads `hs` (zeros past T): q, k, v [C, d] fp32 tiles per head, raw a, b [C, nv]."""
+    T, dk = q.shape[2], q.shape[3]
+    nv, dv = v.shape[1], v.shape[3]
+    C = CHUNK
+    t0 = c * C
+    n = min(C, T - t0)
+    tiles = {"Q": [], "K": [], "V": []}
+    ab = {}
+    for name, src in (("a", a), ("b", b)):
+        ab[name] = nl.ndarray((C, nv), dtype=src.dtype, buffer=nl.sbuf)
+        if n < C:
+            nisa.memset(ab[name], 0.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=ab[name][0:n, :], src=src[bi, t0:t0 + n, :])
+    for h in hs:
+        kh = h // group
+        for name, src, hh, d in (("Q", q, kh, dk), ("K", k, kh, dk), ("V", v, h, dv)):
+            t = nl.ndarray((C, d), dtype=nl.float32, buffer=nl.sbuf)
+            if n < C:
+                nisa.memset(t, 0.0, engine=nisa.engine.gpsimd)
+            nisa.dma_copy(dst=t[0:n, :], src=src[bi, hh, t0:t0 + n, :])
+            tiles[name].append(t)
+    return tiles, ab
+
+
 @nki.jit
 def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks,
                          tf32_matmul=False):
@@ -157,30 +182,9 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
                 S.append(s_tile)
 
-            def load_chunk(c):
-                """DMA chunk c of every head of the group (zeros past T): q, k, v [C, d] and raw a, b [C, nv]."""
-                t0 = c * C
-                n = min(C, T - t0)
-                tiles = {"Q": [], "K": [], "V": []}
-                ab = {}
-                for name, src in (("a", a), ("b", b)):
-                    ab[name] = nl.ndarray((C, nv), dtype=src.dtype, buffer=nl.sbuf)
-                    if n < C:
-                        nisa.memset(ab[name], 0.0, engine=nisa.engine.gpsimd)
-                    nisa.dma_copy(dst=ab[name][0:n, :], src=src[bi, t0:t0 + n, :])
-                for h in hs:
-                    kh = h // group
-                    for name, src, hh, d in (("Q", q, kh, dk), ("K", k, kh, dk), ("V", v, h, dv)):
-                        t = nl.ndarray((C, d), dtype=f32, buffer=nl.sbuf)
-                        if n < C:
-                            nisa.memset(t, 0.0, engine=nisa.engine.gpsimd)
-                        nisa.dma_copy(dst=t[0:n, :], src=src[bi, hh, t0:t0 + n, :])
-                        tiles[name].append(t)
-                return tiles, ab
-
             # Software pipelining: chunk c + 1 is requested before chunk c's outputs are stored, so the DMA queues
             # stream the next inputs while the engines work on this chunk.
-            pending = load_chunk(0)
+            pending = _load_chunk(q, k, v, a, b, bi, hs, group, 0)
             for c in range(n_chunks):
                 t0 = c * C
                 n = min(C, T - t0)
@@ -331,7 +335,7 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                                               op1=nl.add, operand1=kv)
                     S[j] = S_next
                 if c + 1 < n_chunks:
-                    pending = load_chunk(c + 1)
+                    pending = _load_chunk(q, k, v, a, b, bi, hs, group, c + 1)
                 for j, h in enumerate(hs):
                     nisa.dma_copy(dst=o_out[bi, h, t0:t0 + n, :], src=outs[j][0:n, :])
 

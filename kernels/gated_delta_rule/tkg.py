@@ -169,7 +169,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             state_mm = []
             for gi, (h0, hn) in enumerate(groups):
                 tile_mm = nl.ndarray((dk, hn, dv), dtype=mm, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=tile_mm, src=state[gi], engine=nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar)
+                engine = nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar
+                nisa.tensor_copy(dst=tile_mm, src=state[gi], engine=engine)
                 state_mm.append(tile_mm)
 
         # ------------------------------------------------------------ conv window: [state | x], heads on partitions

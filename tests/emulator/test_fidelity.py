@@ -2,8 +2,9 @@
 
 * ``nl.NKIObject`` subclasses get a generated ``__init__`` (NKI language guide, "Class Support": "the compiler will
   create the initializer functions __init__ and __post_init__, if they are not provided by the user").
-* ``nl.ndarray(..., address=(partition_offset, free_offset))`` places a buffer at that byte offset (``nki.language.ndarray``
-  page); buffers placed on the same bytes share them, so reusing PSUM banks on purpose is not over capacity.
+* ``nl.ndarray(..., address=(partition_offset, free_offset))`` places a buffer at that byte offset
+  (``nki.language.ndarray`` page); buffers placed on the same bytes share them, so reusing PSUM banks on purpose is
+  not over capacity.
 * ``nisa.dma_transpose`` permutes a 3-D source by [2, 1, 0] and a 4-D source by [3, 1, 2, 0] (``nki.isa.dma_transpose``
   page), not as a flattened 2-D transpose.
 * ``nisa.dma_copy`` with a runtime ``scalar_offset`` checks bounds when it runs and skips the access under

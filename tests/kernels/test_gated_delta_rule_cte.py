@@ -65,6 +65,15 @@ def test_prefill_2b_layer_shape(dtype, tol):
     check(o_ref, o_nki, ref, nki, seq_ids, lengths, tol)
 
 
+@pytest.mark.parametrize("T,lengths", [(1, [1, 1]), (5, [5, 2]), (128, [128, 127])])
+def test_short_and_exact_chunk_prompts(T, lengths):
+    """One token, a few tokens (one partial chunk), exactly one chunk: fp32 within 1e-4."""
+    inputs = make(2, 2, 2, 4, 16, 16, T, torch.float32, seed=7)
+    seq_ids, lengths = torch.tensor([1, 0]), torch.tensor(lengths)
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids, lengths)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 1e-4)
+
+
 def test_tf32_operands_bf16():
     """tf32_matmul=True (tf32 TensorE operands) with bf16 inputs: within the bf16 tolerance, mixed lengths."""
     inputs = make(2, 3, 2, 4, 32, 32, 200, torch.bfloat16, seed=6)
