@@ -193,7 +193,8 @@ class Qwen35Config:
             linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope["rope_theta"]),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            # transformers' Qwen3.5 default: a quarter of each head is rotated.
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 0.25)),
             mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
             mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
             tie_word_embeddings=bool(tie),

@@ -132,3 +132,13 @@ def test_transformers_autoconfig_reads_qwen35_folders(tmp_path):
     own = type(config).__module__.startswith("optimum_qwen35")
     assert own == (int(transformers.__version__.split(".")[0]) < 5)
     assert not optimum_qwen35.register_transformers_configs()  # idempotent: never registers twice
+
+
+def test_partial_rotary_factor_defaults_as_in_transformers():
+    """A config without partial_rotary_factor rotates a quarter of each head, as transformers' Qwen3.5 does."""
+    from optimum_qwen35.testing import tiny_text_config
+
+    text = tiny_text_config("tiny-2b")
+    text["rope_parameters"] = {k: v for k, v in text["rope_parameters"].items() if k != "partial_rotary_factor"}
+    c = Qwen35Config.from_dict(text)
+    assert c.partial_rotary_factor == 0.25 and c.rotary_dim == text["head_dim"] // 4
