@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import causal_conv1d as _conv
+from . import causal_conv1d_reference as _conv
 from . import gated_delta_rule as _gdr
 from .gated_delta_rule import fused as _fused
 

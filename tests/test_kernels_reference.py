@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from optimum_qwen35 import kernels
-from optimum_qwen35.kernels.causal_conv1d import causal_conv1d, causal_conv1d_step
+from optimum_qwen35.kernels.causal_conv1d_reference import causal_conv1d, causal_conv1d_step
 from optimum_qwen35.kernels.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -128,3 +128,14 @@ def test_dispatch_point():
         assert calls == [(1, 3)]
     finally:
         kernels.set_backend("torch")
+
+
+def test_dispatch_functions_are_not_shadowed_by_modules():
+    """`kernels.causal_conv1d` is the dispatched function; no module of that name can replace it on import."""
+    import importlib.util
+
+    from optimum_qwen35 import kernels
+
+    for name in ("causal_conv1d", "causal_conv1d_step", "chunk_gated_delta_rule", "recurrent_gated_delta_rule_step"):
+        assert importlib.util.find_spec(f"optimum_qwen35.kernels.{name}") is None, name
+        assert callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels)), name
