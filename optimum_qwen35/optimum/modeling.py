@@ -453,10 +453,12 @@ def _export_config(config, model_id, dtype):
 def _is_export_repo(model_id, revision, token) -> bool:
     """Whether a Hub repo holds an export (a neuron_config.json); errors (missing repo, offline...) are left
     to the download that follows."""
-    from huggingface_hub import file_exists  # noqa: PLC0415
+    from huggingface_hub import HfApi  # noqa: PLC0415
 
+    api = HfApi(token=token)
     try:
-        return file_exists(os.fspath(model_id), nc.NEURON_CONFIG_FILE, revision=revision, token=token)
+        api.repo_info(os.fspath(model_id), revision=revision)  # a missing repo or revision: resolve_export says so
+        return api.file_exists(os.fspath(model_id), nc.NEURON_CONFIG_FILE, revision=revision)
     except Exception:  # noqa: BLE001
         return True
 

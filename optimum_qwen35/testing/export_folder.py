@@ -58,6 +58,12 @@ def neuron_config_dict(
     }
 
 
+def _torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch").split("+")[0]
+
+
 def build_fake_export(
     out: str | os.PathLike,
     source: str | os.PathLike,
@@ -100,7 +106,9 @@ def build_fake_export(
                 name = f"{graph}_rank{rank}.pt2"
                 (compiled / name).write_bytes(rng.bytes(weights_bytes // 4))
                 programs.append(name)
-        (compiled / "graphs.json").write_text(json.dumps({"programs": programs}, indent=2) + "\n")
+        # The real manifest's fields that the Hub side reads (runtime/compiled.py writes the whole of it).
+        manifest = {"format": "optimum-qwen35-cpu-graphs", "torch_version": _torch_version(), "programs": programs}
+        (compiled / "graphs.json").write_text(json.dumps(manifest, indent=2) + "\n")
         checkpoint = out / "checkpoint"
         checkpoint.mkdir(exist_ok=True)
         ranks = []
