@@ -72,6 +72,31 @@ def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
         raise CheckpointError("\n".join(lines))
 
 
+def check_finite(tensors, where: str) -> None:
+    """Refuse weights holding NaN or Inf, naming each such tensor.
+
+    One cheap pass per tensor: a sum is finite only if every element is (NaN and Inf propagate), so the
+    exact, slower count runs only on a tensor whose sum is not (a bf16 sum accumulates in fp32 and has
+    fp32's range; fp16 is summed in fp32 so that a large tensor does not overflow).
+    """
+    bad = []
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
+        if torch.isfinite(total):
+            continue
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        if nan or inf:
+            bad.append(f"{name} ({nan} NaN, {inf} Inf of {tensor.numel()})")
+    if bad:
+        shown = bad[:10] + ([f"... and {len(bad) - 10} more"] if len(bad) > 10 else [])
+        raise CheckpointError(
+            f"{where}: weights hold NaN or Inf values: {', '.join(shown)}. The file is corrupt or was saved from a "
+            "diverged model: download or export it again"
+        )
+
+
 def decoder_name(name: str) -> str:
     return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
 
