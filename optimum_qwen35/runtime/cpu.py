@@ -227,7 +227,7 @@ class Qwen35ForCausalLM:
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt."""
-        prompts = validation.token_ids(prompts, self.config.vocab_size)
+        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         for p in prompts:
             self.bucket_for(len(p))  # every prompt is checked before the first graph runs
         results = []
