@@ -100,9 +100,12 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
 def cmd_demo(args) -> int:
     from .testing import build_tiny_checkpoint
 
+    from .output import output_folder
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out) if args.out else Path(tmp) / "tiny-qwen3.5"
-        build_tiny_checkpoint(folder, args.layout)
+        with output_folder(folder, overwrite=args.overwrite) as partial:
+            build_tiny_checkpoint(partial, args.layout)
         print(f"built a tiny random Qwen3.5 checkpoint ({args.layout}) at {folder}: its replies are noise by design")
         return _generate(folder, args.prompt, args.max_new_tokens, args.dtype, raw=False)
 
@@ -125,8 +128,11 @@ def cmd_shard(args) -> int:
 def cmd_build_tiny(args) -> int:
     from .testing import build_tiny_checkpoint
 
-    path = build_tiny_checkpoint(args.out, args.layout, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {path}")
+    from .output import output_folder
+
+    with output_folder(args.out, overwrite=args.overwrite) as partial:
+        build_tiny_checkpoint(partial, args.layout, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default="tiny-2b", choices=["tiny-2b", "tiny-nv2x", "tiny-nv3x"])
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--out", help="keep the tiny checkpoint in this folder (default: a temporary one)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --out, whole")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="greedy generation on the CPU graphs")
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", default="tiny-2b", choices=["tiny-2b", "tiny-nv2x", "tiny-nv3x"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT, whole")
     p.set_defaults(func=cmd_build_tiny)
 
     args = parser.parse_args(argv)

@@ -163,6 +163,11 @@ def test_bad_model_arguments(ckpt, label, kwargs, error, message):
     assert message in str(err.value)
 
 
+def test_constructor_needs_a_decoder(ckpt):
+    with pytest.raises(UsageError, match=r"takes a loaded decoder, got PosixPath; to load a folder use .*from_pretrained"):
+        Qwen35ForCausalLM(ckpt)
+
+
 def test_dtype_by_name(ckpt):
     """`dtype="bfloat16"` (and "bf16", "torch.bfloat16") means torch.bfloat16, not a device string."""
     for name in ("bfloat16", "bf16", "torch.bfloat16", "BF16"):
@@ -310,6 +315,8 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "4", str(export)], "pass --overwrite"),
         (["shard", "--model", str(export), "--tensor-parallel-size", "2", str(tmp_path / "o")], "is a sharded export"),
         (["generate", "--model", str(ckpt)], "the following arguments are required: --prompt"),
+        (["build-tiny", str(ckpt)], "already holds a model or an export"),
+        (["demo", "--out", str(export)], "already holds a model or an export"),
     ]
     for argv, message in cases:
         status, out, err = run_cli(argv, capsys)

@@ -102,6 +102,11 @@ class Qwen35ForCausalLM:
         buckets: Sequence[int] | None = None,
         trace: bool = False,
     ):
+        if not isinstance(decoder, Qwen35Decoder):
+            raise UsageError(
+                f"Qwen35ForCausalLM takes a loaded decoder, got {type(decoder).__name__}; to load a folder use "
+                "Qwen35ForCausalLM.from_pretrained(path, ...)"
+            )
         self.decoder, self.config = decoder, decoder.config
         self.batch_size = validation.positive_int(batch_size, "batch_size")
         self.max_length = validation.positive_int(max_length, "max_length")
