@@ -1,10 +1,16 @@
-"""Qwen3.5 for AWS Trainium and Inferentia through optimum-neuron, with every part that can run on CPU tested there."""
+"""Qwen3.5 for AWS Trainium and Inferentia through optimum-neuron, with every part that can run on CPU tested there.
 
-from .config import Qwen35Config, UnsupportedModelError, register_transformers_configs
+Importing this package imports only the standard library. It installs an import hook (`_startup`) that
+registers Qwen3.5 with transformers 4.57 (optimum-neuron's pin, which predates it) and with optimum-neuron
+as soon as the program imports them; the installed `optimum_qwen35.pth` does the same in every interpreter.
+"""
+
+from . import _startup
+from .config import Qwen35Config, register_transformers_configs
+from .errors import Qwen35Error, UnsupportedModelError
 
 __version__ = "0.1.0.dev0"
 
-# transformers 4.57 (optimum-neuron's pin) has no `qwen3_5`: teach its AutoConfig to read Qwen3.5 folders.
-register_transformers_configs()
+_startup.install()
 
-__all__ = ["Qwen35Config", "UnsupportedModelError", "register_transformers_configs", "__version__"]
+__all__ = ["Qwen35Config", "Qwen35Error", "UnsupportedModelError", "register_transformers_configs", "__version__"]

@@ -88,6 +88,12 @@ class Qwen3_5Config(PretrainedConfig):
 
     def __init__(self, text_config=None, vision_config=None, tie_word_embeddings=False, **kwargs):
         if isinstance(text_config, dict):
+            # optimum-neuron reads the dtype from the text config: one without it inherits the file's, or
+            # bfloat16 (the dtype of every published Qwen3.5 checkpoint).
+            dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or "bfloat16"
+            text_config = {"dtype": dtype, **{k: v for k, v in text_config.items() if v is not None or k != "dtype"}}
+            if text_config.get("torch_dtype") and "dtype" not in text_config:
+                text_config["dtype"] = text_config["torch_dtype"]
             text_config = Qwen3_5TextConfig(**text_config)
         self.text_config = text_config if text_config is not None else Qwen3_5TextConfig()
         if isinstance(vision_config, dict):

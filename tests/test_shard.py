@@ -71,7 +71,7 @@ class ShapeOnlyLayers(TorchLayers):
     """TorchLayers without the torch.distributed check: used only to read per-rank parameter shapes."""
 
     def __init__(self, tp_degree: int, rank: int):
-        self.tp_degree, self.rank, self.group = tp_degree, rank, None
+        super().__init__(tp_degree, rank, group="unused: shapes only")
 
 
 def decoder_shapes(config: Qwen35Config, tp_degree: int) -> dict[str, tuple[int, ...]]:

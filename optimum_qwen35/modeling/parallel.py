@@ -2,8 +2,12 @@
 
 The model asks the factory for column-parallel and row-parallel linears, a vocab-parallel embedding
 and lm_head. Sizes are always given per rank. `TorchLayers` builds plain torch modules with
-torch.distributed collectives (tensor parallelism on CPU with gloo, or none at tp_degree 1). A Neuron
-factory, with the same four methods over neuronx-distributed's parallel layers, is not written yet.
+torch.distributed's functional collectives (tensor parallelism on CPU with gloo, or none at tp_degree 1).
+A Neuron factory, with the same four methods over neuronx-distributed's parallel layers, is not written yet.
+
+The collectives are the functional ones (`_c10d_functional`, named by process-group name, returning new
+tensors): `torch.export` records them as graph ops, so one exported program serves every rank, and the
+rank itself is a tensor (`embed_tokens.rank`), not a Python constant, for the same reason.
 
 Weight shards follow neuronx-distributed's contract (ColumnParallelLinear splits the output dim into
 contiguous rank blocks, RowParallelLinear the input dim, ParallelEmbedding the vocab), so both
@@ -56,26 +60,42 @@ class ShardedDims:
         )
 
 
+def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Sum over the ranks of the group (a new tensor)."""
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", group_name))
+
+
+def all_gather_last_dim(x: torch.Tensor, tp_degree: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's x along the last dimension, in rank order."""
+    gathered = torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), tp_degree, group_name)
+    gathered = torch.ops._c10d_functional.wait_tensor(gathered)  # [t * d0, ...]: rank blocks along dim 0
+    parts = gathered.view(tp_degree, *x.shape)
+    return parts.movedim(0, -2).reshape(*x.shape[:-1], tp_degree * x.shape[-1])
+
+
 class RowParallelLinear(nn.Linear):
     """A linear over this rank's slice of the input features, summed across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, group=None, tp_degree: int = 1):
+    def __init__(self, in_features: int, out_features: int, group_name: str | None = None, tp_degree: int = 1):
         super().__init__(in_features, out_features, bias=False)
-        self.group, self.tp_degree = group, tp_degree
+        self.group_name, self.tp_degree = group_name, tp_degree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.tp_degree > 1:
-            dist.all_reduce(y, group=self.group)
+            y = all_reduce(y, self.group_name)
         return y
 
 
 class VocabParallelEmbedding(nn.Embedding):
     """This rank's contiguous block of vocabulary rows; other ids read zeros, then ranks sum."""
 
-    def __init__(self, vocab_per_rank: int, hidden_size: int, rank: int = 0, group=None, tp_degree: int = 1):
+    def __init__(self, vocab_per_rank: int, hidden_size: int, rank: int = 0, group_name: str | None = None, tp_degree: int = 1):
         super().__init__(vocab_per_rank, hidden_size)
-        self.start, self.group, self.tp_degree = rank * vocab_per_rank, group, tp_degree
+        self.group_name, self.tp_degree = group_name, tp_degree
+        # The rank as a tensor, loaded with the weights (as neuronx-distributed's rank_util does), so that the
+        # same graph serves every rank. Built on the CPU even under the meta device: it is not a checkpoint tensor.
+        self.register_buffer("rank", torch.tensor([rank], dtype=torch.int64, device="cpu"))
 
     def reset_parameters(self) -> None:
         # On the meta device (weights loaded afterwards) skip the random init: meta normal_ imports torch._dynamo (~2 s).
@@ -85,19 +105,18 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_degree == 1:
             return super().forward(ids)
-        local = ids - self.start
+        local = ids - self.rank * self.num_embeddings
         inside = (local >= 0) & (local < self.num_embeddings)
         y = super().forward(torch.where(inside, local, torch.zeros_like(local))) * inside[..., None]
-        dist.all_reduce(y, group=self.group)
-        return y
+        return all_reduce(y, self.group_name)
 
 
 class VocabParallelHead(nn.Linear):
     """lm_head over this rank's vocabulary block; logits are gathered whole and the padding cut off."""
 
-    def __init__(self, hidden_size: int, vocab_per_rank: int, vocab_size: int, group=None, tp_degree: int = 1):
+    def __init__(self, hidden_size: int, vocab_per_rank: int, vocab_size: int, group_name: str | None = None, tp_degree: int = 1):
         super().__init__(hidden_size, vocab_per_rank, bias=False)
-        self.vocab_size, self.group, self.tp_degree = vocab_size, group, tp_degree
+        self.vocab_size, self.group_name, self.tp_degree = vocab_size, group_name, tp_degree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Logits come out in fp32 (float64 for float64 models) whatever the weights' dtype: operands in
@@ -106,29 +125,34 @@ class VocabParallelHead(nn.Linear):
         acc = torch.promote_types(x.dtype, torch.float32)
         y = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
         if self.tp_degree > 1:
-            parts = [torch.empty_like(y) for _ in range(self.tp_degree)]
-            dist.all_gather(parts, y.contiguous(), group=self.group)
-            y = torch.cat(parts, dim=-1)
+            y = all_gather_last_dim(y, self.tp_degree, self.group_name)
         return y[..., : self.vocab_size]
 
 
 class TorchLayers:
-    """Plain torch layers; with tp_degree > 1, torch.distributed collectives over `group`."""
+    """Plain torch layers; with tp_degree > 1, torch.distributed collectives over `group`.
+
+    `group` may be a process group or its name. Building the layers does not need torch.distributed
+    (a graph can be built on the meta device and exported anywhere); running them at tp_degree > 1 does.
+    """
 
     def __init__(self, tp_degree: int = 1, rank: int = 0, group=None):
-        if tp_degree > 1 and not dist.is_initialized():
-            raise RuntimeError("tensor parallelism on CPU needs torch.distributed initialized (gloo) first")
-        self.tp_degree, self.rank, self.group = tp_degree, rank, group
+        if group is None and tp_degree > 1:
+            if not dist.is_initialized():
+                raise RuntimeError("tensor parallelism on CPU needs torch.distributed initialized (gloo) first")
+            group = dist.group.WORLD
+        self.tp_degree, self.rank = tp_degree, rank
+        self.group_name = group if isinstance(group, str) or group is None else group.group_name
 
     def column_linear(self, in_features: int, out_features_per_rank: int) -> nn.Module:
         # Column-parallel output stays sharded: the next row-parallel layer consumes it as is.
         return nn.Linear(in_features, out_features_per_rank, bias=False)
 
     def row_linear(self, in_features_per_rank: int, out_features: int) -> nn.Module:
-        return RowParallelLinear(in_features_per_rank, out_features, self.group, self.tp_degree)
+        return RowParallelLinear(in_features_per_rank, out_features, self.group_name, self.tp_degree)
 
     def embedding(self, vocab_per_rank: int, hidden_size: int) -> nn.Module:
-        return VocabParallelEmbedding(vocab_per_rank, hidden_size, self.rank, self.group, self.tp_degree)
+        return VocabParallelEmbedding(vocab_per_rank, hidden_size, self.rank, self.group_name, self.tp_degree)
 
     def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int) -> nn.Module:
-        return VocabParallelHead(hidden_size, vocab_per_rank, vocab_size, self.group, self.tp_degree)
+        return VocabParallelHead(hidden_size, vocab_per_rank, vocab_size, self.group_name, self.tp_degree)

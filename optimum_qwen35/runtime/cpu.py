@@ -72,6 +72,7 @@ def load_decoder(
         check_finite(params, f"{path} (rank {rank} of {tp_degree})" if tp_degree > 1 else str(path))
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
+    params.update(rank_tensors(rank))
     result = decoder.load_state_dict(params, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(
@@ -80,6 +81,11 @@ def load_decoder(
     if config.tie_word_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
     return decoder.eval()
+
+
+def rank_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """The per-rank tensors that are not checkpoint weights (loaded beside them, one graph for every rank)."""
+    return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int64)}
 
 
 def default_buckets(max_length: int, smallest: int = DEFAULT_BUCKET_MIN) -> list[int]:
@@ -107,7 +113,14 @@ class Qwen35ForCausalLM:
                 f"Qwen35ForCausalLM takes a loaded decoder, got {type(decoder).__name__}; to load a folder use "
                 "Qwen35ForCausalLM.from_pretrained(path, ...)"
             )
-        self.decoder, self.config = decoder, decoder.config
+        self._set_shapes(decoder.config, batch_size, max_length, buckets)
+        self.decoder, self.trace = decoder, trace
+        self.state_specs = decoder.state_specs(batch_size, max_length)
+        self.state = allocate_state(self.state_specs)
+        self._graphs: dict[tuple, torch.nn.Module] = {}
+
+    def _set_shapes(self, config: Qwen35Config, batch_size: int, max_length: int, buckets: Sequence[int] | None) -> None:
+        self.config = config
         self.batch_size = validation.positive_int(batch_size, "batch_size")
         self.max_length = validation.positive_int(max_length, "max_length")
         if buckets is not None and not isinstance(buckets, Sequence):
@@ -119,10 +132,6 @@ class Qwen35ForCausalLM:
                 f"bucket {self.buckets[-1]} is longer than max_length {max_length}; "
                 "drop that bucket or raise max_length"
             )
-        self.trace = trace
-        self.state_specs = decoder.state_specs(batch_size, max_length)
-        self.state = allocate_state(self.state_specs)
-        self._graphs: dict[tuple, torch.nn.Module] = {}
 
     @classmethod
     def from_pretrained(
@@ -206,9 +215,7 @@ class Qwen35ForCausalLM:
             ids[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int32)
             mask[row, : len(p)] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32) * mask
-        out = self._graph("context", T, all_logits)(ids, mask, positions, self._seq_ids(slots), *self.state)
-        self.state = list(out[1:])
-        return out[0][: len(prompts)]
+        return self._run_context(T, all_logits, ids, mask, positions, self._seq_ids(slots))[: len(prompts)]
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
@@ -225,9 +232,18 @@ class Qwen35ForCausalLM:
         pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
         pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
-        out = self._graph("token", 1)(ids, pos, self._seq_ids(slots), *self.state)
+        return self._run_token(ids, pos, self._seq_ids(slots))[: len(tokens)]
+
+    # The graph calls: the state list goes in and comes back (a compiled runtime keeps it elsewhere).
+    def _run_context(self, length: int, all_logits: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        out = self._graph("context", length, all_logits)(*inputs, *self.state)
         self.state = list(out[1:])
-        return out[0][: len(tokens)]
+        return out[0]
+
+    def _run_token(self, *inputs: torch.Tensor) -> torch.Tensor:
+        out = self._graph("token", 1)(*inputs, *self.state)
+        self.state = list(out[1:])
+        return out[0]
 
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -248,14 +264,19 @@ class Qwen35ForCausalLM:
         max_new_tokens: int = 32,
         eos_token_id: int | Sequence[int] | None = None,
         streamer=None,
+        sampler=None,
     ) -> list[list[int]]:
-        """Greedy decoding; returns up to `max_new_tokens` (>= 1) new tokens of each prompt, stopping after an
-        EOS token. Every argument is checked before the first graph runs."""
+        """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
+        (>= 1) new tokens of each prompt, stopping after an EOS token. Prompts beyond `batch_size` run in
+        successive waves. `streamer(step, tokens)` is called once per step with the tokens of the wave's
+        rows. Every argument is checked before the first graph runs."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
         eos = validation.eos_ids(eos_token_id)
-        if streamer is not None and not callable(streamer):
-            raise UsageError(f"streamer must be a callable (step, tokens) or None, got {type(streamer).__name__}")
+        for name, fn in (("streamer", streamer), ("sampler", sampler)):
+            if fn is not None and not callable(fn):
+                raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        pick = sampler or (lambda logits: logits.argmax(-1))
         for p in prompts:
             self.bucket_for(len(p))  # a prompt longer than every bucket gets that error first
             if len(p) + max_new_tokens > self.max_length:
@@ -267,7 +288,7 @@ class Qwen35ForCausalLM:
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
             slots = list(range(len(group)))
-            next_tokens = self.prefill(group, slots).argmax(-1).tolist()
+            next_tokens = pick(self.prefill(group, slots)).tolist()
             positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
@@ -280,7 +301,7 @@ class Qwen35ForCausalLM:
                     streamer(step, next_tokens[: len(group)])
                 if all(done) or step == max_new_tokens - 1:
                     break
-                next_tokens = self.decode(next_tokens, positions, slots).argmax(-1).tolist()
+                next_tokens = pick(self.decode(next_tokens, positions, slots)).tolist()
                 positions = [p + 1 for p in positions]
             results += outputs
         return results

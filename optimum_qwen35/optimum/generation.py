@@ -1,0 +1,111 @@
+"""`generate` as transformers and optimum-neuron users call it, on top of the runtime's slot-based loop.
+
+The runtime (`Qwen35ForCausalLM.generate`) takes token lists and returns each prompt's new tokens; this
+module turns a padded `input_ids`/`attention_mask` batch and a `GenerationConfig` (plus keyword
+overrides) into that call, picks tokens on the host (greedy, or sampling through transformers' own
+temperature / top-k / top-p warpers and `torch.multinomial`, so that `torch.manual_seed` makes it
+reproducible), feeds a streamer, and returns `[batch, prompt + new]` like `transformers.generate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from ..errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+def _token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens (left or right padding both accepted)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise UsageError("input_ids must be a 2-D integer tensor [batch, length] (e.g. tokenizer(..., return_tensors='pt'))")
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise UsageError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+    if any(not p for p in prompts):
+        raise UsageError("a row of attention_mask is all zeros: every prompt needs at least one token")
+    return prompts
+
+
+def _sampler(config):
+    """Token choice from the generation config: argmax, or a sample from the warped distribution."""
+    if not config.do_sample:
+        return None
+    from transformers.generation.logits_process import (  # noqa: PLC0415
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        if config.temperature <= 0:
+            raise UsageError(f"temperature must be > 0 when sampling, got {config.temperature}")
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k > 0:
+        warpers.append(TopKLogitsWarper(config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(config.top_p))
+    no_ids = torch.empty(0, dtype=torch.long)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = warpers(no_ids, logits.float())
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+
+    return sample
+
+
+def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+    """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config."""
+    config = copy.deepcopy(generation_config if generation_config is not None else default_config)
+    unused = config.update(**kwargs)
+    unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "output_attentions")}
+    if unused:
+        raise UsageError(f"generate() does not take {sorted(unused)}; see transformers.GenerationConfig for the options")
+    if config.num_beams not in (None, 1):
+        raise UsageError("beam search is not supported: use greedy decoding or sampling (num_beams=1)")
+    prompts = _token_lists(input_ids, attention_mask)
+    longest = max(len(p) for p in prompts)
+    max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    room = runtime.max_length - longest
+    if room < 1:
+        raise UsageError(
+            f"the prompt ({longest} tokens) fills the compiled sequence length ({runtime.max_length}); "
+            "shorten it or export the model with a larger sequence_length"
+        )
+    if max_new_tokens > room:
+        logger.warning(
+            "generation stops after %d new tokens: prompt (%d) + new tokens reach the compiled sequence length %d",
+            room, longest, runtime.max_length,
+        )
+        max_new_tokens = room
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+
+    on_step = None
+    if streamer is not None:
+        if len(prompts) != 1:
+            raise UsageError("a streamer takes one prompt at a time (batch size 1), as in transformers")
+        streamer.put(input_ids[:1].cpu())
+
+        def on_step(step, tokens):
+            streamer.put(torch.tensor(tokens[:1]))
+
+    new_tokens = runtime.generate(prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config))
+    if streamer is not None:
+        streamer.end()
+    width = max(len(t) for t in new_tokens)
+    tail = torch.full((len(prompts), width), pad, dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)

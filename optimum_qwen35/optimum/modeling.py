@@ -1,0 +1,463 @@
+"""Qwen3.5 as an optimum-neuron model: `Qwen35NeuronModelForCausalLM`, a `NeuronModelForCausalLM`.
+
+The optimum-neuron flow, unchanged:
+
+    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        "path/or/hub-id", batch_size=4, sequence_length=4096, tensor_parallel_size=4, dtype="bfloat16", target="cpu"
+    )
+    model = Qwen35NeuronModelForCausalLM.export("path/or/hub-id", neuron_config, load_weights=True)
+    model.save_pretrained("out/")
+    model = Qwen35NeuronModelForCausalLM.from_pretrained("out/")      # in any process
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=50)
+
+One class, one flow; the compilation target (`neuron_config.target`) only changes how graphs are built
+and run: "cpu" runs this project's `torch.export` graphs (`runtime/compiled.py`), "trn1"/"trn2" the
+neuronx-distributed backend (the Neuron SDK; not part of this version).
+
+An export folder:
+
+    config.json              the text config (qwen3_5_text), `_name_or_path` = the source checkpoint
+    neuron_config.json       a plain NxDNeuronConfig (see neuron_config.py)
+    generation_config.json, tokenizer files
+    compiled/, checkpoint/   cpu target: the programs and each rank's weights (runtime/compiled.py)
+
+`save_pretrained` writes it atomically: into a hidden sibling folder, renamed into place when complete,
+so an interrupted save never leaves a folder that loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from pathlib import Path
+
+import torch
+from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
+from transformers import AutoConfig, GenerationConfig
+
+from ..config import Qwen35Config
+from ..errors import ExportError, IncompatibleExportError, ModelNotFoundError, UsageError
+from . import neuron_config as nc
+from . import registration
+
+logger = logging.getLogger(__name__)
+
+# Files copied from the source checkpoint next to the compiled model (those that exist).
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+# What a Hub download of a source checkpoint needs (no vision-only files are skipped: they are small).
+CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+
+
+def _neuron_sdk_available() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return all(importlib.util.find_spec(m) is not None for m in ("torch_neuronx", "neuronx_distributed"))
+
+
+def _neuron_backend_unavailable(target: str) -> IncompatibleExportError:
+    if not _neuron_sdk_available():
+        reason = "the Neuron SDK (torch-neuronx, neuronx-distributed) is not installed here"
+    else:
+        reason = "this version of optimum-qwen35 has no Neuron (neuronx-distributed) backend yet"
+    return IncompatibleExportError(
+        f"target {target!r} needs the Neuron backend, but {reason}: use target='cpu' (`--target cpu`) on this machine"
+    )
+
+
+def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, allow_patterns=None) -> Path:
+    """A local folder as is, or a Hub snapshot (downloaded into the Hugging Face cache)."""
+    path = Path(model_id)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"{model_id} is a file, not a model folder")
+    text = os.fspath(model_id)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"{model_id} is neither a local folder nor a Hugging Face Hub id (owner/name)")
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError  # noqa: PLC0415
+
+    try:
+        return Path(snapshot_download(text, revision=revision, token=token, allow_patterns=allow_patterns))
+    except RepositoryNotFoundError as error:
+        raise ModelNotFoundError(f"no model {text!r} on the Hub (or no access with this token): check the id and the token") from error
+    except LocalEntryNotFoundError as error:
+        raise ModelNotFoundError(
+            f"{text!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?): download it first"
+        ) from error
+    except HfHubHTTPError as error:
+        raise ModelNotFoundError(f"could not download {text!r} from the Hub: {error}") from error
+
+
+def _copy_side_files(source: Path, target: Path) -> None:
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """Hard links where the file system allows (a cpu export is mostly weights), copies elsewhere."""
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link_or_copy)
+
+
+def _is_export(folder: Path) -> bool:
+    return (folder / nc.NEURON_CONFIG_FILE).is_file()
+
+
+class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
+    """Qwen3.5 (dense, text) for optimum-neuron, on a Neuron target or on this project's cpu target."""
+
+    main_input_name = "input_ids"
+    # optimum-neuron main's chunked-prefill switch: this model's state must not be prefilled in chunks there.
+    _supports_chunked_prefill = False
+
+    def __init__(self, config, neuron_config, folder: str | os.PathLike, owns_folder: bool = False):
+        self.config = config
+        self.neuron_config = neuron_config
+        self.folder = Path(folder)
+        generation_file = self.folder / "generation_config.json"
+        if generation_file.is_file():
+            self.generation_config = GenerationConfig.from_pretrained(self.folder)
+        else:
+            self.generation_config = GenerationConfig.from_model_config(config)
+        self._runtime = None
+        # An export's work folder goes away with the model; a loaded folder is the user's.
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True) if owns_folder else None
+
+    # ------------------------------------------------------------------ configuration
+    @classmethod
+    def get_neuron_config(
+        cls,
+        model_name_or_path,
+        config=None,
+        token=None,
+        revision=None,
+        instance_type: str | None = None,
+        batch_size: int | None = None,
+        sequence_length: int | None = None,
+        tensor_parallel_size: int | None = None,
+        dtype=None,
+        target: str | None = None,
+    ):
+        """optimum-neuron's `get_neuron_config`, plus `dtype` and a `target` that may be "cpu".
+
+        `target` (or `instance_type`) defaults to "cpu" where the Neuron SDK is not installed. A text config
+        without `dtype` gets bfloat16 (optimum-neuron 0.4.5 fails there).
+        """
+        if target is not None and instance_type is not None and target != instance_type:
+            raise UsageError(f"target={target!r} and instance_type={instance_type!r} disagree: give one of them")
+        target = target or instance_type
+        if target is None:
+            target = "cpu" if not _neuron_sdk_available() else None
+        if target is None:
+            from optimum.neuron.utils.instance import get_default_compilation_target  # noqa: PLC0415
+
+            target = get_default_compilation_target()
+        target = nc.normalize_target(target)
+        folder = Path(model_name_or_path)
+        checkpoint_id = checkpoint_revision = None
+        if not folder.is_dir():
+            checkpoint_id = os.fspath(model_name_or_path)
+            folder = _local_or_download(checkpoint_id, revision, token, allow_patterns=["config.json"])
+            checkpoint_revision = _snapshot_revision(folder) or revision
+        if config is None:
+            config = AutoConfig.from_pretrained(folder).get_text_config()
+        qwen_config = Qwen35Config.from_pretrained(folder)
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+        if tensor_parallel_size is None:
+            tensor_parallel_size = 1 if target == "cpu" else _available_neuron_cores()
+        if batch_size is None:
+            batch_size = 1
+        if sequence_length is None:
+            sequence_length = min(qwen_config.max_position_embeddings, 4096)
+        for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("tensor_parallel_size", tensor_parallel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        try:
+            qwen_config.check_tp_degree(tensor_parallel_size)
+        except ValueError as error:
+            raise UsageError(str(error)) from error
+        return cls._get_neuron_config(
+            checkpoint_id=checkpoint_id,
+            checkpoint_revision=checkpoint_revision,
+            instance_type=target,
+            batch_size=batch_size,
+            sequence_length=sequence_length,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=nc.normalize_dtype(dtype),
+        )
+
+    @classmethod
+    def _get_neuron_config(
+        cls,
+        checkpoint_id,
+        checkpoint_revision,
+        instance_type,
+        batch_size,
+        sequence_length,
+        tensor_parallel_size,
+        dtype,
+        **kwargs,  # optimum-neuron main adds prefill_chunk_size
+    ):
+        from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
+
+        return NxDNeuronConfig(
+            checkpoint_id=checkpoint_id,
+            checkpoint_revision=checkpoint_revision,
+            batch_size=batch_size,
+            sequence_length=sequence_length,
+            tp_degree=tensor_parallel_size,
+            torch_dtype=dtype,
+            target=nc.normalize_target(instance_type),
+            continuous_batching=batch_size > 1,
+            # Tokens are chosen on the host, from fp32 logits (greedy or transformers' warpers).
+            on_device_sampling=False,
+            speculation_length=0,
+        )
+
+    # ------------------------------------------------------------------ export
+    @classmethod
+    def _export(
+        cls,
+        model_id,
+        config,
+        neuron_config,
+        token=None,
+        revision=None,
+        cache_dir=None,
+        force_download=False,
+        local_files_only=False,
+        trust_remote_code=False,
+        load_weights=False,
+        **kwargs,
+    ):
+        if neuron_config.target != nc.CPU_TARGET:
+            raise _neuron_backend_unavailable(neuron_config.target)
+        from ..checkpoint.shard import save_sharded  # noqa: PLC0415
+        from ..runtime.compiled import CHECKPOINT_DIR, COMPILED_DIR, compile_graphs  # noqa: PLC0415
+        from ..runtime.cpu import default_buckets  # noqa: PLC0415
+
+        source = _local_or_download(model_id, revision, token, allow_patterns=CHECKPOINT_PATTERNS)
+        qwen_config = Qwen35Config.from_pretrained(source)
+        qwen_config.check_tp_degree(neuron_config.tp_degree)
+        dtype = neuron_config.torch_dtype
+        work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
+        try:
+            save_sharded(source, qwen_config, neuron_config.tp_degree, work / CHECKPOINT_DIR, dtype)
+            # Context buckets from 128 tokens up: each bucket is one more program to export and load.
+            buckets = default_buckets(neuron_config.sequence_length, smallest=128)
+            compile_graphs(
+                qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
+                buckets, dtype, work / COMPILED_DIR,
+            )
+            _copy_side_files(source, work)
+            config = _export_config(config, model_id, dtype)
+            config.save_pretrained(work)
+            nc.save(neuron_config, work)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        model = cls(config, neuron_config, work, owns_folder=True)
+        if load_weights:
+            model.runtime  # noqa: B018 (loads the graphs' weights now)
+        return model
+
+    # ------------------------------------------------------------------ save / load
+    def save_pretrained(self, save_directory, overwrite: bool = False, **kwargs) -> None:
+        """Write the export to `save_directory` atomically (staged in a hidden sibling, then renamed).
+
+        An existing non-empty folder is refused unless `overwrite=True`, and then replaced whole.
+        """
+        target = Path(save_directory).absolute()
+        if target == self.folder.absolute():
+            return
+        if target.exists() and not target.is_dir():
+            raise ExportError(f"{target} is a file: choose a folder to save the model to")
+        if target.is_dir() and any(target.iterdir()):
+            if not overwrite:
+                what = "an exported model" if _is_export(target) else "other files"
+                raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
+            if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
+                raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+        try:
+            _copy_tree(self.folder, staging)
+            if target.exists():
+                trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(target, trash)
+                os.replace(staging, target)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        logger.info("exported model saved in %s", target)
+
+    def _save_pretrained(self, save_directory, **kwargs):
+        self.save_pretrained(save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, model_id, revision=None, token=None, **expected):
+        """Load an exported folder or Hub repo. Keyword arguments `target`, `batch_size`, `sequence_length`,
+        `tensor_parallel_size` and `dtype`, when given, must match what the export was compiled for."""
+        unknown = sorted(set(expected) - {"target", "batch_size", "sequence_length", "tensor_parallel_size", "dtype", "export"})
+        if unknown:
+            raise UsageError(f"from_pretrained() does not take {unknown}")
+        if expected.pop("export", False):
+            raise UsageError("export=True is not supported for decoders (as in optimum-neuron): call get_neuron_config() then export()")
+        folder = _local_or_download(model_id, revision, token)
+        if not _is_export(folder):
+            raise IncompatibleExportError(
+                f"{model_id} is not an exported model (no {nc.NEURON_CONFIG_FILE}); export it first: "
+                f"`optimum-qwen35 export --model {model_id} --target cpu OUT`"
+            )
+        config = AutoConfig.from_pretrained(folder)
+        return cls._from_pretrained(folder, config, **expected)
+
+    @classmethod
+    def _from_pretrained(cls, model_id, config, **expected):
+        folder = Path(model_id)
+        neuron_config = nc.load(folder)
+        nc.check_expected(neuron_config, folder, **expected)
+        if neuron_config.target != nc.CPU_TARGET:
+            raise _neuron_backend_unavailable(neuron_config.target)
+        _check_cpu_export(folder, neuron_config)
+        model = cls(config, neuron_config, folder)
+        model.runtime  # noqa: B018 (load now: a folder whose weights do not match fails here, not at generate)
+        return model
+
+    # ------------------------------------------------------------------ running
+    @property
+    def runtime(self):
+        """The loaded graphs (`runtime.compiled.CompiledQwen35ForCausalLM`), started on first use."""
+        if self._runtime is None:
+            from ..runtime.compiled import CompiledQwen35ForCausalLM  # noqa: PLC0415
+
+            self._runtime = CompiledQwen35ForCausalLM(self.folder)
+        return self._runtime
+
+    def can_generate(self) -> bool:
+        return True
+
+    def generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
+        """transformers-style generation: greedy or sampled (do_sample, temperature, top_k, top_p), EOS
+        stopping, a streamer; returns [batch, prompt + new tokens]. Batches larger than the compiled
+        batch size run in waves."""
+        from .generation import generate  # noqa: PLC0415
+
+        return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer, **kwargs)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_ids) -> torch.Tensor:
+        """Continuous batching: start each row's prompt in slot `seq_ids[row]`; next-token logits [n, vocab]."""
+        from .generation import _token_lists  # noqa: PLC0415
+
+        return self.runtime.prefill(_token_lists(input_ids, attention_mask), [int(s) for s in seq_ids])
+
+    def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids) -> torch.Tensor:
+        """Continuous batching: one token per slot in `seq_ids`, at `position_ids`; logits [n, vocab]."""
+        tokens, positions = input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist()
+        return self.runtime.decode(tokens, positions, [int(s) for s in seq_ids])
+
+    def forward(self, *args, **kwargs):
+        raise UsageError("call generate(), or prefill()/decode() for slot-level control")
+
+    def reset(self) -> None:
+        """Nothing to clear: a prefill replaces its slots' state whole."""
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (if any)."""
+        if self._runtime is not None and hasattr(self._runtime, "close"):
+            self._runtime.close()
+        self._runtime = None
+
+    # ------------------------------------------------------------------ Hub
+    def push_to_hub(self, *args, **kwargs):
+        """Upload the export: `push_to_hub(repo_id, revision=..., private=..., token=...)`, or optimum-neuron's
+        `push_to_hub(save_directory, repository_id, ...)`."""
+        from .. import hub  # noqa: PLC0415
+
+        if len(args) == 2:
+            folder, repo_id = args
+        elif len(args) == 1:
+            folder, repo_id = self.folder, args[0]
+        else:
+            folder, repo_id = kwargs.pop("save_directory", self.folder), kwargs.pop("repository_id", kwargs.pop("repo_id", None))
+        return hub.push_to_hub(folder, repo_id, **kwargs)
+
+
+def _export_config(config, model_id, dtype):
+    """The text config as saved next to the export: it names its source and the compiled dtype."""
+    import copy  # noqa: PLC0415
+
+    config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
+    config._name_or_path = os.fspath(model_id)
+    config.dtype = dtype
+    return config
+
+
+def _snapshot_revision(folder: Path) -> str | None:
+    """The commit of a Hub snapshot folder (its name in the cache), or None."""
+    return folder.name if folder.parent.name == "snapshots" else None
+
+
+def _available_neuron_cores() -> int:
+    from optimum.neuron.utils.system import get_available_cores  # noqa: PLC0415
+
+    return get_available_cores()
+
+
+def _check_cpu_export(folder: Path, neuron_config) -> None:
+    """The compiled graphs and the weights must be the ones neuron_config.json describes."""
+    from ..checkpoint.shard import read_manifest  # noqa: PLC0415
+    from ..runtime.compiled import CHECKPOINT_DIR, read_graphs_manifest  # noqa: PLC0415
+
+    graphs = read_graphs_manifest(folder)
+    for key, value in (("tp_degree", neuron_config.tp_degree), ("batch_size", neuron_config.batch_size), ("max_length", neuron_config.sequence_length)):
+        if graphs[key] != value:
+            raise IncompatibleExportError(
+                f"{folder}: compiled/ was built for {key}={graphs[key]} but neuron_config.json says {value}: "
+                "the folder mixes two exports; export the model again"
+            )
+    if graphs["dtype"] != str(neuron_config.torch_dtype).removeprefix("torch."):
+        raise IncompatibleExportError(f"{folder}: compiled/ is {graphs['dtype']} but neuron_config.json says {neuron_config.torch_dtype}; export again")
+    if graphs["torch_version"] != torch.__version__.split("+")[0]:
+        raise IncompatibleExportError(
+            f"{folder} was compiled with torch {graphs['torch_version']}, but {torch.__version__} is installed: "
+            f"install torch=={graphs['torch_version']} or export the model again"
+        )
+    shards = read_manifest(folder / CHECKPOINT_DIR)
+    if shards["tp_degree"] != neuron_config.tp_degree:
+        raise IncompatibleExportError(
+            f"{folder}: checkpoint/ holds weights for tensor_parallel_size={shards['tp_degree']}, the graphs for "
+            f"{neuron_config.tp_degree}: export the model again"
+        )
+
+
+registration.register_model_class(Qwen35NeuronModelForCausalLM)

@@ -1,0 +1,149 @@
+"""The export's `neuron_config.json`: a plain optimum-neuron `NxDNeuronConfig`, whatever the target.
+
+optimum-neuron 0.4.5 can only read back its own registered config classes (a subclass fails its
+serialized-key assertion), so an export records a plain `NxDNeuronConfig`; the compilation target is its
+`target` field: "trn1" (also for inf2) or "trn2" for Neuron, "cpu" for this project's own graphs.
+
+optimum-neuron serializes the config with the installed neuronx-cc version, which the cpu target does
+not have: for it the same dict is written with `neuronxcc_version: null` (see `to_dict`), and read back
+with the checks optimum-neuron makes (same optimum-neuron version, same compiler where there is one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import IncompatibleExportError, UsageError
+
+NEURON_CONFIG_FILE = "neuron_config.json"
+CPU_TARGET = "cpu"
+# optimum-neuron's instance types, and the compilation target each one means.
+NEURON_TARGETS = {"trn1": "trn1", "trn1n": "trn1", "inf2": "trn1", "trn2": "trn2"}
+TARGETS = (CPU_TARGET, *NEURON_TARGETS)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def normalize_target(target: str) -> str:
+    """"cpu", or optimum-neuron's compilation target ("trn1" for trn1/trn1n/inf2, "trn2")."""
+    if target == CPU_TARGET:
+        return target
+    if target not in NEURON_TARGETS:
+        raise UsageError(f"unknown target {target!r}: choose one of {', '.join(TARGETS)}")
+    return NEURON_TARGETS[target]
+
+
+def normalize_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a torch dtype or its usual name; only float32 and bfloat16 are compiled."""
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.")
+        if key not in DTYPES:
+            raise UsageError(f"dtype {dtype!r} is not supported: use bfloat16 or float32")
+        return DTYPES[key]
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise UsageError(f"dtype {dtype} is not supported: use torch.bfloat16 or torch.float32")
+    return dtype
+
+
+def neuronxcc_version() -> str | None:
+    """The installed neuronx-cc version, or None without the Neuron SDK."""
+    try:
+        import neuronxcc  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(neuronxcc, "__version__", None)
+
+
+def optimum_neuron_version() -> str:
+    from optimum.neuron.version import __version__  # noqa: PLC0415
+
+    return __version__
+
+
+def _jsonable(value):
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+def to_dict(neuron_config) -> dict:
+    """The dict optimum-neuron writes for this config (`NeuronConfig.to_dict`); `neuronxcc_version` is null
+    for the cpu target, which has no compiler."""
+    if neuron_config.target != CPU_TARGET:
+        return neuron_config.to_dict()
+    out = {k: _jsonable(v) for k, v in vars(neuron_config).items()}
+    out["_serialized_key"] = type(neuron_config).__name__
+    out["optimum_neuron_version"] = optimum_neuron_version()
+    out["neuronxcc_version"] = None
+    return out
+
+
+def save(neuron_config, folder: str | os.PathLike) -> None:
+    path = Path(folder) / NEURON_CONFIG_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(to_dict(neuron_config), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def load(folder: str | os.PathLike):
+    """Read and check `neuron_config.json`: a plain NxDNeuronConfig written by this optimum-neuron version
+    (and, for a Neuron target, by the installed neuronx-cc)."""
+    from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
+
+    path = Path(folder) / NEURON_CONFIG_FILE
+    if not path.is_file():
+        raise IncompatibleExportError(
+            f"{Path(folder)} has no {NEURON_CONFIG_FILE}: it is not an exported model (export it with "
+            "`optimum-qwen35 export` or `optimum-cli export neuron`)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise IncompatibleExportError(f"{path} is not valid JSON ({error}); export the model again") from error
+    key = data.pop("_serialized_key", None)
+    if key != "NxDNeuronConfig":
+        raise IncompatibleExportError(f"{path} holds a {key!r} config, not an NxDNeuronConfig: it is not a decoder export")
+    exported_with, installed = data.pop("optimum_neuron_version", None), optimum_neuron_version()
+    if exported_with != installed:
+        raise IncompatibleExportError(
+            f"{Path(folder)} was exported with optimum-neuron {exported_with}, but {installed} is installed: "
+            f"install optimum-neuron=={exported_with} or export the model again"
+        )
+    compiler = data.pop("neuronxcc_version", None)
+    target = data.get("target")
+    if target != CPU_TARGET and compiler != neuronxcc_version():
+        raise IncompatibleExportError(
+            f"{Path(folder)} was compiled for {target} by neuronx-cc {compiler}, but "
+            f"{neuronxcc_version() or 'no neuronx-cc'} is installed: load it on a Neuron instance with "
+            f"neuronx-cc {compiler}, or export the model again for this machine (`--target cpu` without Neuron)"
+        )
+    try:
+        return NxDNeuronConfig(**data)
+    except TypeError as error:
+        raise IncompatibleExportError(f"{path} has fields this optimum-neuron does not know ({error}); export the model again") from error
+
+
+def check_expected(neuron_config, folder, **expected) -> None:
+    """Fail with one line if the export was compiled for something other than what the caller expects."""
+    actual = {
+        "target": neuron_config.target,
+        "batch_size": neuron_config.batch_size,
+        "sequence_length": neuron_config.sequence_length,
+        "tensor_parallel_size": neuron_config.tp_degree,
+        "dtype": neuron_config.torch_dtype,
+    }
+    for name, want in expected.items():
+        if want is None:
+            continue
+        if name == "target":
+            want = normalize_target(want)
+        elif name == "dtype":
+            want = normalize_dtype(want)
+        if actual[name] != want:
+            raise IncompatibleExportError(
+                f"{folder} was exported for {name}={_jsonable(actual[name])}, not {_jsonable(want)}: "
+                f"load it without {name}= or export the model again with {name}={_jsonable(want)}"
+            )

@@ -1,0 +1,79 @@
+"""Registration of Qwen3.5 with transformers 4.57, optimum-neuron and vLLM, in every process that needs it.
+
+- transformers 4.57 (optimum-neuron's pin) has no `qwen3_5`: its AutoConfig learns this package's config
+  classes (`hf_configs`), so Qwen3.5 folders and exports load there.
+- optimum-neuron looks a model class up in a plain registry by `model_type`: this package's class is
+  registered for `qwen3_5` and `qwen3_5_text` (exports save the text config).
+- `optimum-cli export neuron` exports in a child interpreter (`python3 -m optimum.exporters.neuron`), so a
+  registration made in the calling process is lost. The installed `optimum_qwen35.pth` startup hook
+  (`optimum_qwen35/_startup.py`) makes every interpreter register when it imports `transformers` (configs
+  only, transformers < 5) or `optimum.neuron` (the model class), and imports nothing before that.
+- vLLM runs `vllm.general_plugins` entry points in each of its processes: `vllm_plugin` below.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+TASK = "text-generation"
+# What a Qwen3.5 config.json names as its architecture, which vLLM 0.11 does not know.
+ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+
+
+def register_transformers() -> bool:
+    """Teach transformers' AutoConfig the Qwen3.5 configs where it lacks them. True if it registered."""
+    from ..config import register_transformers_configs
+
+    return register_transformers_configs()
+
+
+def register_optimum_neuron() -> None:
+    """Register the model class in optimum-neuron's registry for both Qwen3.5 model types."""
+    import sys
+
+    modeling = sys.modules.get(f"{__package__}.modeling")
+    if modeling is not None and not hasattr(modeling, "Qwen35NeuronModelForCausalLM"):
+        return  # the model module is importing optimum.neuron right now: it registers its class when done
+    from .modeling import Qwen35NeuronModelForCausalLM
+
+    register_model_class(Qwen35NeuronModelForCausalLM)
+
+
+def register_model_class(cls) -> None:
+    from optimum.neuron.models.auto_model import register_neuron_model
+
+    for model_type in MODEL_TYPES:
+        register_neuron_model(model_type, TASK, "inference")(cls)
+
+
+def register() -> None:
+    """Everything that can be registered in this process."""
+    register_transformers()
+    register_optimum_neuron()
+
+
+def vllm_plugin() -> list[str]:
+    """vLLM's `general_plugins` entry point: registers what it can and returns what it registered.
+
+    vLLM itself is optional: without it, the configs and the optimum-neuron class are still registered.
+    """
+    done = []
+    if register_transformers():
+        done.append("transformers configs")
+    try:
+        register_optimum_neuron()
+        done.append("optimum-neuron model class")
+    except ImportError as error:  # optimum-neuron not installed
+        logger.info("optimum-neuron is not installed, its registry is skipped: %s", error)
+    try:
+        from vllm import ModelRegistry
+    except ImportError:
+        return done
+    # optimum-neuron's vLLM platform loads the model itself; vLLM only needs to accept the architecture.
+    for architecture in ARCHITECTURES:
+        ModelRegistry.register_model(architecture, "optimum.neuron.vllm.model_loader:OptimumNeuronModelForCausalLM")
+    done.append("vLLM architectures")
+    return done

@@ -1,0 +1,355 @@
+"""The cpu target's compiled graphs: `torch.export` programs, saved once and loaded without re-tracing.
+
+An export for the cpu target holds, beside its configs and tokenizer:
+
+    compiled/graphs.json                 what was compiled (sizes, buckets, dtype, weight and state order)
+    compiled/context_encoding_<T>.pt2    one program per context-encoding bucket T
+    compiled/token_generation.pt2        the token-generation program
+    checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.shard.save_sharded`)
+
+Each program is exported once, on the meta device, and serves every rank (SPMD, as one Neuron graph
+serves every core): the weights and the state are program inputs, not constants, so a program holds no
+weights (one copy of them, in `checkpoint/`, shared by every graph) and the rank is a weight tensor
+(`embed_tokens.rank`). Collectives are `_c10d_functional` ops named by process group, which
+`torch.export` records as graph ops.
+
+Why `torch.export` rather than TorchScript: TorchScript tracing cannot record a torch.distributed
+collective (the process group is not traceable), so a tensor-parallel graph could not be saved;
+`torch.export` records the functional collectives, refuses data-dependent Python control flow (the
+graphs are proven static, as neuronx-cc needs them) and is the format PyTorch maintains.
+
+`CompiledGraphs` runs one rank's programs in this process (with its weights and its state list);
+`TensorParallelGraphs` runs t ranks in t worker processes (gloo), the state staying in the workers as it
+stays on the device on Neuron.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import Qwen35Config
+from ..errors import IncompatibleExportError
+from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
+from ..modeling.parallel import TorchLayers
+from ..modeling.state import StateSpec, allocate_state
+from .cpu import Qwen35ForCausalLM, rank_tensors
+
+COMPILED_DIR = "compiled"
+CHECKPOINT_DIR = "checkpoint"
+GRAPHS_FILE = "graphs.json"
+GRAPHS_FORMAT = "optimum-qwen35-cpu-graphs"
+GRAPHS_VERSION = 1
+# The process group the programs' collectives name: the default (world) group of the worker processes.
+GROUP_NAME = "0"
+
+
+def context_graph_name(length: int) -> str:
+    return f"context_encoding_{length}"
+
+
+TOKEN_GRAPH = "token_generation"
+
+
+def weight_names(decoder: nn.Module) -> list[str]:
+    """The decoder's weight inputs, in program order: parameters (tied ones once), then persistent buffers."""
+    persistent = decoder.state_dict(keep_vars=True)
+    names = [n for n, _ in decoder.named_parameters()]
+    return names + [n for n, _ in decoder.named_buffers() if n in persistent]
+
+
+class WeightsAsInputs(nn.Module):
+    """Runs a graph module with its weights given as the first input, so that the program holds none."""
+
+    def __init__(self, graph: nn.Module, names: list[str]):
+        super().__init__()
+        self._graph = [graph]  # a list, not a submodule: its weights must not become program constants
+        self.names = names
+
+    def forward(self, weights: list[torch.Tensor], *inputs):
+        params = {f"decoder.{n}": w for n, w in zip(self.names, weights)}
+        return torch.func.functional_call(self._graph[0], params, inputs)
+
+
+def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with the shape and dtype of `tensor` and no memory (stride 0): an export example."""
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
+def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec]) -> tuple[torch.Tensor, ...]:
+    """The graphs' inputs after the weights: token ids, (mask,) positions, seq_ids, then the state."""
+    state = [torch.zeros((), dtype=s.dtype).expand(s.shape) for s in specs]
+    seq_ids = torch.arange(batch_size, dtype=torch.int32)
+    if kind == "context":
+        ids = torch.zeros(batch_size, length, dtype=torch.int32)
+        positions = torch.arange(length, dtype=torch.int32).expand(batch_size, length)
+        return (ids, torch.ones_like(ids), positions, seq_ids, *state)
+    ids = torch.zeros(batch_size, 1, dtype=torch.int32)
+    return (ids, torch.zeros_like(ids), seq_ids, *state)
+
+
+def compile_graphs(
+    config: Qwen35Config,
+    tp_degree: int,
+    batch_size: int,
+    max_length: int,
+    buckets: list[int],
+    dtype: torch.dtype,
+    out_dir: str | os.PathLike,
+    progress: bool = True,
+) -> dict:
+    """Export the context-encoding programs (one per bucket) and the token-generation program to `out_dir`.
+
+    Returns the content of `graphs.json`, written last.
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME)).to(dtype)
+    names = weight_names(decoder)
+    tensors = {**dict(decoder.named_parameters()), **dict(decoder.named_buffers())}
+    weights = [_shape_only(tensors[n]) for n in names]
+    specs = decoder.state_specs(batch_size, max_length)
+    plan = [(context_graph_name(T), "context", T) for T in buckets] + [(TOKEN_GRAPH, "token", 1)]
+    graphs = {}
+    for name, kind, length in tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress):
+        graph = ContextEncodingGraph(decoder) if kind == "context" else TokenGenerationGraph(decoder)
+        with torch.no_grad():
+            program = torch.export.export(WeightsAsInputs(graph, names), (weights, *example_inputs(kind, batch_size, length, specs)))
+        file = out / f"{name}.pt2"
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        torch.export.save(program, tmp)
+        os.replace(tmp, file)
+        graphs[name] = {"kind": kind, "length": length, "file": file.name}
+    manifest = {
+        "format": GRAPHS_FORMAT,
+        "version": GRAPHS_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        "tp_degree": tp_degree,
+        "batch_size": batch_size,
+        "max_length": max_length,
+        "buckets": list(buckets),
+        "dtype": str(dtype).removeprefix("torch."),
+        "group_name": GROUP_NAME,
+        "weights": names,
+        "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in specs],
+        "graphs": graphs,
+    }
+    tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / GRAPHS_FILE)
+    return manifest
+
+
+def read_graphs_manifest(folder: str | os.PathLike) -> dict:
+    """`compiled/graphs.json` of an export folder; a clear error when it is missing or foreign."""
+    file = Path(folder) / COMPILED_DIR / GRAPHS_FILE
+    if not file.is_file():
+        raise IncompatibleExportError(
+            f"{Path(folder)} has no {COMPILED_DIR}/{GRAPHS_FILE}: it is not a complete cpu-target export; export it again"
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != GRAPHS_FORMAT or manifest.get("version") != GRAPHS_VERSION:
+        raise IncompatibleExportError(
+            f"{file} is not a {GRAPHS_FORMAT} v{GRAPHS_VERSION} manifest: export the model again with this version"
+        )
+    return manifest
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def load_rank_weights(folder: str | os.PathLike, manifest: dict, rank: int) -> list[torch.Tensor]:
+    """One rank's weight inputs, in program order, from the export's `checkpoint/` shards."""
+    from ..checkpoint.shard import load_sharded  # noqa: PLC0415
+
+    _, _, params = load_sharded(Path(folder) / CHECKPOINT_DIR, rank, manifest["tp_degree"], _dtype(manifest["dtype"]))
+    params.update(rank_tensors(rank))
+    missing = [n for n in manifest["weights"] if n not in params]
+    if missing:
+        raise IncompatibleExportError(
+            f"{Path(folder) / CHECKPOINT_DIR} lacks weights the compiled graphs take: {missing[:5]}; export the model again"
+        )
+    return [params[n] for n in manifest["weights"]]
+
+
+class CompiledGraphs:
+    """One rank's compiled programs, its weights and its state; programs are loaded on first use."""
+
+    def __init__(self, folder: str | os.PathLike, rank: int = 0, manifest: dict | None = None):
+        self.folder = Path(folder)
+        self.manifest = manifest or read_graphs_manifest(folder)
+        self.rank = rank
+        self.weights = load_rank_weights(folder, self.manifest, rank)
+        self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"])) for s in self.manifest["state"]]
+        self.state = allocate_state(self.state_specs)
+        self._programs: dict[str, nn.Module] = {}
+
+    def program(self, name: str) -> nn.Module:
+        if name not in self._programs:
+            entry = self.manifest["graphs"].get(name)
+            if entry is None:
+                raise IncompatibleExportError(f"this export has no graph {name!r}; it has {sorted(self.manifest['graphs'])}")
+            self._programs[name] = torch.export.load(self.folder / COMPILED_DIR / entry["file"]).module()
+        return self._programs[name]
+
+    @torch.no_grad()
+    def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run graph `name` on `inputs` (token ids, ..., seq_ids) with this rank's state; returns the logits."""
+        out = self.program(name)(self.weights, *inputs, *self.state)
+        self.state = list(out[1:])
+        return out[0]
+
+    def close(self) -> None:
+        self._programs.clear()
+
+
+def _send(conn, obj) -> None:
+    """Plain pickle over the socket: multiprocessing's own pickler would pass torch tensors as shared-memory
+    handles, which only processes of one multiprocessing family may open."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) -> None:
+    """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
+        graphs = CompiledGraphs(folder, rank)
+        if dist.group.WORLD.group_name != graphs.manifest["group_name"]:
+            raise RuntimeError(f"process group {dist.group.WORLD.group_name!r} is not the graphs' {graphs.manifest['group_name']!r}")
+        _send(conn, ("ready", None))
+    except BaseException:  # noqa: BLE001 (reported to the parent, which raises it)
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    try:
+        while True:
+            message = _recv(conn)
+            if message is None:
+                break
+            name, inputs = message
+            try:
+                logits = graphs.run(name, *inputs)
+                _send(conn, ("ok", logits if rank == 0 else None))
+            except BaseException:  # noqa: BLE001
+                _send(conn, ("error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class TensorParallelGraphs:
+    """t ranks in t worker processes (gloo over a file store); `run` sends every rank the same inputs.
+
+    The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each talking to this
+    process over its own socket pair: unlike multiprocessing's spawn, they never re-import the caller's
+    main module, so a script needs no `if __name__ == "__main__":` guard.
+    """
+
+    def __init__(self, folder: str | os.PathLike, tp_degree: int):
+        import socket  # noqa: PLC0415
+        import subprocess  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+        import tempfile  # noqa: PLC0415
+        from multiprocessing.connection import Connection  # noqa: PLC0415
+
+        self.tp_degree = tp_degree
+        self._tmp = tempfile.TemporaryDirectory(prefix="qwen35-tp-")
+        threads = max(1, (os.cpu_count() or 1) // tp_degree)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        store = os.path.join(self._tmp.name, "store")
+        self._conns, self._procs = [], []
+        self._lock = threading.Lock()
+        for rank in range(tp_degree):
+            ours, theirs = socket.socketpair()
+            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank), str(tp_degree), store, str(theirs.fileno()), str(threads)]
+            self._procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
+        try:
+            self._collect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list:
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            try:
+                status, value = _recv(conn)
+            except EOFError:
+                status, value = "error", f"exited with code {self._procs[rank].wait()}"
+            if status == "error":
+                errors.append(f"rank {rank}: {value}")
+            results.append(value)
+        if errors:
+            raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            for conn in self._conns:
+                _send(conn, (name, inputs))
+            return self._collect()[0]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                _send(conn, None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        self._tmp.cleanup()
+
+    def __del__(self):
+        if getattr(self, "_procs", None):
+            self.close()
+
+
+class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
+    """`Qwen35ForCausalLM` over the compiled programs of an export (one rank in process, or t workers)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        manifest = read_graphs_manifest(folder)
+        config = Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
+        self._set_shapes(config, manifest["batch_size"], manifest["max_length"], manifest["buckets"])
+        self.tp_degree = manifest["tp_degree"]
+        if self.tp_degree == 1:
+            self.graphs = CompiledGraphs(folder, 0, manifest)
+        else:
+            self.graphs = TensorParallelGraphs(folder, self.tp_degree)
+
+    def _run_context(self, length: int, all_logits: bool, *inputs: torch.Tensor) -> torch.Tensor:
+        if all_logits:
+            raise IncompatibleExportError(
+                "compiled context-encoding graphs return the last token's logits only; per-position logits "
+                "need the eager runtime (optimum_qwen35.runtime.cpu.Qwen35ForCausalLM)"
+            )
+        return self.graphs.run(context_graph_name(length), *inputs)
+
+    def _run_token(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graphs.run(TOKEN_GRAPH, *inputs)
+
+    def close(self) -> None:
+        self.graphs.close()
