@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optimum_qwen35.checkpoint.shard import MANIFEST, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, load_sharded, rank_file, save_sharded
 from optimum_qwen35.cli import main
 from optimum_qwen35.errors import (
     CheckpointError,
@@ -216,9 +216,24 @@ def test_nan_weights_refused_with_the_tensor_name(ckpt, tmp_path, tp_degree):
 
 def test_inf_in_the_embedding_and_every_load_path(ckpt, tmp_path):
     path = nan_checkpoint(ckpt, tmp_path / "inf", PREFIX + "embed_tokens.weight", float("inf"))
-    for call in (lambda: Qwen35ForCausalLM.from_pretrained(path), lambda: load_decoder(path, "bf16")):
+    for call in (
+        lambda: Qwen35ForCausalLM.from_pretrained(path),
+        lambda: load_decoder(path, "bf16"),
+        lambda: save_sharded(path, None, 2, tmp_path / "never-written", progress=False),
+    ):
         with pytest.raises(CheckpointError, match=r"embed_tokens.weight \(0 NaN, 3 Inf of"):
             call()
+    assert not (tmp_path / "never-written").exists()
+    # An export damaged after it was written: NaN in rank 1's file is named at load.
+    out = save_sharded(ckpt, None, 2, tmp_path / "export", progress=False)
+    tensors = load_file(out / rank_file(1))
+    tensors["norm.weight"][0] = float("nan")
+    save_file(tensors, out / rank_file(1), metadata={"format": "pt", "tp_degree": "2", "rank": "1"})
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"][1]["bytes"] = (out / rank_file(1)).stat().st_size
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"rank_1.safetensors: weights hold NaN or Inf values: norm.weight \(1 NaN"):
+        load_sharded(out, 1, 2)
 
 
 # ------------------------------------------------------------------------------------------ folders

@@ -45,7 +45,7 @@ from .. import validation
 from ..config import Qwen35Config
 from ..errors import IncompatibleExportError, UsageError
 from ..output import output_folder
-from .convert import CheckpointError, check_checkpoint, convert_checkpoint, decoder_name, expected_shapes
+from .convert import CheckpointError, check_checkpoint, check_finite, convert_checkpoint, decoder_name, expected_shapes
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 
 MANIFEST = "tp_shards.json"
@@ -368,6 +368,7 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
         _copy_side_files(reader.folder, out)
         bar = _progress(total=sum(reader_nbytes(reader, n) for n in source_names), enabled=progress, desc=f"shard TP={tp_degree}")
         for source_name, (name, tensor) in zip(source_names, convert_checkpoint(reader, config)):
+            check_finite({name: tensor}, str(reader.folder))  # an export never carries NaN or Inf weights
             layout, dim = tp_layout(name, tensor, config, tp_degree)
             for rank, writer in enumerate(writers):
                 shard = layout if dim is None else layout.chunk(tp_degree, dim)[rank]
@@ -436,9 +437,15 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def load_sharded(
-    path: str | os.PathLike, rank: int, tp_degree: int | None = None, dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    rank: int,
+    tp_degree: int | None = None,
+    dtype: torch.dtype | None = None,
+    check_weights: bool = True,
 ) -> tuple[Qwen35Config, int, dict[str, torch.Tensor]]:
-    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor})."""
+    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor}).
+
+    Weights holding NaN or Inf (a file damaged after the export) are refused, naming the tensor."""
     from safetensors.torch import load_file  # noqa: PLC0415
 
     path = Path(path)
@@ -462,6 +469,8 @@ def load_sharded(
             f"{path / rank_file(rank)} does not match config.json: missing {missing}, "
             f"unexpected {sorted(set(got) - set(expected))}, wrong shape {wrong}"
         )
+    if check_weights:
+        check_finite(tensors, str(path / rank_file(rank)))
     if dtype is not None:
         tensors = {n: t.to(dtype) for n, t in tensors.items()}
     return config, saved_degree, tensors

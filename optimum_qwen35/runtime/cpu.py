@@ -55,7 +55,7 @@ def load_decoder(
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
     if sharded_export:
-        _, _, params = load_sharded(path, rank, tp_degree, dtype)
+        _, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
     if layers is None:
         layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
     with torch.device("meta"):
@@ -68,7 +68,7 @@ def load_decoder(
         from ..checkpoint.shard import convert_and_shard  # noqa: PLC0415
 
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
-    if check_weights:
+    if check_weights and not sharded_export:  # load_sharded checked an export's weights
         check_finite(params, f"{path} (rank {rank} of {tp_degree})" if tp_degree > 1 else str(path))
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
