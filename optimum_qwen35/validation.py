@@ -166,10 +166,10 @@ def model_folder(path, command: str = "this command") -> Path:
     folder = Path(path).expanduser()
     if not folder.exists():
         if looks_like_hub_id(path):
+            # A relative path of two parts looks the same: the message covers both readings.
             raise ModelNotFoundError(
-                f"{os.fspath(path)!r} is not a local folder. It looks like a Hugging Face Hub id, but {command} needs a "
-                f"local checkpoint folder: download it first (`hf download {os.fspath(path)} --local-dir DIR`) "
-                "and pass DIR"
+                f"no such folder: {os.fspath(path)!r}. If it is a Hugging Face Hub id, {command} needs a local "
+                f"checkpoint folder: download it first (`hf download {os.fspath(path)} --local-dir DIR`) and pass DIR"
             )
         raise ModelNotFoundError(f"no such folder: {os.fspath(path)!r}; pass the path of a Qwen3.5 checkpoint folder")
     if not folder.is_dir():

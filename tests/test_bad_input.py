@@ -192,7 +192,7 @@ def test_tensor_parallel_arguments_checked_before_any_process(ckpt, export2, no_
         (lambda: run_tensor_parallel(ckpt, 2, [[1, 2]], 2, dtype="int8"), UsageError, "dtype 'int8'"),
         (lambda: run_tensor_parallel(ckpt, 2, [[1, 2]], 4, max_length=3), UsageError, "max_length 3 is too short"),
         (lambda: run_tensor_parallel(ckpt, 2, [], 2), UsageError, "prompts is empty"),
-        (lambda: run_tensor_parallel("Qwen/Qwen3.5-2B", 2, [[1]], 2), ModelNotFoundError, "looks like a Hugging Face Hub id"),
+        (lambda: run_tensor_parallel("Qwen/Qwen3.5-2B", 2, [[1]], 2), ModelNotFoundError, "If it is a Hugging Face Hub id, "),
     ]
     for call, error, message in cases:
         with pytest.raises(error) as err:
@@ -255,7 +255,7 @@ def folder_cases(ckpt, tmp):
     (bad_json / "model.safetensors").write_bytes(b"")
     return [
         ("missing folder", tmp / "nope", ModelNotFoundError, "no such folder"),
-        ("hub id", "Qwen/Qwen3.5-2B", ModelNotFoundError, "looks like a Hugging Face Hub id"),
+        ("hub id", "Qwen/Qwen3.5-2B", ModelNotFoundError, "If it is a Hugging Face Hub id, "),
         ("a file", a_file, ModelNotFoundError, "is a file, not a folder"),
         ("no config.json", tmp, ModelNotFoundError, "has no config.json"),
         ("only config.json", only_config, CheckpointError, "has a config.json but no weights"),
@@ -341,11 +341,12 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in export.glob("rank_*")) == [rank_file(0), rank_file(1)]
 
 
-def test_cli_failures_exit_1(ckpt, tmp_path, capsys):
+def test_cli_failures_exit_1(ckpt, export2, tmp_path, capsys):
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(ckpt, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
     cases = [(path, message) for _, path, _, message in folder_cases(ckpt, tmp_path)]
     cases.append((no_tokenizer, "has no tokenizer files"))
+    cases.append((export2, "holds shards for tensor_parallel_size=2, not 1"))
     cases.append((nan_checkpoint(ckpt, tmp_path / "nan"), "layers.0.mlp.up_proj.weight (3 NaN"))
     for path, message in cases:
         start = time.perf_counter()
@@ -363,7 +364,7 @@ def test_cli_debug_shows_the_traceback(tmp_path, capsys):
 def test_cli_as_a_process_prints_one_line(tmp_path):
     """The real `python -m optimum_qwen35`: a Hub-like id answers at once, without reaching the network."""
     for argv, status, message in (
-        (["generate", "--model", "someone/missing-model", "--prompt", "hi"], 1, "looks like a Hugging Face Hub id"),
+        (["generate", "--model", "someone/missing-model", "--prompt", "hi"], 1, "If it is a Hugging Face Hub id, "),
         (["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "-3"], 2, "must be an integer >= 1"),
     ):
         start = time.perf_counter()
