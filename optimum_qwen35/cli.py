@@ -1,9 +1,7 @@
 """Command line: `python -m optimum_qwen35 <command>` (or `optimum-qwen35 <command>`).
 
-    demo        build the embedded tiny Qwen3.5 checkpoint and chat with it on the CPU graphs
-    generate    greedy generation from a Qwen3.5 checkpoint folder on the CPU graphs
-    shard       convert a checkpoint and save one safetensors file per tensor-parallel rank
-    build-tiny  write a tiny random Qwen3.5 checkpoint in the real on-disk format
+Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU. `optimum-qwen35 --help` lists
+the commands, `optimum-qwen35 <command> --help` their options.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, Qwen35Error, UsageError
+from .errors import CheckpointError, ExportError, Qwen35Error, UsageError
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -114,6 +112,32 @@ def cmd_generate(args) -> int:
     return _generate(Path(args.model), args.prompt, args.max_new_tokens, args.dtype, raw=args.raw)
 
 
+def cmd_export(args) -> int:
+    if args.task != "text-generation":
+        raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
+    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+
+    out = Path(args.out)
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ExportError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        args.model,
+        revision=args.revision,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.torch_dtype,
+        target=args.target,
+    )
+    model = Qwen35NeuronModelForCausalLM.export(args.model, neuron_config, revision=args.revision)
+    model.save_pretrained(out, overwrite=args.overwrite)
+    print(
+        f"exported {args.model} for {neuron_config.target} (batch {neuron_config.batch_size}, sequence length "
+        f"{neuron_config.sequence_length}, TP {neuron_config.tp_degree}, {str(neuron_config.torch_dtype).removeprefix('torch.')}) to {out}"
+    )
+    return 0
+
+
 def cmd_shard(args) -> int:
     import torch
 
@@ -136,6 +160,75 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from .hub import push_to_hub
+
+    result = push_to_hub(
+        args.folder,
+        args.repo_id,
+        revision=args.revision,
+        private=True if args.private else None,
+        token=args.token,
+        endpoint=args.endpoint,
+        commit_message=args.commit_message,
+    )
+    if result.changed:
+        print(
+            f"pushed {len(result.uploaded)} file(s), deleted {len(result.deleted)} from {result.repo_id}"
+            f"@{result.revision}: {result.commit_url}"
+        )
+    else:
+        where = f"{result.repo_id}@{result.revision}"
+        print(f"{where} already holds this export (commit {result.commit_sha}): nothing pushed")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .hub import resolve_export
+
+    print(resolve_export(args.model, revision=args.revision, token=args.token, endpoint=args.endpoint))
+    return 0
+
+
+def cmd_cache_sync(args) -> int:
+    from .hub import sync_registry
+
+    result = sync_registry(
+        args.folder,
+        cache_repo=args.cache_repo,
+        token=args.token,
+        endpoint=args.endpoint,
+        model_id=args.model_id,
+        config=args.source_config,
+    )
+    print(f"registered in {result.cache_repo} (commit {result.commit_sha}):")
+    for path in result.paths:
+        print(f"  {path}")
+    return 0
+
+
+def cmd_cache_lookup(args) -> int:
+    from .hub import lookup_registry
+
+    entries = lookup_registry(
+        args.model_id,
+        cache_repo=args.cache_repo,
+        target=args.target,
+        batch_size=args.batch_size,
+        sequence_length=args.sequence_length,
+        tp_degree=args.tensor_parallel_size,
+        torch_dtype=args.dtype,
+    )
+    if not entries:
+        print(f"no cached configuration of {args.model_id} matches")
+        return 0
+    print("target  batch  sequence  tp  dtype")
+    for e in entries:
+        fields = ("target", "batch_size", "sequence_length", "tp_degree", "torch_dtype")
+        print("  ".join(str(e.get(f)) for f in fields))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors (exit status 2) that point at --help."""
 
@@ -149,9 +242,9 @@ def _fail(error: BaseException | str, status: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="optimum-qwen35", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="optimum-qwen35", description="Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
     p.add_argument("--prompt", default="Give me a short introduction to large language models.")
@@ -162,7 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out, whole")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("generate", help="greedy generation on the CPU graphs")
+    p = sub.add_parser(
+        "export",
+        help="compile a checkpoint into an optimum-neuron export folder (the flags of `optimum-cli export neuron`)",
+        description="Compile a Qwen3.5 checkpoint for a target and save the export folder that "
+        "`NeuronModelForCausalLM.from_pretrained` (and Qwen35NeuronModelForCausalLM) loads.",
+    )
+    p.add_argument("--model", "-m", required=True, help="a Qwen3.5 checkpoint folder or Hugging Face Hub id")
+    p.add_argument("--revision", help="the Hub revision (branch, tag or commit) of --model")
+    p.add_argument("--task", default="text-generation", help="the task (only text-generation)")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=1, help="compiled batch size: sequences served at once (default 1)")
+    p.add_argument("--sequence_length", "--sequence-length", type=int, help="compiled length: prompt + new tokens (default min(max positions, 4096))")
+    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu, all Neuron cores)")
+    p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
+    p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    p.add_argument("out", help="the export folder to write")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="greedy generation from a checkpoint folder on the CPU graphs")
     p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder (a Hub snapshot)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
@@ -170,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("shard", help="save per-rank tensor-parallel shards")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tensor-parallel-size", type=_positive_int, required=True)
+    p = sub.add_parser("shard", help="convert a checkpoint and save one safetensors file per tensor-parallel rank")
+    p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, required=True, help="number of ranks")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: keep the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing model or export in OUT, whole")
     p.add_argument("out")
@@ -185,6 +296,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT, whole")
     p.set_defaults(func=cmd_build_tiny)
+
+    token_help = "Hugging Face token (default: HF_TOKEN or the stored login)"
+    endpoint_help = "the Hub URL (default: HF_ENDPOINT, else https://huggingface.co)"
+    p = sub.add_parser("push", help="push an exported folder to a Hub model repo in one commit")
+    p.add_argument("folder", help="the exported folder (config.json, neuron_config.json, graphs)")
+    p.add_argument("repo_id", help="the Hub model repo, 'namespace/name' (created if missing)")
+    p.add_argument("--revision", help="the branch to push to (created from main if missing; default: main)")
+    p.add_argument(
+        "--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)"
+    )
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--commit-message", help="the commit message (default: describes the export)")
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_push)
+
+    p = sub.add_parser("pull", help="download an exported model from the Hub and print its local folder")
+    p.add_argument("model", help="a Hub repo id of an export, or a local export folder")
+    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("cache", help="the optimum-neuron compile-cache registry (needs optimum-neuron)")
+    cache = p.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    p = cache.add_parser("sync", help="register an export in the compile-cache repo")
+    p.add_argument("folder", help="the exported folder")
+    p.add_argument("--cache-repo", help="the cache repo (default: CUSTOM_CACHE_REPO, else optimum-neuron's)")
+    p.add_argument("--model-id", help="the Hub id to file the entry under (default: the export's checkpoint_id)")
+    p.add_argument(
+        "--source-config",
+        help="the config (folder or config.json) the architecture digest is computed from (default: the export's)",
+    )
+    p.add_argument("--token", help=token_help)
+    p.add_argument("--endpoint", help=endpoint_help)
+    p.set_defaults(func=cmd_cache_sync)
+    p = cache.add_parser("lookup", help="list the registered configurations of a Hub model")
+    p.add_argument("model_id", help="the Hub id of the source model")
+    p.add_argument("--cache-repo", help="the cache repo (default: CUSTOM_CACHE_REPO, else optimum-neuron's)")
+    p.add_argument("--target", help="only this target (cpu, trn1, trn2)")
+    p.add_argument("--batch-size", type=int, help="only this batch size")
+    p.add_argument("--sequence-length", type=int, help="only this sequence length")
+    p.add_argument("--tensor-parallel-size", type=int, help="only this tensor parallel degree")
+    p.add_argument("--dtype", choices=sorted(DTYPES) + ["float16"], help="only this dtype")
+    p.set_defaults(func=cmd_cache_lookup)
 
     args = parser.parse_args(argv)
     try:

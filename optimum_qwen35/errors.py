@@ -45,3 +45,27 @@ class IncompatibleExportError(Qwen35Error, ValueError):
 
 class ExportError(Qwen35Error, RuntimeError):
     """An export could not be written."""
+
+
+class MissingDependencyError(Qwen35Error, ImportError):
+    """An optional dependency this operation needs is not installed (the message names the extra to install)."""
+
+
+class HubError(Qwen35Error, OSError):
+    """A Hugging Face Hub operation failed (push, download, cache registry)."""
+
+
+class HubNotFoundError(HubError, FileNotFoundError):
+    """A Hub repository, revision or file does not exist (or is private and the token cannot see it)."""
+
+
+class HubAuthError(HubError, PermissionError):
+    """The Hub rejected the token: unknown or missing (401), or without the rights the operation needs (403)."""
+
+
+class HubConnectionError(HubError, ConnectionError):
+    """The Hub endpoint cannot be reached."""
+
+
+class HubOfflineError(HubError, FileNotFoundError):
+    """Offline mode (HF_HUB_OFFLINE=1) and the local Hugging Face cache lacks the files (the message names them)."""

@@ -41,3 +41,26 @@ def reference_prompts(ref: dict[str, np.ndarray]) -> list[tuple[list[int], np.nd
         out.append((ref[f"prompt_{i}"].tolist(), ref[f"logits_{i}"]))
         i += 1
     return out
+
+
+# ------------------------------------------------------------------------------------ the stand-in Hub server
+
+# Tokens of the stand-in Hub: user alice with a write token and a read-only one, user bob with a write token.
+HUB_TOKENS = {"hf_alice_write": ("alice", True), "hf_alice_read": ("alice", False), "hf_bob_write": ("bob", True)}
+
+
+@pytest.fixture
+def hub_server(monkeypatch):
+    """A loopback stand-in Hub (optimum_qwen35.testing.hub_server) for this test, with the HUB_TOKENS.
+
+    In-process clients pass `endpoint=hub_server.url` (and `token=`); subprocesses get
+    `hub_server.client_env(hf_home, token)` (HF_ENDPOINT, their own HF_HOME). The stand-in speaks the LFS
+    "basic" transfer, not Xet: huggingface_hub 2.x uploads through Xet whenever hf_xet is installed, so Xet is
+    switched off for the client here (HF_HUB_DISABLE_XET, read at import, hence the constant)."""
+    from huggingface_hub import constants
+
+    from optimum_qwen35.testing.hub_server import HubServer
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True, raising=False)
+    with HubServer(tokens=HUB_TOKENS) as server:
+        yield server

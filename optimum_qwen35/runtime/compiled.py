@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..config import Qwen35Config
-from ..errors import IncompatibleExportError
+from ..errors import IncompatibleExportError, Qwen35Error
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
 from ..modeling.parallel import TorchLayers
 from ..modeling.state import StateSpec, allocate_state
@@ -126,7 +126,7 @@ def compile_graphs(
         with torch.no_grad():
             program = torch.export.export(WeightsAsInputs(graph, names), (weights, *example_inputs(kind, batch_size, length, specs)))
         file = out / f"{name}.pt2"
-        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        tmp = file.with_name(f".{name}.tmp-{os.getpid()}.pt2")  # torch.export wants the .pt2 suffix
         torch.export.save(program, tmp)
         os.replace(tmp, file)
         graphs[name] = {"kind": kind, "length": length, "file": file.name}
@@ -224,6 +224,17 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
+def _portable(error: BaseException):
+    """What a worker reports: this package's errors as themselves (the parent re-raises them), others as text."""
+    if isinstance(error, Qwen35Error):
+        try:
+            pickle.dumps(error)
+            return error
+        except Exception:  # noqa: BLE001
+            pass
+    return traceback.format_exc()
+
+
 def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) -> None:
     """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None."""
     import torch.distributed as dist  # noqa: PLC0415
@@ -234,8 +245,8 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
         if dist.group.WORLD.group_name != graphs.manifest["group_name"]:
             raise RuntimeError(f"process group {dist.group.WORLD.group_name!r} is not the graphs' {graphs.manifest['group_name']!r}")
         _send(conn, ("ready", None))
-    except BaseException:  # noqa: BLE001 (reported to the parent, which raises it)
-        _send(conn, ("error", traceback.format_exc()))
+    except BaseException as error:  # noqa: BLE001 (reported to the parent, which raises it)
+        _send(conn, ("error", _portable(error)))
         return
     try:
         while True:
@@ -246,8 +257,8 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
             try:
                 logits = graphs.run(name, *inputs)
                 _send(conn, ("ok", logits if rank == 0 else None))
-            except BaseException:  # noqa: BLE001
-                _send(conn, ("error", traceback.format_exc()))
+            except BaseException as error:  # noqa: BLE001
+                _send(conn, ("error", _portable(error)))
     finally:
         dist.destroy_process_group()
 
@@ -287,15 +298,20 @@ class TensorParallelGraphs:
             raise
 
     def _collect(self) -> list:
-        results, errors = [], []
+        results, errors, package_errors = [], [], []
         for rank, conn in enumerate(self._conns):
             try:
                 status, value = _recv(conn)
             except EOFError:
                 status, value = "error", f"exited with code {self._procs[rank].wait()}"
             if status == "error":
-                errors.append(f"rank {rank}: {value}")
+                if isinstance(value, Qwen35Error):
+                    package_errors.append(value)  # user-fixable (e.g. weights that do not match): raised as is
+                else:
+                    errors.append(f"rank {rank}: {value}")
             results.append(value)
+        if package_errors:
+            raise package_errors[0]
         if errors:
             raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
         return results

@@ -80,6 +80,10 @@ TINY_VOCAB_SIZE = 512
 TOKENIZER_BASE_VOCAB = TINY_VOCAB_SIZE - len(SPECIAL_TOKENS)
 
 
+# The chat whose transformers reply the fixtures record (tests/fixtures/make_reference.py).
+CHAT_MESSAGES = [{"role": "user", "content": "Give me a short introduction to large language models."}]
+
+
 def special_token_id(token: str) -> int:
     """The id of a special token in the tiny tokenizer (fixed: the BPE vocabulary has a fixed size)."""
     return TOKENIZER_BASE_VOCAB + SPECIAL_TOKENS.index(token)

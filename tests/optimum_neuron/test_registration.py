@@ -1,0 +1,126 @@
+"""Registration in every process that needs it: optimum-neuron's registry, transformers 4.57, vLLM's plugin,
+and the start-up file an installed wheel puts in site-packages (editable installs do not carry it, so the
+tests build the wheel and process its .pth the way site.py does)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
+
+from .conftest import last_json_line, run_python  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def startup_dir(tmp_path_factory):
+    """A folder holding only the `optimum_qwen35.pth` of the wheel built from this checkout."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp.glob("optimum_qwen35-*.whl")
+    site = tmp / "site"
+    site.mkdir()
+    with zipfile.ZipFile(wheel) as archive:
+        assert "optimum_qwen35.pth" in archive.namelist(), "the wheel does not carry its start-up file"
+        (site / "optimum_qwen35.pth").write_bytes(archive.read("optimum_qwen35.pth"))
+    return site
+
+
+FIND_CLASSES = """
+import json, site, sys
+site.addsitedir(sys.argv[1])   # what the interpreter does with site-packages at start-up
+import optimum.neuron
+from optimum.neuron.models.auto_model import _REGISTERED_NEURON_MODELS
+from transformers import AutoConfig
+found = {t: _REGISTERED_NEURON_MODELS.get((t, "text-generation", "inference")) for t in ("qwen3_5", "qwen3_5_text")}
+print(json.dumps({t: None if c is None else f"{c.__module__}.{c.__qualname__}" for t, c in found.items()}
+                 | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}))
+"""
+
+
+def test_import_optimum_neuron_finds_the_class_in_a_fresh_process(startup_dir):
+    found = last_json_line(run_python(FIND_CLASSES, str(startup_dir)).stdout)
+    expected = "optimum_qwen35.optimum.modeling.Qwen35NeuronModelForCausalLM"
+    assert found == {"qwen3_5": expected, "qwen3_5_text": expected, "config": "Qwen3_5TextConfig"}
+
+
+def test_without_the_startup_file_nothing_is_registered():
+    """The check above would pass for nothing if plain `import optimum.neuron` registered by itself."""
+    code = FIND_CLASSES.replace("site.addsitedir(sys.argv[1])", "pass").replace(
+        ' | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}', ""
+    )
+    assert last_json_line(run_python(code).stdout) == {"qwen3_5": None, "qwen3_5_text": None}
+
+
+def test_startup_file_imports_no_torch_or_transformers(startup_dir):
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import site; site.addsitedir({str(startup_dir)!r})"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "optimum_qwen35" in imported and "optimum_qwen35._startup" in imported
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers", "numpy", "optimum", "safetensors"))
+    assert not heavy, f"the start-up file imported {heavy}"
+
+
+def test_export_subprocess_registration_reaches_a_child_interpreter(startup_dir):
+    """optimum-cli runs `python3 -m optimum.exporters.neuron` in a child: registration must happen there too.
+    (Without the Neuron SDK that module cannot run; its first step, resolving the class, is what is checked.)"""
+    code = """
+import json, site, sys
+site.addsitedir(sys.argv[1])
+from transformers import AutoConfig
+from optimum.neuron.models.auto_model import _REGISTERED_NEURON_MODELS
+import optimum.neuron  # noqa: F401  (what optimum.exporters.neuron imports first)
+config = AutoConfig.from_pretrained(sys.argv[2]).get_text_config()
+cls = _REGISTERED_NEURON_MODELS[(config.model_type, "text-generation", "inference")]
+print(json.dumps([config.model_type, cls.__name__, str(config.dtype)]))
+"""
+    fixture = ROOT / "tests" / "fixtures" / "tiny-2b"
+    assert last_json_line(run_python(code, str(startup_dir), str(fixture)).stdout) == [
+        "qwen3_5_text", "Qwen35NeuronModelForCausalLM", "torch.float32",
+    ]
+
+
+def test_vllm_plugin_is_declared_and_runs_without_vllm():
+    (plugin,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "optimum_qwen35"]
+    assert plugin.value == "optimum_qwen35.optimum.registration:vllm_plugin"
+    code = """
+import json
+from importlib.metadata import entry_points
+(ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "optimum_qwen35"]
+done = ep.load()()
+from optimum.neuron.models.auto_model import _REGISTERED_NEURON_MODELS
+print(json.dumps({"done": done, "registered": ("qwen3_5", "text-generation", "inference") in _REGISTERED_NEURON_MODELS}))
+"""
+    result = last_json_line(run_python(code).stdout)
+    assert result["registered"]
+    assert "optimum-neuron model class" in result["done"] and "vLLM architectures" not in result["done"]
+
+
+def test_text_config_without_dtype_gets_one(tmp_path):
+    """optimum-neuron 0.4.5's get_neuron_config reads the text config's dtype, and fails without one."""
+    import json
+
+    from transformers import AutoConfig
+
+    from optimum_qwen35.testing import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["text_config"]["dtype"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert str(AutoConfig.from_pretrained(folder).get_text_config().dtype) == "torch.bfloat16"

@@ -1,0 +1,487 @@
+"""The Hub half (optimum_qwen35/hub.py, the push/pull/cache commands) against the loopback stand-in Hub.
+
+The real huggingface_hub client talks HTTP to `optimum_qwen35.testing.hub_server` (0.36 in the optimum
+environment, 2.x in the reference one); the export folders are stand-ins in the exporter's layout
+(`optimum_qwen35.testing.export_folder`): real config.json / neuron_config.json / tokenizer, placeholder graphs
+and weights. "Fresh process" checks run a subprocess with its own empty HF_HOME and HF_ENDPOINT set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from optimum_qwen35 import hub
+from optimum_qwen35.cli import main
+from optimum_qwen35.errors import (
+    CheckpointError,
+    HubAuthError,
+    HubConnectionError,
+    HubError,
+    HubNotFoundError,
+    IncompatibleExportError,
+    Qwen35Error,
+)
+from optimum_qwen35.testing import build_tiny_checkpoint
+from optimum_qwen35.testing.export_folder import build_fake_export
+from optimum_qwen35.testing.hub_server import free_port
+
+WRITE, READ, BOB = "hf_alice_write", "hf_alice_read", "hf_bob_write"
+SOURCE_ID = "Qwen/Qwen3.5-tiny"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """The tiny Qwen3.5 checkpoint the exports are made from (bf16 on disk, like the real ones)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny", "tiny-2b", dtype="bfloat16")
+
+
+@pytest.fixture
+def export(tmp_path, source):
+    """A cpu export of SOURCE_ID: batch 2, sequence 256, TP 2, bf16."""
+    return build_fake_export(
+        tmp_path / "export", source, SOURCE_ID, "main", batch_size=2, sequence_length=256, tp_degree=2
+    )
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """path -> (sha256, mtime_ns) of every file below `folder` (follows the HF cache's symlinks)."""
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            out[p.relative_to(folder).as_posix()] = (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+    return out
+
+
+def contents(folder: Path) -> dict[str, str]:
+    return {k: v[0] for k, v in snapshot(folder).items()}
+
+
+def run_py(code: str, env: dict, cwd=None, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_cli(args: list[str], env: dict, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "optimum_qwen35", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=180
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("optimum-qwen35: error:")]
+
+
+# ------------------------------------------------------------------------------------------ push and load
+
+
+def test_push_then_resolve_in_a_fresh_process_gives_the_same_files(hub_server, export, tmp_path):
+    before = snapshot(export)
+    result = hub.push_to_hub(export, "alice/tiny-cpu", token=WRITE, endpoint=hub_server.url)
+    assert result.changed and result.commit_sha == hub_server.commits("alice/tiny-cpu")[0]
+    assert snapshot(export) == before, "push must not touch the local folder"
+    remote = hub_server.files("alice/tiny-cpu")
+    card = remote["README.md"].decode()
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["base_model"] == SOURCE_ID and metadata["pipeline_tag"] == "text-generation"
+    for fact in (
+        "base_model: Qwen/Qwen3.5-tiny",
+        "| batch size | 2 |",
+        "| sequence length | 256 |",
+        "| tensor parallel degree | 2 |",
+        "`bfloat16`",
+        "`cpu`",
+        "optimum-neuron 0.4.5",
+        "torch ",
+    ):
+        assert fact in card, fact
+    # The commit is one: the repo's initial commit, then the export.
+    assert len(hub_server.commits("alice/tiny-cpu")) == 2
+    # LFS files went through the LFS batch API, the others inline in the commit.
+    assert hub_server.count("PUT", "/__lfs_upload__/") == 6  # 4 compiled .pt2 + 2 rank safetensors
+
+    home = tmp_path / "fresh-home"
+    proc = run_py(
+        """
+        from optimum_qwen35.hub import resolve_export
+        print(resolve_export("alice/tiny-cpu"))
+        """,
+        hub_server.client_env(home),
+    )
+    assert proc.returncode == 0, proc.stderr
+    folder = Path(proc.stdout.strip().splitlines()[-1])
+    assert folder.is_relative_to(home)
+    assert contents(folder) == contents(export)  # byte for byte, and no model card or .gitattributes
+
+
+def test_pushing_an_unchanged_folder_makes_no_commit_and_uploads_nothing(hub_server, export):
+    hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    commits = hub_server.commits("alice/m")
+    posts = hub_server.count("POST", "/commit/"), hub_server.count("POST", "/preupload/"), hub_server.count("PUT", "")
+    again = hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    assert not again.changed and again.commit_sha == commits[0]
+    assert hub_server.commits("alice/m") == commits
+    assert (
+        hub_server.count("POST", "/commit/"),
+        hub_server.count("POST", "/preupload/"),
+        hub_server.count("PUT", ""),
+    ) == posts
+
+    # One changed file and one removed file: one commit that uploads the one and deletes the other.
+    (export / "compiled" / "token_generation_rank1.pt2").write_bytes(b"new program")
+    (export / "generation_config.json").unlink()
+    puts = hub_server.count("PUT", "")
+    third = hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    assert third.uploaded == ["compiled/token_generation_rank1.pt2"] and third.deleted == ["generation_config.json"]
+    assert hub_server.commits("alice/m")[1:] == commits
+    assert hub_server.count("PUT", "") == puts + 1
+    assert "generation_config.json" not in hub_server.files("alice/m")
+
+
+def test_a_revision_is_pushed_to_its_branch_and_resolved_by_revision(hub_server, export, source, tmp_path):
+    hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    main_commits = hub_server.commits("alice/m")
+    other = build_fake_export(tmp_path / "bs4", source, SOURCE_ID, "main", batch_size=4, seed=1)
+    result = hub.push_to_hub(other, "alice/m", revision="bs4", token=WRITE, endpoint=hub_server.url)
+    assert result.revision == "bs4" and hub_server.commits("alice/m") == main_commits  # main untouched
+    cache = tmp_path / "cache"
+    on_branch = hub.resolve_export("alice/m", revision="bs4", endpoint=hub_server.url, cache_dir=cache)
+    on_main = hub.resolve_export("alice/m", endpoint=hub_server.url, cache_dir=cache)
+    assert contents(on_branch) == contents(other) and contents(on_main) == contents(export)
+    assert json.loads((on_branch / "neuron_config.json").read_text())["batch_size"] == 4
+    # A commit sha is a revision too.
+    pinned = hub.resolve_export("alice/m", revision=result.commit_sha, endpoint=hub_server.url, cache_dir=cache)
+    assert contents(pinned) == contents(other)
+
+
+def test_a_local_folder_resolves_to_itself(export):
+    assert hub.resolve_export(export) == export
+    assert hub.resolve_export(str(export)) == export
+
+
+def test_a_failed_commit_leaves_the_repo_and_the_folder_as_they_were(hub_server, export, source, tmp_path):
+    # A first push that fails: the new repo keeps only its initial commit, no half model.
+    hub_server.fail_commits = True
+    with pytest.raises(HubError, match="HTTP 500"):
+        hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    assert len(hub_server.commits("alice/m")) == 1 and set(hub_server.files("alice/m")) == {".gitattributes"}
+
+    hub_server.fail_commits = False
+    hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    commits, files = hub_server.commits("alice/m"), hub_server.files("alice/m")
+    other = build_fake_export(tmp_path / "other", source, SOURCE_ID, "main", batch_size=8, seed=2)
+    before = snapshot(other)
+    hub_server.fail_commits = True
+    with pytest.raises(HubError) as info:
+        hub.push_to_hub(other, "alice/m", token=WRITE, endpoint=hub_server.url)
+    assert "\n" not in str(info.value)
+    assert hub_server.commits("alice/m") == commits and hub_server.files("alice/m") == files
+    assert snapshot(other) == before
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_errors_are_one_line_package_errors(hub_server, export, tmp_path):
+    url, cache = hub_server.url, tmp_path / "cache"
+    hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=url)
+    changed = Path(shutil.copytree(export, tmp_path / "changed"))
+    (changed / "compiled" / "manifest.json").write_text("{}")
+    hub_server.create_repo("alice/not-an-export")
+    hub_server.upload("alice/not-an-export", {"config.json": b"{}"})
+    hub_server.create_repo("alice/no-graphs")
+    hub_server.upload("alice/no-graphs", {"config.json": b"{}", "neuron_config.json": b'{"target": "trn1"}'})
+    cases = [
+        (HubNotFoundError, "repository alice/missing not found", lambda: hub.resolve_export("alice/missing", endpoint=url, cache_dir=cache)),
+        (HubNotFoundError, "revision 'nope' does not exist", lambda: hub.resolve_export("alice/m", revision="nope", endpoint=url, cache_dir=cache)),
+        (IncompatibleExportError, "has no neuron_config.json", lambda: hub.resolve_export("alice/not-an-export", endpoint=url, cache_dir=cache)),
+        (IncompatibleExportError, "lacks model.pt", lambda: hub.resolve_export("alice/no-graphs", endpoint=url, cache_dir=cache)),
+        (HubAuthError, "rejected the token (401", lambda: hub.resolve_export("alice/m", token="hf_wrong", endpoint=url, cache_dir=cache)),
+        (HubAuthError, "rejected the token (401", lambda: hub.push_to_hub(export, "alice/m2", token="hf_wrong", endpoint=url)),
+        (HubAuthError, "needs a token", lambda: hub.push_to_hub(export, "alice/m2", token=False, endpoint=url)),
+        (HubAuthError, "no write access (403", lambda: hub.push_to_hub(export, "alice/m2", token=READ, endpoint=url)),
+        (HubAuthError, "no write access (403", lambda: hub.push_to_hub(changed, "alice/m", token=BOB, endpoint=url)),
+        (HubAuthError, "no write access (403", lambda: hub.push_to_hub(changed, "alice/m", token=READ, endpoint=url)),
+        (HubConnectionError, "cannot be reached", lambda: hub.resolve_export("alice/m", endpoint=f"http://127.0.0.1:{free_port()}", cache_dir=tmp_path / "c2")),
+        (HubConnectionError, "cannot be reached", lambda: hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=f"http://127.0.0.1:{free_port()}")),
+    ]  # fmt: skip
+    for kind, words, call in cases:
+        with pytest.raises(kind) as info:
+            call()
+        message = str(info.value)
+        assert isinstance(info.value, Qwen35Error) and words in message and "\n" not in message, message
+    # A private repo is invisible to others, without saying whether it exists.
+    hub.push_to_hub(export, "alice/private", private=True, token=WRITE, endpoint=url)
+    with pytest.raises(HubNotFoundError, match="or it is private"):
+        hub.resolve_export("alice/private", token=BOB, endpoint=url, cache_dir=cache)
+    assert hub.resolve_export("alice/private", token=READ, endpoint=url, cache_dir=cache).is_dir()
+
+
+def test_the_command_line_pushes_pulls_and_fails_on_one_line(hub_server, export, tmp_path, capsys):
+    url = hub_server.url
+    assert main(["push", str(export), "alice/cli", "--revision", "v1", "--token", WRITE, "--endpoint", url]) == 0
+    assert "pushed" in capsys.readouterr().out and len(hub_server.commits("alice/cli", "v1")) == 2
+    assert main(["push", str(export), "alice/cli", "--revision", "v1", "--token", WRITE, "--endpoint", url]) == 0
+    assert "nothing pushed" in capsys.readouterr().out and len(hub_server.commits("alice/cli", "v1")) == 2
+
+    hub_server.create_repo("alice/not-an-export")
+    hub_server.upload("alice/not-an-export", {"config.json": b"{}"})
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    failures = [
+        (["pull", "alice/not-an-export", "--endpoint", url], "has no neuron_config.json"),
+        (["pull", "alice/missing", "--endpoint", url], "not found"),
+        (["pull", "alice/cli", "--revision", "v2", "--endpoint", url], "revision 'v2' does not exist"),
+        (["push", str(export), "alice/cli", "--token", "hf_wrong", "--endpoint", url], "401"),
+        (["push", str(export), "alice/cli2", "--token", READ, "--endpoint", url], "403"),
+        (["pull", "alice/cli", "--endpoint", unreachable], "cannot be reached"),
+        (["push", str(tmp_path), "alice/cli", "--endpoint", url], "not an exported model"),
+    ]
+    for args, words in failures:
+        assert main(args) == 1, args
+        err = capsys.readouterr().err
+        lines = error_lines(err)
+        assert len(lines) == 1 and words in lines[0], err
+
+    # A real process: the pull prints the folder; a failure is one line, exit status 1, no traceback.
+    env = hub_server.client_env(tmp_path / "home")
+    pulled = run_cli(["pull", "alice/cli", "--revision", "v1"], env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert contents(Path(pulled.stdout.strip().splitlines()[-1])) == contents(export)
+    failed = run_cli(["push", str(export), "alice/cli", "--token", "hf_wrong"], env)
+    assert failed.returncode == 1 and len(error_lines(failed.stderr)) == 1 and "Traceback" not in failed.stderr
+
+
+# ------------------------------------------------------------------------------------------------ offline
+
+
+def test_offline_resolves_from_the_cache_or_names_what_is_missing(hub_server, export, tmp_path):
+    hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=hub_server.url)
+    cache, empty = tmp_path / "home" / "hub", tmp_path / "empty-home" / "hub"
+    folder = hub.resolve_export("alice/m", endpoint=hub_server.url, cache_dir=cache)  # one download, online
+    requests = len(hub_server.requests)
+    # Then, in an offline process: the cached export resolves, an empty cache and a damaged one are named.
+    proc = run_py(
+        f"""
+        import json
+        from pathlib import Path
+        from optimum_qwen35.errors import Qwen35Error
+        from optimum_qwen35.hub import resolve_export
+
+        def attempt(cache):
+            try:
+                return str(resolve_export("alice/m", cache_dir=cache))
+            except Qwen35Error as e:
+                return f"{{type(e).__name__}}: {{e}}"
+
+        results = [attempt({str(cache)!r}), attempt({str(empty)!r})]
+        (Path(results[0]) / "checkpoint" / "manifest.json").unlink()
+        results.append(attempt({str(cache)!r}))
+        print(json.dumps(results))
+        """,
+        hub_server.client_env(tmp_path / "home", HF_HUB_OFFLINE="1"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    found, nothing, damaged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(found) == folder
+    assert len(hub_server.requests) == requests, "offline mode must not talk to the Hub"
+    assert nothing.startswith("HubOfflineError:") and "alice/m" in nothing and "neuron_config.json" in nothing
+    assert damaged.startswith("HubOfflineError:") and "checkpoint/manifest.json" in damaged
+    assert "\n" not in nothing + damaged
+
+
+# ------------------------------------------------------------------------------------- Neuron export weights
+
+
+def test_a_neuron_export_of_a_hub_model_fetches_its_source_weights(hub_server, source, tmp_path):
+    hub_server.create_repo("Qwen/Qwen3.5-tiny")
+    files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    sha = hub_server.upload("Qwen/Qwen3.5-tiny", files)
+    neuron = build_fake_export(tmp_path / "trn1", source, "Qwen/Qwen3.5-tiny", sha, target="trn1")
+    local = build_fake_export(tmp_path / "trn1-local", source, None, target="trn1")
+    cpu = build_fake_export(tmp_path / "cpu", source, "Qwen/Qwen3.5-tiny", sha)
+    assert hub.resolve_source_checkpoint(cpu) is None and hub.resolve_source_checkpoint(local) is None
+    weights = hub.resolve_source_checkpoint(neuron, endpoint=hub_server.url, cache_dir=tmp_path / "cache")
+    assert sha in str(weights)
+    assert {p.name for p in weights.iterdir()} == {
+        n
+        for n in files
+        if n.endswith(".safetensors") or "safetensors" in n or n in ("config.json", "generation_config.json")
+    }
+    # Pushed, the Hub-id Neuron export carries no weights; the local one carries its sharded checkpoint.
+    hub.push_to_hub(neuron, "alice/trn1", token=WRITE, endpoint=hub_server.url)
+    hub.push_to_hub(local, "alice/trn1-local", token=WRITE, endpoint=hub_server.url)
+    assert not any(p.startswith("checkpoint/") for p in hub_server.files("alice/trn1"))
+    assert "checkpoint/weights/tp0_sharded_checkpoint.safetensors" in hub_server.files("alice/trn1-local")
+    assert "fetched from `Qwen/Qwen3.5-tiny` at load time" in hub_server.files("alice/trn1")["README.md"].decode()
+    # A source checkpoint without weights, or a revision that does not exist: one-line errors.
+    hub_server.create_repo("alice/no-weights")
+    hub_server.upload("alice/no-weights", {"config.json": files["config.json"]})
+    for checkpoint_id, revision, kind, words in [
+        ("alice/no-weights", None, CheckpointError, "has no safetensors"),
+        ("Qwen/Qwen3.5-tiny", "nope", HubNotFoundError, "revision 'nope'"),
+    ]:
+        bad = build_fake_export(tmp_path / f"bad-{kind.__name__}", source, checkpoint_id, revision, target="trn1")
+        with pytest.raises(kind, match=words):
+            hub.resolve_source_checkpoint(bad, endpoint=hub_server.url, cache_dir=tmp_path / "cache")
+
+
+# --------------------------------------------------------------------------------- compile-cache registry
+
+
+@pytest.fixture
+def cache_setup(hub_server, source, export):
+    pytest.importorskip("optimum.neuron", reason="the registry needs optimum-neuron (nox session `optimum`)")
+    hub_server.create_repo(SOURCE_ID)
+    hub_server.upload(SOURCE_ID, {"config.json": (source / "config.json").read_bytes()})
+    hub_server.create_repo("alice/neuron-cache")
+    return export
+
+
+def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, cache_setup, source, tmp_path):
+    export = cache_setup
+    result = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    digest = result.arch_digest
+    assert result.paths[0].startswith("neuronxcc-2.21.33363.0/0_REGISTRY/0.4.5/" + digest + "/")
+    assert result.paths[1].startswith("neuronxcc-2.21.33363.0/0_REGISTRY/0.4.5/qwen3_5_text/Qwen/Qwen3.5-tiny/")
+    commits = hub_server.commits("alice/neuron-cache")
+    again = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    assert again.paths == result.paths and hub_server.commits("alice/neuron-cache") == commits  # no new commit
+    # A trn1 export of the same model (batch 4, TP 8) lands under the same compiler folder and digest.
+    trn1 = build_fake_export(
+        tmp_path / "trn1", source, SOURCE_ID, "main", target="trn1", batch_size=4, sequence_length=4096, tp_degree=8
+    )
+    neuron = hub.sync_registry(trn1, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    assert neuron.arch_digest == digest and neuron.paths[0].split("/")[0] == "neuronxcc-2.21.33363.0"
+
+    # optimum-neuron's own lookup, in a fresh process pointed at the stand-in. AutoConfig must know qwen3_5 there:
+    # until the package's registration hook (issue 7) is installed, a sitecustomize imports the package.
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import optimum_qwen35\n")
+    env = hub_server.client_env(tmp_path / "home", CUSTOM_CACHE_REPO="alice/neuron-cache", PYTHONPATH=str(shim))
+    cli = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
+
+    def lookup(*extra):
+        proc = subprocess.run(
+            [cli, "neuron", "cache", "lookup", SOURCE_ID, "--task", "text-generation", *extra],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    listed = lookup()
+    assert f"Cached entries for {SOURCE_ID}" in listed
+    rows = sorted(line.split() for line in listed.splitlines() if line.split()[:1] in (["2"], ["4"]))
+    assert rows == [["2", "256", "2", "bfloat16", "cpu"], ["4", "4096", "8", "bfloat16", "trn1"]], listed
+
+    # select_hub_cached_entries (what `lookup --batch_size/--dtype/...` and vLLM call): the matching filters find
+    # the entry, any other batch size, dtype, TP degree or target does not.
+    proc = run_py(
+        """
+        import json
+        from optimum.neuron.cache.hub_cache import get_hub_cached_entries, select_hub_cached_entries as select
+        m = "Qwen/Qwen3.5-tiny"
+        print(json.dumps([
+            len(get_hub_cached_entries(m, task="text-generation")),
+            len(select(m, task="text-generation", instance_type="cpu", batch_size=2, sequence_length=256,
+                       tensor_parallel_size=2, torch_dtype="bfloat16")),
+            len(select(m, task="text-generation", batch_size=1)),
+            len(select(m, task="text-generation", torch_dtype="float32")),
+            len(select(m, task="text-generation", tensor_parallel_size=4)),
+            len(select(m, task="text-generation", instance_type="inf2")),
+            len(select(m, task="text-generation", instance_type="trn1", batch_size=4, tensor_parallel_size=8)),
+        ]))
+        """,
+        env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [2, 1, 0, 0, 0, 0, 1]
+
+
+def test_the_entry_is_optimum_neurons_own(cache_setup, source):
+    from optimum.neuron.cache.entries.cache_entry import ModelCacheEntry
+    from optimum.neuron.cache.entries.single_model import SingleModelCacheEntry
+
+    entry = registry_entry = hub.registry_entry(cache_setup)
+    assert isinstance(entry, SingleModelCacheEntry) and entry.model_id == SOURCE_ID and entry.task == "text-generation"
+    # The digest a lookup computes from the source checkpoint's config (here from its folder).
+    assert registry_entry.arch_digest() == ModelCacheEntry.create(str(source), "text-generation").arch_digest()
+    assert entry.neuron_config == json.loads((cache_setup / "neuron_config.json").read_text())
+    # Round trip through the registry file format.
+    assert ModelCacheEntry.deserialize(entry.serialize()).arch_digest() == entry.arch_digest()
+
+
+def test_the_dtype_is_part_of_the_digest(cache_setup, source, tmp_path):
+    """optimum-neuron's white list drops `torch_dtype` but not `dtype`: an fp32 export of a bf16 checkpoint
+    has another digest than its source, so a lookup of the source does not see it (optimum-neuron's own entries
+    behave the same); keying it on the source config restores the match."""
+    from optimum.neuron.cache.entries.cache_entry import ModelCacheEntry
+
+    fp32 = build_fake_export(tmp_path / "fp32", source, SOURCE_ID, torch_dtype="float32")
+    lookup_digest = ModelCacheEntry.create(str(source), "text-generation").arch_digest()
+    assert hub.registry_entry(fp32).arch_digest() != lookup_digest
+    assert hub.registry_entry(fp32, config=source).arch_digest() == lookup_digest
+
+
+def test_registry_errors(hub_server, cache_setup, tmp_path, source):
+    with pytest.raises(HubNotFoundError, match="alice/no-such-cache"):
+        hub.sync_registry(cache_setup, cache_repo="alice/no-such-cache", token=WRITE, endpoint=hub_server.url)
+    with pytest.raises(HubAuthError, match="403"):
+        hub.sync_registry(cache_setup, cache_repo="alice/neuron-cache", token=READ, endpoint=hub_server.url)
+    local = build_fake_export(tmp_path / "local", source, None)
+    with pytest.raises(Qwen35Error, match="--model-id"):
+        hub.registry_entry(local)
+    assert hub.registry_entry(local, model_id="alice/tiny").model_id == "alice/tiny"
+
+
+def test_the_cache_commands(hub_server, cache_setup, tmp_path, capsys):
+    url = hub_server.url
+    assert (
+        main(
+            [
+                "cache",
+                "sync",
+                str(cache_setup),
+                "--cache-repo",
+                "alice/neuron-cache",
+                "--token",
+                WRITE,
+                "--endpoint",
+                url,
+            ]
+        )
+        == 0
+    )
+    assert "0_REGISTRY/0.4.5/" in capsys.readouterr().out
+    assert (
+        main(["cache", "sync", str(cache_setup), "--cache-repo", "alice/nope", "--token", WRITE, "--endpoint", url])
+        == 1
+    )
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "alice/nope" in lines[0]
+    # `cache lookup` goes through optimum-neuron, which takes the endpoint from HF_ENDPOINT only: a subprocess.
+    env = hub_server.client_env(tmp_path / "home", CUSTOM_CACHE_REPO="alice/neuron-cache")
+    found = run_cli(["cache", "lookup", SOURCE_ID, "--batch-size", "2", "--dtype", "bfloat16"], env, cwd=tmp_path)
+    assert found.returncode == 0 and "cpu  2  256  2  bfloat16" in found.stdout, found.stderr
+
+
+def test_the_registry_without_optimum_neuron_is_a_one_line_error(export, capsys):
+    try:
+        import optimum.neuron  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("optimum-neuron is installed (nox session `reference` runs this)")
+    assert main(["cache", "sync", str(export), "--cache-repo", "alice/cache"]) == 1
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and "optimum-qwen35[optimum]" in lines[0]
