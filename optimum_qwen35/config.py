@@ -216,10 +216,12 @@ class Qwen35Config:
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            from .validation import model_folder  # noqa: PLC0415
+            from .validation import looks_like_hub_id, missing_folder_error  # noqa: PLC0415
 
-            model_folder(path)  # says whether the folder is missing, a Hub id, or lacks config.json
-            raise ModelNotFoundError(f"no config.json at {path!r}: pass a Qwen3.5 checkpoint folder")
+            if not os.path.exists(path) and looks_like_hub_id(path):
+                raise missing_folder_error(path, "this call")
+            where = "no such folder" if not os.path.exists(path) else "a folder without it"
+            raise ModelNotFoundError(f"no config.json at {path!r} ({where}): pass a Qwen3.5 checkpoint folder")
         with open(file, encoding="utf-8") as f:
             try:
                 raw = json.load(f)

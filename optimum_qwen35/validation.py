@@ -31,7 +31,8 @@ def positive_int(value, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer (Python or NumPy), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -59,7 +60,7 @@ def int_list(values, name: str, upper: int, beyond: str) -> list[int]:
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor) and v.ndim == 0 and not v.is_floating_point() and v.dtype != torch.bool:
             v = v.item()
-        if not _is_int(v):
+        if not is_int(v):
             raise UsageError(f"{name}[{i}] = {v!r} ({type(v).__name__}) is not an integer; {name} must hold integers")
         if not 0 <= v < upper:
             raise UsageError(f"{name}[{i}] = {v} is {'negative' if v < 0 else beyond}: it must be in [0, {upper})")
@@ -82,7 +83,7 @@ def eos_ids(eos_token_id) -> set[int]:
     """`eos_token_id` (None, an id, or a sequence of ids) as a set of ints."""
     if eos_token_id is None:
         return set()
-    if _is_int(eos_token_id):
+    if is_int(eos_token_id):
         eos_token_id = [eos_token_id]
     return set(int_list(eos_token_id, "eos_token_id", 2**63 - 1, "too large"))
 
@@ -98,7 +99,7 @@ def token_ids(prompts, vocab_size: int, name: str = "prompts", allow_no_prompt: 
     prompts = list(prompts)
     if not prompts and not allow_no_prompt:
         raise UsageError(f"{name} is empty: pass at least one prompt")
-    if prompts and all(_is_int(p) for p in prompts):
+    if prompts and all(is_int(p) for p in prompts):
         raise UsageError(f"{name} must be a list of prompts, each a list of token ids: wrap one prompt as [[...]]")
     return [token_id_list(p, vocab_size, f"{name}[{i}]") for i, p in enumerate(prompts)]
 
@@ -151,6 +152,18 @@ def looks_like_hub_id(path) -> bool:
     return bool(_HUB_ID.match(text)) and ".." not in text
 
 
+def missing_folder_error(path, command: str = "this command") -> ModelNotFoundError:
+    """The error for a path that does not exist; one that looks like a Hub id gets a word about Hub ids."""
+    text = os.fspath(path)
+    if looks_like_hub_id(text):
+        # A relative path of two parts looks the same: the message covers both readings.
+        return ModelNotFoundError(
+            f"no such folder: {text!r}. If it is a Hugging Face Hub id, {command} needs a local checkpoint "
+            f"folder: download it first (`hf download {text} --local-dir DIR`) and pass DIR"
+        )
+    return ModelNotFoundError(f"no such folder: {text!r}; pass the path of a Qwen3.5 checkpoint folder")
+
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "tp_shards.json")
 
 
@@ -165,13 +178,7 @@ def model_folder(path, command: str = "this command") -> Path:
         raise UsageError(f"the model path must be a string or a path, got {type(path).__name__}")
     folder = Path(path).expanduser()
     if not folder.exists():
-        if looks_like_hub_id(path):
-            # A relative path of two parts looks the same: the message covers both readings.
-            raise ModelNotFoundError(
-                f"no such folder: {os.fspath(path)!r}. If it is a Hugging Face Hub id, {command} needs a local "
-                f"checkpoint folder: download it first (`hf download {os.fspath(path)} --local-dir DIR`) and pass DIR"
-            )
-        raise ModelNotFoundError(f"no such folder: {os.fspath(path)!r}; pass the path of a Qwen3.5 checkpoint folder")
+        raise missing_folder_error(path, command)
     if not folder.is_dir():
         raise ModelNotFoundError(f"{os.fspath(path)!r} is a file, not a folder; pass the checkpoint folder that holds config.json")
     if not (folder / "config.json").is_file():

@@ -186,14 +186,14 @@ class Qwen35ForCausalLM:
             raise UsageError(f"slots must be a list of slot numbers, got {type(slots).__name__}")
         slots = list(slots)
         if (
-            any(isinstance(s, bool) or not isinstance(s, int) for s in slots)
+            any(not validation.is_int(s) for s in slots)
             or len(set(slots)) != len(slots)
             or any(not 0 <= s < self.batch_size for s in slots)
         ):
             raise UsageError(
                 f"slots must be distinct and in [0, {self.batch_size}) (integers below the model's batch_size), got {slots}"
             )
-        return slots
+        return [int(s) for s in slots]
 
     def _seq_ids(self, slots: Sequence[int]) -> torch.Tensor:
         """The graphs' static batch: one row per slot given, -1 (inactive, results dropped) for the rest."""
