@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,9 @@ __all__ = [
 
 TASK = "text-generation"
 NEURON_CONFIG = "neuron_config.json"
+# A cpu export's manifests (runtime/compiled.py GRAPHS_FILE, checkpoint/shard.py MANIFEST; a test keeps them equal):
+# each is written last, so a folder with both is complete.
+CPU_MANIFESTS = ("compiled/graphs.json", "checkpoint/tp_shards.json")
 # The files of an export (what `resolve_export` downloads): configs, tokenizer, graphs and per-rank weights.
 # README.md (the model card) and .gitattributes are not part of it.
 EXPORT_PATTERNS = [
@@ -135,7 +139,7 @@ def _export_versions(folder: Path, nc: dict) -> dict[str, str | None]:
     from . import __version__
 
     recorded: dict[str, Any] = {}
-    for manifest in ("compiled/manifest.json", "checkpoint/manifest.json"):
+    for manifest in CPU_MANIFESTS:
         try:
             recorded.update(json.loads((Path(folder) / manifest).read_text()))
         except (OSError, ValueError):
@@ -525,7 +529,7 @@ def _check_repo_id(repo_id: str) -> None:
 
 def _required_files(folder: Path, nc: dict) -> list[str]:
     if _is_cpu(nc):
-        return ["compiled", "checkpoint/manifest.json"]
+        return list(CPU_MANIFESTS)
     return ["model.pt"]
 
 
@@ -616,6 +620,22 @@ def _cache_name(cache_dir) -> str:
     from huggingface_hub import constants
 
     return constants.HF_HUB_CACHE
+
+
+def download_checkpoint(
+    repo_id: str,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+    allow_patterns: list[str] | None = None,
+) -> Path:
+    """A Hub model (a source checkpoint to export) in the Hugging Face cache; one-line errors as above."""
+    from huggingface_hub import snapshot_download
+
+    if not _REPO_ID.match(repo_id) or repo_id.startswith((".", "/")):
+        raise ModelNotFoundError(f"{repo_id} is neither a local folder nor a Hub repository id (owner/name)")
+    with _hub_errors("download", repo_id, endpoint, revision, token):
+        return Path(snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, allow_patterns=allow_patterns))
 
 
 def resolve_source_checkpoint(
@@ -784,15 +804,84 @@ def sync_registry(
     api = HfApi(endpoint=endpoint, token=token)
     content = entry.serialize().encode()
     with _hub_errors("sync the cache registry of", cache_repo, endpoint, None, token):
-        paths = registry_paths(entry, _compiler_dir(api, cache_repo, nc))
+        compiler_dir = _compiler_dir(api, cache_repo, nc)
+        paths = registry_paths(entry, compiler_dir)
+        operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=content) for p in paths]
+        if _is_cpu(nc):
+            # The cpu target's compiled graphs (its "NEFFs"), so that an export of this configuration downloads
+            # them instead of compiling.
+            graphs = cached_graphs_path(entry, compiler_dir, _graphs_torch_version(Path(folder)))
+            operations += [
+                CommitOperationAdd(path_in_repo=f"{graphs}/{f.name}", path_or_fileobj=str(f))
+                for f in sorted((Path(folder) / "compiled").iterdir())
+                if f.is_file()
+            ]
         sha, _ = _create_commit(
             api,
             cache_repo,
-            operations=[CommitOperationAdd(path_in_repo=p, path_or_fileobj=content) for p in paths],
+            operations=operations,
             commit_message=f"Register a compiled configuration of {entry.model_id}: {_shape(nc)}",
             repo_type="model",
         )
     return RegistrySyncResult(cache_repo, paths, sha, entry.arch_digest())
+
+
+# Where the cpu target's compiled graphs of a registered configuration live in the cache repo.
+CPU_GRAPHS_FOLDER = "optimum-qwen35-cpu"
+
+
+def cached_graphs_path(entry, compiler_dir: str, torch_version: str) -> str:
+    """`<compiler dir>/optimum-qwen35-cpu/torch-<version>/<entry hash>`: programs are tied to the torch
+    version that exported them, and the entry hash covers the model config and the neuron config."""
+    return f"{compiler_dir}/{CPU_GRAPHS_FOLDER}/torch-{torch_version}/{entry.hash}"
+
+
+def _graphs_torch_version(folder: Path) -> str:
+    return _read_json(folder / CPU_MANIFESTS[0])["torch_version"]
+
+
+def fetch_cached_graphs(
+    folder: str | os.PathLike,
+    cache_repo: str | None = None,
+    token: str | bool | None = None,
+    endpoint: str | None = None,
+) -> bool:
+    """Download the compiled graphs of an export being built in `folder` (its config.json and
+    neuron_config.json written, its checkpoint_id a Hub id) from the compile-cache repo, if that configuration
+    was synced there by the installed torch. True if it did (then `folder/compiled` is complete), False if the
+    cache has no such graphs. The caller compiles when this is False or raises a `HubError`."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    import torch
+
+    folder = Path(folder)
+    nc = _neuron_config(folder)
+    if not _is_cpu(nc) or not nc.get("checkpoint_id"):
+        return False
+    entry = registry_entry(folder)
+    if cache_repo is None:
+        from optimum.neuron.utils.cache_utils import get_hf_hub_cache_repo
+
+        cache_repo = get_hf_hub_cache_repo()
+    api = HfApi(endpoint=endpoint, token=token)
+    with _hub_errors("read the compile cache", cache_repo, endpoint, None, token):
+        base = cached_graphs_path(entry, _compiler_dir(api, cache_repo, nc), torch.__version__.split("+")[0])
+        try:
+            files = [f.path for f in api.list_repo_tree(cache_repo, path_in_repo=base, repo_type="model") if hasattr(f, "size")]
+        except Exception as e:  # noqa: BLE001 (a missing folder is a cache miss)
+            if _status(e) == 404 or type(e).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+                return False
+            raise
+        if CPU_MANIFESTS[0].split("/")[-1] not in {p.rsplit("/", 1)[-1] for p in files}:
+            return False
+        target = folder / "compiled"
+        staging = folder / ".compiled.partial"
+        staging.mkdir(parents=True, exist_ok=True)
+        for path in files:
+            local = hf_hub_download(cache_repo, path, repo_type="model", token=token, endpoint=endpoint)
+            shutil.copyfile(local, staging / path.rsplit("/", 1)[-1])
+        os.replace(staging, target)
+    return True
 
 
 def lookup_registry(

@@ -195,7 +195,7 @@ def test_errors_are_one_line_package_errors(hub_server, export, tmp_path):
     url, cache = hub_server.url, tmp_path / "cache"
     hub.push_to_hub(export, "alice/m", token=WRITE, endpoint=url)
     changed = Path(shutil.copytree(export, tmp_path / "changed"))
-    (changed / "compiled" / "manifest.json").write_text("{}")
+    (changed / "compiled" / "graphs.json").write_text("{}")
     hub_server.create_repo("alice/not-an-export")
     hub_server.upload("alice/not-an-export", {"config.json": b"{}"})
     hub_server.create_repo("alice/no-graphs")
@@ -283,7 +283,7 @@ def test_offline_resolves_from_the_cache_or_names_what_is_missing(hub_server, ex
                 return f"{{type(e).__name__}}: {{e}}"
 
         results = [attempt({str(cache)!r}), attempt({str(empty)!r})]
-        (Path(results[0]) / "checkpoint" / "manifest.json").unlink()
+        (Path(results[0]) / "checkpoint" / "tp_shards.json").unlink()
         results.append(attempt({str(cache)!r}))
         print(json.dumps(results))
         """,
@@ -294,7 +294,7 @@ def test_offline_resolves_from_the_cache_or_names_what_is_missing(hub_server, ex
     assert Path(found) == folder
     assert len(hub_server.requests) == requests, "offline mode must not talk to the Hub"
     assert nothing.startswith("HubOfflineError:") and "alice/m" in nothing and "neuron_config.json" in nothing
-    assert damaged.startswith("HubOfflineError:") and "checkpoint/manifest.json" in damaged
+    assert damaged.startswith("HubOfflineError:") and "checkpoint/tp_shards.json" in damaged
     assert "\n" not in nothing + damaged
 
 

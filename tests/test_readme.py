@@ -9,7 +9,7 @@ README = Path(__file__).parents[1] / "README.md"
 def test_readme_python_example_runs(tmp_path):
     from optimum_qwen35.testing import build_tiny_checkpoint
 
-    block = re.search(r"```python\n(from transformers import AutoTokenizer.*?)```", README.read_text(), re.S).group(1)
+    block = re.search(r"```python\n(from transformers import AutoTokenizer\nfrom optimum_qwen35.runtime.cpu .*?)```", README.read_text(), re.S).group(1)
     build_tiny_checkpoint(tmp_path / "ckpt", "tiny-nv2x")
     code = block.replace('"path/to/checkpoint"', repr(str(tmp_path / "ckpt")))
     namespace = {}

@@ -21,6 +21,7 @@ from .tensors import (
     FLOAT8,
     NkiTensor,
     _IndirectView,
+    _OutOfBoundsView,
     allocate,
     bfloat16,
     float16,
@@ -88,7 +89,7 @@ def get_nc_sub_version():
 
 # --------------------------------------------------------------------------------------------------------- helpers
 def _tensor(x, what):
-    if not isinstance(x, (NkiTensor, _IndirectView)):
+    if not isinstance(x, (NkiTensor, _IndirectView, _OutOfBoundsView)):
         raise TypeError(f"{what} must be an NKI tensor, got {type(x).__name__}")
     return x
 
@@ -218,6 +219,17 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     _tensor(dst, "dst")
     _tensor(src, "src")
     _no_psum("dma_copy", "dma", dst, src)
+    for t in (dst, src):
+        if isinstance(t, _OutOfBoundsView):
+            if getattr(oob_mode, "name", oob_mode) == "skip":
+                # "skip: Silently skip the runtime out-of-bounds access" (nki.isa.oob_mode); the whole transfer here.
+                runtime.record("dma", "dma_copy (skipped)", reads=[], writes=[], nbytes=0, chunks=1)
+                return dst
+            raise NkiRuleError(
+                "out-of-bounds",
+                f"dma_copy: runtime scalar_offset {t.offset_value} puts the access outside {t.name} "
+                f"(pass oob_mode=nisa.oob_mode.skip to skip it)",
+            )
     if isinstance(src, _IndirectView) or isinstance(dst, _IndirectView):
         _dma_indirect(dst, src)
     else:
@@ -251,12 +263,37 @@ def _dma_indirect(dst, src):
             row.write(s.read(what="dma_copy scatter").reshape(row.shape))
 
 
-def dma_transpose(dst, src, axes=None, **kwargs):
-    """``nisa.dma_transpose``: 2D transpose while moving data (DMA engines)."""
+# The permutation of each source rank, and the only ones supported (``nki.isa.dma_transpose`` page: "For 2-d input tile,
+# the permutation will be [1, 0]; for 3-d ... [2, 1, 0]; for 4-d ... [3, 1, 2, 0]"; "Supported axes are (1, 0),
+# (2, 1, 0), and (3, 1, 2, 0)"; "the i-th axis of the transposed tile will correspond to the axes[i] of the source").
+DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None, **kwargs):
+    """``nisa.dma_transpose(dst, src, axes)``: permute the axes of ``src`` while moving it (DMA engines): dst axis i is
+    src axis ``axes[i]``; by default (1, 0), (2, 1, 0) or (3, 1, 2, 0) for a 2-D, 3-D or 4-D source. ``dst`` has the
+    permuted shape (or, with another rank, the same element count). SBUF or HBM, not PSUM."""
+    _tensor(dst, "dst")
+    _tensor(src, "src")
     _no_psum("dma_transpose", "dma", dst, src)
-    vals = src.read(what="dma_transpose")
-    vals = np.transpose(vals, axes) if axes is not None else vals.reshape(src.shape[0], -1).T
-    dst.write(vals.reshape(dst.shape))
+    default = DMA_TRANSPOSE_AXES.get(src.ndim)
+    if default is None:
+        raise NkiRuleError("shape", f"dma_transpose takes a 2-D, 3-D or 4-D source, got {src.shape}")
+    axes = default if axes is None else tuple(int(a) for a in axes)
+    if axes != default:
+        raise NkiRuleError("shape", f"dma_transpose of a {src.ndim}-D source supports axes {default} only, got {axes}")
+    permuted = tuple(src.shape[a] for a in axes)
+    if dst.size != src.size or (dst.ndim == src.ndim and tuple(dst.shape) != permuted):
+        raise NkiRuleError("shape", f"dma_transpose: dst {dst.shape} must have the permuted shape {permuted}")
+    if getattr(src, "pa", 0) or getattr(dst, "pa", 0):
+        raise NotImplementedError("dma_transpose of neuronxcc block-dim tensors is not emulated")
+    if runtime.current().compute:
+        vals = np.transpose(src.read(what="dma_transpose"), axes)
+        if src.dtype != dst.dtype and is_float(src.dtype):
+            vals = vals.astype(np.float32)
+        dst.write(np.ascontiguousarray(vals).reshape(dst.shape))
+    else:
+        dst._mark_written()
     nbytes = dst.size * dst.itemsize
     runtime.record("dma", "dma_transpose", reads=[src], writes=[dst], nbytes=nbytes, chunks=dst.size)
     return dst
@@ -374,7 +411,9 @@ def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_o
     else:
         dst._mark_written()
         dst._view_of(dst._buf.acc_open, bool)[...] = True
-    fp32 = all(wide)
+    # The 4x rate is fp32's; tf32 runs at the bf16 rate ("79 BF16/FP16/TF32 TFLOPS", NeuronCore-v3 architecture page;
+    # the cost-model docs list tf32 with bf16), so a tf32 operand (with an fp32 or tf32 partner) costs 1x.
+    fp32 = all(t.dtype == float32 and t.dtype is not tfloat32 for t in (stationary, moving))
     trace = ctx.trace
     if trace is not None:
         key = (stationary._buf.uid, stationary.offset, stationary.shape)

@@ -36,6 +36,7 @@ from .tensors import (  # noqa: F401  (re-exported names of nki.language)
     int16,
     int32,
     is_float,
+    normalize_buffer,
     normalize_dtype,
     private_hbm,
     psum,
@@ -51,11 +52,57 @@ bool = bool_  # noqa: A001  (nki.language exports `bool`)
 
 
 class NKIObject:
-    """``nl.NKIObject``: base class for kernel dataclasses and configuration objects."""
+    """``nl.NKIObject``: base class for kernel dataclasses and configuration objects.
 
-    def __init__(self, **kwargs):
+    The NKI language guide ("Class Support"): every NKI class is like a Python data class, ``@dataclass`` is optional,
+    and "the compiler will create the initializer functions __init__ and __post_init__, if they are not provided by
+    the user", e.g. ``def __init__(self, x=None, y=False)`` for fields ``x: int`` and ``y: bool = False``. So a subclass
+    without its own ``__init__`` gets one here: its fields, in order, are the annotated names, then the plain class
+    attributes that are not methods, properties or dunders (classes whose fields carry no annotations); a field's
+    default is its class value, else None; ``__post_init__`` runs last when defined.
+    """
+
+    def __init__(self, *args, **kwargs):
+        fields = _nki_fields(type(self))
+        if len(args) > len(fields):
+            raise TypeError(f"{type(self).__name__}() takes {len(fields)} positional arguments, got {len(args)}")
+        values = dict(zip(fields, args))
         for key, value in kwargs.items():
+            if key in values:
+                raise TypeError(f"{type(self).__name__}() got multiple values for argument {key!r}")
+            values[key] = value
+        for name, default in fields.items():
+            setattr(self, name, values.pop(name, default))
+        for key, value in values.items():  # keywords that name no field are kept too (as the object dictionary)
             setattr(self, key, value)
+        post_init = getattr(self, "__post_init__", None)
+        if callable(post_init):
+            post_init()
+
+
+def _nki_fields(cls) -> dict:
+    """Field name -> default, base classes first, for NKIObject's generated ``__init__``."""
+    fields: dict = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or klass is NKIObject:
+            continue
+        namespace = vars(klass)
+        for name in namespace.get("__annotations__", {}):
+            fields[name] = _field_default(namespace.get(name))
+        for name, value in namespace.items():
+            if name.startswith("__") or name in fields:
+                continue
+            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):
+                continue
+            fields[name] = _field_default(value)
+    return fields
+
+
+def _field_default(value):
+    import copy as _copy
+
+    # Mutable class values (lists, dicts) are copied per instance, as a data class's default factory would.
+    return _copy.copy(value) if isinstance(value, (list, dict, set)) else value
 
 
 # --------------------------------------------------------------------------------------------------- tile sizes
@@ -121,8 +168,13 @@ def par_dim(n):
 
 # ---------------------------------------------------------------------------------------------------- allocation
 def ndarray(shape, dtype, buffer=sbuf, name="", address=None, **kwargs):
-    """A new uninitialized tensor (filled with NaN in the emulator so that uninitialized reads show)."""
-    return allocate(shape, dtype, buffer, name)
+    """A new uninitialized tensor (filled with NaN in the emulator so that uninitialized reads show).
+
+    ``address`` (SBUF/PSUM): ``(partition_offset, free_offset)`` in bytes, as the ``nki.language.ndarray`` page
+    documents; the buffer is accounted at that place (two buffers placed on the same bytes share them). Storage is
+    not aliased: each tensor keeps its own values."""
+    on_chip = normalize_buffer(buffer).on_chip
+    return allocate(shape, dtype, buffer, name, address=address if on_chip else None)
 
 
 def empty_like(x, dtype=None, buffer=None, name=""):

@@ -131,26 +131,68 @@ class MemoryTracker:
         # "error": going over capacity raises. "spill": it is recorded (`over_capacity`) and execution goes on, as the
         # Neuron compiler spills SBUF to HBM (fused Mamba tutorial, long sequences); spill traffic is not costed.
         self.mode = mode
+        # Bytes per partition of buffers the allocator places (no `address=`).
         self.live = {"sbuf": 0, "psum": 0}
+        # Buffers placed at an explicit `address=` (`nl.ndarray(..., address=(partition, free_offset))`): intervals
+        # [start, end) of bytes per partition, one entry per live buffer. Two buffers placed at overlapping addresses
+        # share that memory (a kernel reusing PSUM banks on purpose), so placed memory counts as the union.
+        self.placed = {"sbuf": [], "psum": []}
         self.peak = {"sbuf": 0, "psum": 0}
         self.over_capacity = {"sbuf": 0, "psum": 0}
 
     def capacity(self, region: str) -> int:
         return self.target.sbuf_partition_bytes if region == "sbuf" else self.target.psum_partition_bytes
 
-    def allocate(self, region: str, nbytes: int, what: str) -> None:
-        new = self.live[region] + nbytes
-        if new > self.capacity(region) and self.mode == "spill":
-            self.over_capacity[region] = max(self.over_capacity[region], new - self.capacity(region))
-        elif new > self.capacity(region):
-            rule = "sbuf-capacity" if region == "sbuf" else "psum-capacity"
-            raise NkiRuleError(
-                rule,
-                f"allocating {what} needs {nbytes} B per partition, but {self.live[region]} B of "
-                f"{self.capacity(region)} B per partition of {region.upper()} are live on {self.target.name}",
-            )
-        self.live[region] = new
+    def used(self, region: str) -> int:
+        """Bytes per partition in use: allocator-placed buffers plus the union of explicitly placed ones."""
+        return self.live[region] + _union_bytes(self.placed[region])
+
+    def allocate(self, region: str, nbytes: int, what: str, address: int | None = None) -> None:
+        """Account a new buffer; ``address`` is its byte offset in each partition when placed explicitly."""
+        if address is not None:
+            end = int(address) + nbytes
+            if address < 0 or end > self.capacity(region):
+                raise NkiRuleError(
+                    "out-of-bounds",
+                    f"{what} placed at byte {address} needs {nbytes} B per partition, past the "
+                    f"{self.capacity(region)} B of {region.upper()} on {self.target.name}",
+                )
+            self.placed[region].append((int(address), end))
+        else:
+            self.live[region] += nbytes
+        new = self.used(region)
+        if new > self.capacity(region):
+            if self.mode == "spill":
+                self.over_capacity[region] = max(self.over_capacity[region], new - self.capacity(region))
+            else:
+                self._undo(region, nbytes, address)
+                rule = "sbuf-capacity" if region == "sbuf" else "psum-capacity"
+                raise NkiRuleError(
+                    rule,
+                    f"allocating {what} needs {nbytes} B per partition, but {new - nbytes} B of "
+                    f"{self.capacity(region)} B per partition of {region.upper()} are live on {self.target.name}",
+                )
         self.peak[region] = max(self.peak[region], new)
 
-    def release(self, region: str, nbytes: int) -> None:
-        self.live[region] -= nbytes
+    def _undo(self, region, nbytes, address):
+        if address is None:
+            self.live[region] -= nbytes
+        else:
+            self.placed[region].remove((int(address), int(address) + nbytes))
+
+    def release(self, region: str, nbytes: int, address: int | None = None) -> None:
+        self._undo(region, nbytes, address)
+
+
+def _union_bytes(intervals) -> int:
+    total, cur_start, cur_end = 0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total

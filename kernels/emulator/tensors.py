@@ -181,8 +181,8 @@ class Buffer:
         self.acc_open = np.zeros(nelem, dtype=bool) if region is psum else None
 
 
-def _release(tracker, region, nbytes, trace, uid):
-    tracker.release(region, nbytes)
+def _release(tracker, region, nbytes, trace, uid, address=None):
+    tracker.release(region, nbytes, address)
     if trace is not None:
         trace.free(uid, region, nbytes)
 
@@ -513,10 +513,18 @@ class NkiTensor:
             ratio = self.itemsize / storage_dtype(new_dtype).itemsize
             base = int(base * ratio)
         if scalar_offset is not None:
-            raw = scalar_offset.read() if isinstance(scalar_offset, NkiTensor) else scalar_offset
-            value = int(np.asarray(raw).reshape(-1)[0])
+            if isinstance(scalar_offset, NkiTensor) and not runtime.current().compute:
+                value = 0  # cost-only runs (compute=False) hold no values: take the first row, in bounds
+            else:
+                raw = scalar_offset.read() if isinstance(scalar_offset, NkiTensor) else scalar_offset
+                value = int(np.asarray(raw).reshape(-1)[0])
             base += value * pattern[indirect_dim][0]
         view = NkiTensor(self._buf, [n for _, n in pattern], [st for st, _ in pattern], base, new_dtype)
+        if isinstance(scalar_offset, NkiTensor) and not view._in_bounds():
+            # A dynamic (runtime) offset that leaves the tensor: the DMA checks it when it runs ("in both of these
+            # dynamic modes, out-of-bound address checking is turned on automatically during execution", dma_copy
+            # page) and raises, or skips the access with oob_mode.skip.
+            return _OutOfBoundsView(view, value)
         view._check_in_bounds()
         if vector_offset is not None:
             return _IndirectView(view, vector_offset, indirect_dim)
@@ -536,6 +544,12 @@ class NkiTensor:
         return NkiTensor(self._buf, shape, strides, int(self.offset * ratio), dtype)
 
     reinterpret_cast = view
+
+    def _in_bounds(self) -> bool:
+        lo = self.offset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        hi = self.offset + sum(max(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
+        total = self._buf.data.size * self._buf.data.dtype.itemsize // self.itemsize
+        return not self.size or (lo >= 0 and hi < total)
 
     def _check_in_bounds(self):
         lo = self.offset + sum(min(0, (n - 1) * s) for n, s in zip(self.shape, self.strides))
@@ -590,6 +604,17 @@ def _fit(values: np.ndarray, shape) -> np.ndarray:
         ) from None
 
 
+class _OutOfBoundsView:
+    """An access pattern whose runtime ``scalar_offset`` puts it (wholly or partly) outside its tensor."""
+
+    def __init__(self, view: NkiTensor, offset_value: int):
+        self.view, self.offset_value = view, offset_value
+        self.shape, self.dtype, self.buffer, self.name = view.shape, view.dtype, view.buffer, view.name
+        self.on_chip = False
+        self.size = view.size
+        self.itemsize = view.itemsize
+
+
 class _IndirectView:
     """An HBM view whose ``indirect_dim`` index comes per row from an SBUF vector (``.ap(vector_offset=...)``)."""
 
@@ -610,7 +635,7 @@ class _IndirectView:
 
 
 # ------------------------------------------------------------------------------------------------------ allocation
-def allocate(shape, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
+def allocate(shape, dtype, buffer=sbuf, name: str = "", address=None) -> NkiTensor:
     """``nl.ndarray``: a new, uninitialized tensor (NaN-filled), checked against the partition and capacity rules."""
     region = normalize_buffer(buffer)
     dtype = normalize_dtype(dtype)
@@ -642,10 +667,21 @@ def allocate(shape, dtype, buffer=sbuf, name: str = "") -> NkiTensor:
         # neuronxcc block dims (before the par_dim axis): the compiler allocates each block by its own liveness
         # ("modulo allocation"), so one block is counted; NKI 0.3 tensors (partition axis 0) count whole.
         nbytes = _prod(shape[pa + 1:]) * storage_dtype(dtype).itemsize
-        ctx.memory.allocate(region.value, nbytes, f"{buf.name} {shape} {dtype}")
+        # `address=(partition_offset, free_offset)` (nl.ndarray): the buffer sits at that byte offset of each
+        # partition, and is accounted there (buffers placed on the same bytes share them).
+        free_offset = None
+        if address is not None:
+            address = tuple(address) if isinstance(address, (tuple, list)) else (0, address)
+            part_offset, free_offset = int(address[0]), int(address[-1])
+            if part_offset + shape[pa] > ctx.target.partitions:
+                raise NkiRuleError(
+                    "partition-dim",
+                    f"{region.value} tensor {buf.name} of {shape[pa]} partitions placed at partition {part_offset}",
+                )
+        ctx.memory.allocate(region.value, nbytes, f"{buf.name} {shape} {dtype}", free_offset)
         if ctx.trace is not None:
             ctx.trace.alloc(buf, region.value, nbytes)
-        weakref.finalize(buf, _release, ctx.memory, region.value, nbytes, ctx.trace, buf.uid)
+        weakref.finalize(buf, _release, ctx.memory, region.value, nbytes, ctx.trace, buf.uid, free_offset)
     # storage is partition-major: (P, other dims in order), whatever the position of the partition axis
     order = [pa] + [i for i in range(len(shape)) if i != pa]
     strides = [0] * len(shape)

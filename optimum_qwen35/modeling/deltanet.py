@@ -2,7 +2,9 @@
 
 x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = sigmoid(in_proj_b x);
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
-delta rule (kernels) -> per-head gated RMSNorm with z = in_proj_z x -> out_proj.
+delta rule -> per-head gated RMSNorm with z = in_proj_z x -> out_proj. The gates, the normalisation and the rule
+(and, in decode, the conv step) run behind the fused kernel seams `kernels.deltanet_prefill` /
+`kernels.deltanet_decode`, which take the raw projections and update the slot states in place.
 
 Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] (model dtype) and the
 recurrent state [slots, value_heads, dk, dv] (fp32).
@@ -14,17 +16,12 @@ with in_proj_qkv rows (and conv channels) ordered [q_r | k_r | v_r] per rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
 from ..config import Qwen35Config
-from .layers import GatedRMSNorm, upcast
+from .layers import GatedRMSNorm
 from .parallel import ShardedDims
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -44,22 +41,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = layers.row_linear(self.nv * self.dv, hidden)
 
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> g, beta of shape [B, nv, T]; g in fp32 (exp(A_log) would overflow in half precision)."""
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -upcast(self.A_log).exp() * F.softplus(upcast(self.in_proj_a(x)) + self.dt_bias)
-        return g.transpose(1, 2), beta.transpose(1, 2)
-
-    def _split_heads(self, mixed: torch.Tensor):
-        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk] (normalized) and v [B, nv, T, dv], all fp32."""
-        B, T, _ = mixed.shape
-        q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q = l2norm(upcast(q.reshape(B, T, self.nk, self.dk))) * self.dk**-0.5
-        k = l2norm(upcast(k.reshape(B, T, self.nk, self.dk)))
-        # v in fp32 too, so that the kernel's output reaches the gated norm unrounded.
-        v = upcast(v.reshape(B, T, self.nv, self.dv))
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
         B, T, _ = x.shape
@@ -67,22 +48,33 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
         return self.out_proj(o.to(x.dtype))
 
+    def _raw_heads(self, mixed: torch.Tensor):
+        """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk], v [B, nv, T, dv], as they are (the seam normalises)."""
+        B, T, _ = mixed.shape
+        q, k, v = torch.split(mixed, [self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q = q.reshape(B, T, self.nk, self.dk).transpose(1, 2).contiguous()
+        k = k.reshape(B, T, self.nk, self.dk).transpose(1, 2).contiguous()
+        v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).contiguous()
+        return q, k, v
+
     def context_encoding(self, x, lengths, slots, conv_state, recurrent_state):
         """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""
         mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, None, lengths)
-        q, k, v = self._split_heads(mixed.transpose(1, 2))
-        g, beta = self._gates(x)
-        o, new_recurrent = kernels.chunk_gated_delta_rule(q, k, v, g, beta, None, lengths)
-        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)
+        q, k, v = self._raw_heads(mixed.transpose(1, 2))
+        # Fresh sequences: their slots start from zero; the seam updates the (copied) state in place.
+        recurrent_state = slots.scatter(recurrent_state, torch.zeros_like(recurrent_state[: x.shape[0]]))
+        o = kernels.deltanet_prefill(
+            q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
+            recurrent_state, slots.seq_ids, lengths,
+        )
+        return self._output(o, x), slots.scatter(conv_state, new_conv), recurrent_state
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
-        """x [B, 1, hidden]: one step from each slot's states."""
-        mixed, new_conv = kernels.causal_conv1d_step(
-            self.in_proj_qkv(x)[:, 0], self.conv_weight, slots.gather(conv_state)
+        """x [B, 1, hidden]: one step from each slot's states (copied, then updated in place by the seam)."""
+        conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
+        o = kernels.deltanet_decode(
+            self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
+            self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,
+            recurrent_state, slots.seq_ids,
         )
-        q, k, v = self._split_heads(mixed[:, None])
-        g, beta = self._gates(x)
-        o, new_recurrent = kernels.recurrent_gated_delta_rule_step(
-            q, k, v, g, beta, slots.gather(recurrent_state)
-        )
-        return self._output(o, x), slots.scatter(conv_state, new_conv), slots.scatter(recurrent_state, new_recurrent)
+        return self._output(o[:, :, None], x), conv_state, recurrent_state

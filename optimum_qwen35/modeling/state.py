@@ -27,6 +27,7 @@ class Slots:
 
     def __init__(self, seq_ids: torch.Tensor, num_slots: int):
         seq_ids = seq_ids.to(torch.int64)
+        self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         match = seq_ids[None, :] == torch.arange(num_slots, device=seq_ids.device)[:, None]  # [slots, B]
         self.row = match.to(torch.int64).argmax(1)  # [slots]: the row that writes each slot (0 if none)

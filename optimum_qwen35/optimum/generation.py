@@ -65,7 +65,10 @@ def _sampler(config):
 def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config."""
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
-    unused = config.update(**kwargs)
+    try:
+        unused = config.update(**kwargs)
+    except ValueError as error:  # GenerationConfig.validate: an invalid value
+        raise UsageError(f"invalid generation option: {error}") from error
     unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "output_attentions")}
     if unused:
         raise UsageError(f"generate() does not take {sorted(unused)}; see transformers.GenerationConfig for the options")

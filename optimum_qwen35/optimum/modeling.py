@@ -81,28 +81,15 @@ def _neuron_backend_unavailable(target: str) -> IncompatibleExportError:
 
 
 def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, allow_patterns=None) -> Path:
-    """A local folder as is, or a Hub snapshot (downloaded into the Hugging Face cache)."""
+    """A local folder as is, or a Hub model downloaded into the Hugging Face cache."""
     path = Path(model_id)
     if path.is_dir():
         return path
     if path.exists():
         raise ModelNotFoundError(f"{model_id} is a file, not a model folder")
-    text = os.fspath(model_id)
-    if text.count("/") != 1 or text.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"{model_id} is neither a local folder nor a Hugging Face Hub id (owner/name)")
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError  # noqa: PLC0415
+    from .. import hub  # noqa: PLC0415
 
-    try:
-        return Path(snapshot_download(text, revision=revision, token=token, allow_patterns=allow_patterns))
-    except RepositoryNotFoundError as error:
-        raise ModelNotFoundError(f"no model {text!r} on the Hub (or no access with this token): check the id and the token") from error
-    except LocalEntryNotFoundError as error:
-        raise ModelNotFoundError(
-            f"{text!r} is not in the local Hugging Face cache and the Hub cannot be reached (offline?): download it first"
-        ) from error
-    except HfHubHTTPError as error:
-        raise ModelNotFoundError(f"could not download {text!r} from the Hub: {error}") from error
+    return hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=allow_patterns)
 
 
 def _copy_side_files(source: Path, target: Path) -> None:
@@ -268,16 +255,17 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
         try:
             save_sharded(source, qwen_config, neuron_config.tp_degree, work / CHECKPOINT_DIR, dtype)
-            # Context buckets from 128 tokens up: each bucket is one more program to export and load.
-            buckets = default_buckets(neuron_config.sequence_length, smallest=128)
-            compile_graphs(
-                qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
-                buckets, dtype, work / COMPILED_DIR,
-            )
             _copy_side_files(source, work)
             config = _export_config(config, model_id, dtype)
             config.save_pretrained(work)
             nc.save(neuron_config, work)
+            if not _graphs_from_cache(work):
+                # Context buckets from 128 tokens up: each bucket is one more program to export and load.
+                buckets = default_buckets(neuron_config.sequence_length, smallest=128)
+                compile_graphs(
+                    qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
+                    buckets, dtype, work / COMPILED_DIR,
+                )
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
@@ -331,7 +319,11 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             raise UsageError(f"from_pretrained() does not take {unknown}")
         if expected.pop("export", False):
             raise UsageError("export=True is not supported for decoders (as in optimum-neuron): call get_neuron_config() then export()")
-        folder = _local_or_download(model_id, revision, token)
+        from .. import hub  # noqa: PLC0415
+
+        if not Path(model_id).is_dir() and not _is_export_repo(model_id, revision, token):
+            return cls._from_compile_cache(os.fspath(model_id), revision, token, **expected)
+        folder = Path(model_id) if Path(model_id).is_dir() else hub.resolve_export(model_id, revision, token)
         if not _is_export(folder):
             raise IncompatibleExportError(
                 f"{model_id} is not an exported model (no {nc.NEURON_CONFIG_FILE}); export it first: "
@@ -339,6 +331,42 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             )
         config = AutoConfig.from_pretrained(folder)
         return cls._from_pretrained(folder, config, **expected)
+
+    @classmethod
+    def _from_compile_cache(cls, model_id: str, revision, token, **expected):
+        """A Hub model (not an export) whose configuration is registered in the compile cache: exported now
+        with the cached graphs (optimum-neuron's vLLM loader does the same with cached NEFFs)."""
+        from .. import hub  # noqa: PLC0415
+
+        target = nc.normalize_target(expected.get("target") or "cpu")
+        dtype = expected.get("dtype")
+        entries = hub.lookup_registry(
+            model_id,
+            target=target,
+            batch_size=expected.get("batch_size"),
+            sequence_length=expected.get("sequence_length"),
+            tp_degree=expected.get("tensor_parallel_size"),
+            torch_dtype=None if dtype is None else str(nc.normalize_dtype(dtype)).removeprefix("torch."),
+        )
+        if not entries:
+            raise IncompatibleExportError(
+                f"{model_id} is not an exported model and the compile cache has no configuration of it matching "
+                f"{ {k: v for k, v in expected.items() if v is not None} or 'these options'}: export it "
+                f"(`optimum-qwen35 export --model {model_id} --target {target} OUT`) or list the cached ones "
+                f"(`optimum-cli neuron cache lookup {model_id}`)"
+            )
+        chosen = entries[0]
+        neuron_config = cls.get_neuron_config(
+            model_id,
+            revision=revision,
+            token=token,
+            batch_size=chosen["batch_size"],
+            sequence_length=chosen["sequence_length"],
+            tensor_parallel_size=chosen["tp_degree"],
+            dtype=chosen["torch_dtype"],
+            target=chosen["target"],
+        )
+        return cls.export(model_id, neuron_config, token=token, revision=revision, load_weights=True)
 
     @classmethod
     def _from_pretrained(cls, model_id, config, **expected):
@@ -420,6 +448,35 @@ def _export_config(config, model_id, dtype):
     config._name_or_path = os.fspath(model_id)
     config.dtype = dtype
     return config
+
+
+def _is_export_repo(model_id, revision, token) -> bool:
+    """Whether a Hub repo holds an export (a neuron_config.json); errors (missing repo, offline...) are left
+    to the download that follows."""
+    from huggingface_hub import file_exists  # noqa: PLC0415
+
+    try:
+        return file_exists(os.fspath(model_id), nc.NEURON_CONFIG_FILE, revision=revision, token=token)
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _graphs_from_cache(folder: Path) -> bool:
+    """The compiled graphs of this configuration from the compile-cache repo (as optimum-neuron takes NEFFs
+    from its cache), for an export of a Hub model; False (compile) on a miss, offline, or any Hub error."""
+    from .. import hub  # noqa: PLC0415
+    from ..errors import HubError  # noqa: PLC0415
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        found = hub.fetch_cached_graphs(folder)
+    except (HubError, IncompatibleExportError, UsageError) as error:
+        logger.warning("compile cache not used (%s): compiling", error)
+        return False
+    if found:
+        logger.warning("compiled graphs of this configuration found in the compile cache: not compiling")
+    return found
 
 
 def _snapshot_revision(folder: Path) -> str | None:

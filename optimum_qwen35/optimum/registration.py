@@ -44,9 +44,17 @@ def register_optimum_neuron() -> None:
 
 def register_model_class(cls) -> None:
     from optimum.neuron.models.auto_model import register_neuron_model
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     for model_type in MODEL_TYPES:
         register_neuron_model(model_type, TASK, "inference")(cls)
+    # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
+    # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
+    register_transformers()
+    text_config = CONFIG_MAPPING["qwen3_5_text"]
+    if text_config.__module__.startswith("optimum_qwen35."):
+        AutoModelForCausalLM.register(text_config, cls, exist_ok=True)
 
 
 def register() -> None:

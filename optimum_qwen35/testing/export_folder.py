@@ -100,7 +100,7 @@ def build_fake_export(
                 name = f"{graph}_rank{rank}.pt2"
                 (compiled / name).write_bytes(rng.bytes(weights_bytes // 4))
                 programs.append(name)
-        (compiled / "manifest.json").write_text(json.dumps({"programs": programs}, indent=2) + "\n")
+        (compiled / "graphs.json").write_text(json.dumps({"programs": programs}, indent=2) + "\n")
         checkpoint = out / "checkpoint"
         checkpoint.mkdir(exist_ok=True)
         ranks = []
@@ -108,7 +108,7 @@ def build_fake_export(
             name = f"rank_{rank}.safetensors"
             (checkpoint / name).write_bytes(rng.bytes(weights_bytes))
             ranks.append(name)
-        (checkpoint / "manifest.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
+        (checkpoint / "tp_shards.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
     else:
         (out / "model.pt").write_bytes(rng.bytes(weights_bytes))
         if checkpoint_id is None:

@@ -33,6 +33,28 @@ def matmul_once(dtype):
     return report
 
 
+def test_tf32_matmul_costs_as_bf16():
+    """NeuronCore-v3 architecture page: "79 BF16/FP16/TF32 TFLOPS" (fp32 is the 4x case, not tf32)."""
+
+    @nki.jit
+    def k(a, b):
+        sa = nl.ndarray(a.shape, dtype=nl.tfloat32, buffer=nl.sbuf)
+        sb = nl.ndarray(b.shape, dtype=nl.tfloat32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sa, src=a)
+        nisa.dma_copy(dst=sb, src=b)
+        ps = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        for _ in range(4):
+            nisa.nc_matmul(ps, sa, sb)
+        out = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=ps)
+        return out
+
+    _, tf32 = estimate(k, np.ones((128, 128), np.float32), np.ones((128, 512), np.float32), target="trn2",
+                       compute=False)
+    bf16 = matmul_once(ml_dtypes.bfloat16)
+    assert tf32.busy_us["tensor"] == pytest.approx(bf16.busy_us["tensor"])
+
+
 def test_fp32_matmul_costs_four_times_bf16():
     fp32, bf16 = matmul_once(np.float32), matmul_once(ml_dtypes.bfloat16)
     assert fp32.busy_us["tensor"] == pytest.approx(4 * bf16.busy_us["tensor"])

@@ -74,7 +74,7 @@ def test_export_mixing_two_exports(good, export_dir):
 
 
 def test_plain_checkpoint_is_not_an_export():
-    with pytest.raises(IncompatibleExportError, match="is not an exported model .* optimum-qwen35 export"):
+    with pytest.raises(IncompatibleExportError, match="is not an exported model .*optimum-qwen35 export"):
         Qwen35NeuronModelForCausalLM.from_pretrained(FIXTURES / "tiny-2b")
 
 

@@ -84,9 +84,14 @@ def test_export_folder_layout(export_dir):
     assert (neuron_config["batch_size"], neuron_config["sequence_length"], neuron_config["tp_degree"]) == (2, SEQUENCE_LENGTH, 2)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text"
-    assert config["_name_or_path"].endswith("tiny-2b")  # not '' (optimum-neuron 0.4.5's trap)
+    # Exported from a local folder: no checkpoint id (optimum-neuron 0.4.5 would then save no weights and
+    # the folder would not load); a cpu export always carries its weights.
+    assert neuron_config["checkpoint_id"] is None
     assert sorted(p.name for p in (folder / "checkpoint").glob("rank_*.safetensors")) == ["rank_0.safetensors", "rank_1.safetensors"]
     assert not list(folder.parent.glob(".*partial*")), "a staging folder was left behind"
+    from optimum_qwen35 import hub
+
+    assert all((folder / name).is_file() for name in hub.CPU_MANIFESTS)  # what the Hub side checks for
 
 
 def test_neuron_config_dict_is_optimum_neurons_own(export_dir, monkeypatch):

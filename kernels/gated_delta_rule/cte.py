@@ -1,0 +1,344 @@
+"""NKI prefill kernel (context encoding, and the chunked-prefill continuation) of the gated delta rule.
+
+All heads of a layer's rank and every batch row in one launch. Per batch row b (slot s = seq_ids[b]; -1: inactive,
+reads and writes no state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
+
+    q, k  <- l2-normalised (q also scaled by dk^-0.5) in the kernel, from the conv output
+    g     =  -exp(A_log) softplus(a + dt_bias),  beta = sigmoid(b)   (computed in the kernel from the raw projections)
+             tokens at or past lengths[b] get g = 0 and beta = 0: padding changes no state
+    gc    =  cumulative sum of g inside the chunk (a matmul with the upper-triangular ones matrix)
+    A     =  strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))
+    T     =  (I + A)^-1
+    u, w  =  T (beta v),  T (beta k exp(gc))
+    v'    =  u - w S
+    o     =  (q exp(gc)) S + lower(q_i.k_j exp(gc_i - gc_j)) v'
+    S     =  exp(gc_C) S + (k exp(gc_C - gc))^T v'
+
+Every exponent is <= 0: gc_i - gc_j for j <= i (the upper triangle is replaced by -3e38 before exp), gc, and
+gc_C - gc. The initial state is read from recurrent_state[s] and the final state written back there in place, fp32.
+
+Chunk size and the triangular solve. C = 128 tokens puts one token per partition (all 128 partitions work, and the
+[C, C] matrices are single TensorE tiles). T is computed by recursive block inversion: starting from the identity
+(the inverse of the unit diagonal), log2(C) = 7 rounds merge pairs of diagonal blocks of size s into blocks of 2s,
+
+    T <- T - T (A * M_s) T,    M_s[i, j] = 1 where (i xor j) >> log2(s) == 1   (the lower-left s-block of each 2s-block)
+
+which is exact ([[T11, 0], [A21, ...]] -> [[T11, 0], [-T22 A21 T11, T22]]) and only ever multiplies true inverse
+blocks, so no entry grows beyond those of T itself. A truncated Neumann series (I - A + A^2 - ...) or its product
+form would form powers of A, whose entries reach C(127, 63) ~ 1e37 for identical keys with beta = 1 and no decay
+(the NaN seen in the seed); forward substitution is as exact but takes C sequential steps.
+
+Layouts (HBM): q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU (activation dtype); a, b [B, T, nv]
+raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk, dv] fp32 (updated in place);
+seq_ids, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
+o [B, nv, T, dv] fp32. On chip, tokens are on partitions ([C, dk], [C, dv], [C, C]) and the state is [dk, dv].
+
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands are fp32 (4x the
+bf16 TensorE cost), or tf32 for bf16 inputs with `tf32_matmul=True` (bf16 rate); gates' cumsum and state stay fp32.
+
+Scheduling: 16 heads advance in lockstep, statement by statement, so that each engine's in-order stream alternates
+between independent heads; the next chunk is loaded before this chunk's outputs are stored; PSUM -> SBUF copies and
+masks are spread over ScalarE and GpSimd.
+
+Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
+tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md): TensorE is the busiest engine.
+    fp32 operands (default): 6.01 ms (TensorE 5.48 ms busy, 91%; VectorE 1.27, ScalarE 1.50, GpSimd 0.90, DMA 0.54)
+    tf32 operands (`tf32_matmul=True`): 2.63 ms (TensorE 1.96 ms busy, 74.5%; VectorE 1.27, ScalarE 1.50)
+The issue's target is 1.0 ms: NOT met. The solve alone (7 rounds x 3 TensorE instructions per head and chunk) is
+1.15 ms of TensorE time even at the tf32 rate; a cheaper solve (small diagonal blocks packed several to a tile) is
+what it would take.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..nki_import import nki, nisa, nl
+
+CHUNK = 128
+L2_EPS = 1e-6
+NEG_BIG = -3.0e38
+HEADS_INTERLEAVED = 16
+
+
+def solve_masks(chunk: int = CHUNK) -> np.ndarray:
+    """M_s for s = 1, 2, 4, ..., chunk / 2: [log2(chunk), chunk, chunk] fp32 (a constant input of the kernel)."""
+    i = np.arange(chunk)[:, None]
+    j = np.arange(chunk)[None, :]
+    levels = int(np.log2(chunk))
+    return np.stack([(((i ^ j) >> lvl) == 1) for lvl in range(levels)]).astype(np.float32)
+
+
+def _transpose(src, rows, cols, dtype, engine=None):
+    """[rows, cols] SBUF -> a new [cols, rows] SBUF tile of `dtype` (TensorE transpose through PSUM; the PSUM -> SBUF
+    copy on ScalarE by default, which has the most room)."""
+    ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=ps, data=src)
+    out = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps, engine=engine or nisa.engine.scalar)
+    return out
+
+
+def _matmul(stationary, moving, rows, cols, dtype, engine=None):
+    """stationary^T @ moving (fp32 PSUM) -> a new [rows, cols] SBUF tile of `dtype` (copied out on `engine`)."""
+    ps = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=ps, stationary=stationary, moving=moving)
+    out = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=ps, engine=engine or nisa.engine.vector)
+    return out
+
+
+def _l2norm_rows(x, rows, n, eps_col, scale, f32):
+    """x [rows, n] fp32 in place: x * rsqrt(sum x^2 + eps) * scale, per partition."""
+    sq = nl.ndarray((rows, n), dtype=f32, buffer=nl.sbuf)
+    ssum = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=x, reduce_op=nl.add, reduce_res=ssum,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    inv = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=inv, op=nl.rsqrt, data=ssum, bias=eps_col[0:rows, :])
+    nisa.tensor_scalar(dst=x, data=x, op0=nl.multiply, operand0=inv, op1=nl.multiply, operand1=scale)
+
+
+def _load_chunk(q, k, v, a, b, bi, hs, group, c):
+    """DMA chunk c of row bi for the heads `hs` (zeros past T): q, k, v [C, d] fp32 tiles per head, raw a, b [C, nv]."""
+    T, dk = q.shape[2], q.shape[3]
+    nv, dv = v.shape[1], v.shape[3]
+    C = CHUNK
+    t0 = c * C
+    n = min(C, T - t0)
+    tiles = {"Q": [], "K": [], "V": []}
+    ab = {}
+    for name, src in (("a", a), ("b", b)):
+        ab[name] = nl.ndarray((C, nv), dtype=src.dtype, buffer=nl.sbuf)
+        if n < C:
+            nisa.memset(ab[name], 0.0, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=ab[name][0:n, :], src=src[bi, t0:t0 + n, :])
+    for h in hs:
+        kh = h // group
+        for name, src, hh, d in (("Q", q, kh, dk), ("K", k, kh, dk), ("V", v, h, dv)):
+            t = nl.ndarray((C, d), dtype=nl.float32, buffer=nl.sbuf)
+            if n < C:
+                nisa.memset(t, 0.0, engine=nisa.engine.gpsimd)
+            nisa.dma_copy(dst=t[0:n, :], src=src[bi, hh, t0:t0 + n, :])
+            tiles[name].append(t)
+    return tiles, ab
+
+
+@nki.jit
+def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks,
+                         tf32_matmul=False):
+    B, nk, T, dk = q.shape
+    nv, dv = v.shape[1], v.shape[3]
+    group = nv // nk
+    C = CHUNK
+    f32 = nl.float32
+    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost), or tf32 with `tf32_matmul` and bf16 inputs (bf16's
+    # TensorE rate, 10 mantissa bits: ~1e-3 relative error, inside the bf16 tolerance but enough to flip near-tied
+    # greedy tokens of the reference). The cumulative gates (exponentiated) and the carried state stay fp32.
+    mm = nl.tfloat32 if (tf32_matmul and q.dtype != nl.float32) else f32
+    levels = solve_masks.shape[0]
+    assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
+    n_chunks = (T + C - 1) // C
+
+    o_out = nl.ndarray((B, nv, T, dv), dtype=f32, buffer=nl.shared_hbm)
+
+    # ---------------------------------------------------------------- constants
+    ones = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(ones, 1.0)
+    upper = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # upper[j, i] = 1 for j <= i (cumsum as a matmul)
+    nisa.affine_select(dst=upper, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=ones, on_false_value=0.0,
+                       cmp_op=nl.greater_equal)
+    ident = nl.shared_identity_matrix(n=C, dtype=f32)
+    eps_col = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(eps_col, L2_EPS)
+    masks = nl.ndarray((C, levels, C), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=masks, src=solve_masks.ap(pattern=[[C, C], [C * C, levels], [1, C]], offset=0))
+    token = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # token index inside a chunk, one per partition
+    nisa.iota(dst=token, pattern=[[0, 1]], offset=0, channel_multiplier=1)
+    alog_bc = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=alog_bc, src=A_log.ap(pattern=[[0, C], [1, nv]], offset=0))
+    rate = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
+    nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
+    dtb_bc = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=dtb_bc, src=dt_bias.ap(pattern=[[0, C], [1, nv]], offset=0))
+    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=seq, src=seq_ids)
+    len_bc = nl.ndarray((C, B), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=len_bc, src=lengths.ap(pattern=[[0, C], [1, B]], offset=0))
+
+    for bi in range(B):
+        slot = seq[0:1, bi:bi + 1]
+        for h0 in range(0, nv, HEADS_INTERLEAVED):
+            # A few heads advance in lockstep, statement by statement, so that each engine's instruction stream
+            # alternates between independent heads and one head's dependency chain does not idle the others.
+            hs = list(range(h0, min(nv, h0 + HEADS_INTERLEAVED)))
+            G = len(hs)
+            views, S = [], []
+            for h in hs:
+                views.append(recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [1, dv]], offset=h * dk * dv,
+                                                scalar_offset=slot, indirect_dim=0))
+                s_tile = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.memset(s_tile, 0.0)  # an inactive row starts from (and keeps) nothing
+                nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
+                S.append(s_tile)
+
+            # Software pipelining: chunk c + 1 is requested before chunk c's outputs are stored, so the DMA queues
+            # stream the next inputs while the engines work on this chunk.
+            pending = _load_chunk(q, k, v, a, b, bi, hs, group, 0)
+            for c in range(n_chunks):
+                t0 = c * C
+                n = min(C, T - t0)
+                tiles, ab = pending
+                Q, K, V = tiles["Q"], tiles["K"], tiles["V"]
+                valid = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # t0 + p < lengths[b]
+                nisa.tensor_scalar(dst=valid, data=token, op0=nl.add, operand0=float(t0), op1=nl.less,
+                                   operand1=len_bc[:, bi:bi + 1])
+                a_col = [ab["a"][:, h:h + 1] for h in hs]
+                b_col = [ab["b"][:, h:h + 1] for h in hs]
+                for j in range(G):
+                    _l2norm_rows(Q[j], C, dk, eps_col, float(dk) ** -0.5, f32)
+                    _l2norm_rows(K[j], C, dk, eps_col, 1.0, f32)
+
+                # ---------------------------------------------------- gates, padding mask
+                g, beta = [], []
+                for j, h in enumerate(hs):
+                    g.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=g[j], data1=a_col[j], data2=dtb_bc[:, h:h + 1], op=nl.add)
+                    nisa.activation(dst=g[j], op=nl.softplus, data=g[j])
+                    nisa.scalar_tensor_tensor(dst=g[j], data=g[j], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                              operand1=rate[:, h:h + 1])
+                    nisa.tensor_tensor(dst=g[j], data1=g[j], data2=valid, op=nl.multiply)
+                    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
+                    beta_act = nl.ndarray((C, 1), dtype=b.dtype, buffer=nl.sbuf)
+                    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_col[j])  # b_col: the raw b (act dtype)
+                    beta.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=beta[j], data1=beta_act, data2=valid, op=nl.multiply)
+
+                # gc (column), gc_C (every partition), gc_j along the free axis; decay[i, j] = exp(gc_i - gc_j) for
+                # j <= i, 0 above the diagonal
+                # All heads' g side by side: one matmul gives every head's gc, one every head's gc_C (fp32: these
+                # are exponentiated). gc_j along the free axis: ones^T diag(gc) (the ones stationary stays loaded).
+                g_all = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)
+                for j in range(G):
+                    nisa.tensor_copy(dst=g_all[:, j:j + 1], src=g[j], engine=nisa.engine.gpsimd)
+                gc_all = _matmul(upper, g_all, C, G, f32)
+                g_tot_all = _matmul(ones, g_all, C, G, f32)
+                gc = [gc_all[:, j:j + 1] for j in range(G)]
+                g_tot = [g_tot_all[:, j:j + 1] for j in range(G)]
+                diag_gc = []
+                for j in range(G):
+                    diag_gc.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=diag_gc[j], data=ident, op0=nl.multiply, operand0=gc[j],
+                                       engine=nisa.engine.gpsimd)
+                decay, e_gc, to_end, e_tot = [], [], [], []
+                for j in range(G):
+                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [i, j] = gc_j
+                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc[j])
+                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc[j], reverse0=True)
+                    nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
+                                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
+                    decay.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=decay[j], op=nl.exp, data=logd)
+                    e_gc.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=e_gc[j], op=nl.exp, data=gc[j])
+                    to_end.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))  # exp(gc_C - gc_i)
+                    nisa.tensor_tensor(dst=to_end[j], data1=g_tot[j], data2=gc[j], op=nl.subtract)
+                    nisa.activation(dst=to_end[j], op=nl.exp, data=to_end[j])
+                    e_tot.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=e_tot[j], op=nl.exp, data=g_tot[j])
+
+                # ---------------------------------------------------- A, intra-chunk attention
+                KT = [_transpose(K[j], C, dk, mm) for j in range(G)]
+                QT = [_transpose(Q[j], C, dk, mm) for j in range(G)]
+                A, intra, AT = [], [], []
+                for j in range(G):
+                    KK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # k_i . k_j
+                    nisa.nc_matmul(dst=KK, stationary=KT[j], moving=KT[j])
+                    A.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=A[j], data1=KK, data2=decay[j], op=nl.multiply)
+                    nisa.tensor_scalar(dst=A[j], data=A[j], op0=nl.multiply, operand0=beta[j],
+                                       engine=nisa.engine.gpsimd)
+                    nisa.affine_select(dst=A[j], pattern=[[-1, C]], channel_multiplier=1, on_true_tile=A[j],
+                                       on_false_value=0.0, cmp_op=nl.greater)
+                    QK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # q_i . k_j
+                    nisa.nc_matmul(dst=QK, stationary=QT[j], moving=KT[j])
+                    intra.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=intra[j], data1=QK, data2=decay[j], op=nl.multiply)
+                AT = [_transpose(A[j], C, C, f32) for j in range(G)]
+
+                # ---------------------------------------------------- T = (I + A)^-1, recursive block inversion
+                Tm, TmT = [], []
+                for j in range(G):
+                    Tm.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_copy(dst=Tm[j], src=ident, engine=nisa.engine.gpsimd)
+                    TmT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_copy(dst=TmT[j], src=ident, engine=nisa.engine.gpsimd)
+                for lvl in range(levels):
+                    Y = []
+                    for j in range(G):
+                        AoffT = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)  # (A * M_s)^T; M_s is symmetric
+                        nisa.tensor_tensor(dst=AoffT, data1=AT[j], data2=masks[:, lvl, :], op=nl.multiply,
+                                           engine=nisa.engine.gpsimd)
+                        Y.append(_matmul(AoffT, Tm[j], C, C, mm, engine=nisa.engine.scalar))  # (A * M_s) T
+                    for j in range(G):
+                        Z = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)
+                        nisa.nc_matmul(dst=Z, stationary=TmT[j], moving=Y[j])  # T (A * M_s) T
+                        Tn = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)
+                        nisa.tensor_tensor(dst=Tn, data1=Tm[j], data2=Z, op=nl.subtract)
+                        Tm[j] = Tn
+                    for j in range(G):
+                        TmT[j] = _transpose(Tm[j], C, C, mm)
+
+                # ---------------------------------------------------- u, w; v' = u - w S; o; S
+                uw, WT, S_mm = [], [], []
+                for j in range(G):
+                    rhs = nl.ndarray((C, dv + dk), dtype=mm, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=rhs[:, 0:dv], data=V[j], op0=nl.multiply, operand0=beta[j],
+                                       engine=nisa.engine.gpsimd)
+                    nisa.tensor_scalar(dst=rhs[:, dv:dv + dk], data=K[j], op0=nl.multiply, operand0=beta[j],
+                                       op1=nl.multiply, operand1=e_gc[j], engine=nisa.engine.gpsimd)
+                    uw.append(_matmul(TmT[j], rhs, C, dv + dk, f32))  # T [beta v | beta k exp(gc)]
+                    if mm == f32:
+                        S_mm.append(S[j])
+                    else:
+                        S_mm.append(nl.ndarray((dk, dv), dtype=mm, buffer=nl.sbuf))
+                        nisa.tensor_copy(dst=S_mm[j], src=S[j], engine=nisa.engine.gpsimd)
+                for j in range(G):
+                    WT.append(_transpose(uw[j][:, dv:dv + dk], C, dk, mm))
+                v_new = []
+                for j in range(G):
+                    ws = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=ws, stationary=WT[j], moving=S_mm[j])
+                    v_new.append(nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=v_new[j], data1=uw[j][:, 0:dv], data2=ws, op=nl.subtract)
+                outs = []
+                for j, h in enumerate(hs):
+                    qs = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=qs, stationary=QT[j], moving=S_mm[j])
+                    o1 = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.activation(dst=o1, op=nl.copy, data=qs, scale=e_gc[j])
+                    intraT = _transpose(intra[j], C, C, mm)
+                    o2 = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=o2, stationary=intraT, moving=v_new[j])
+                    o_sb = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_tensor(dst=o_sb, data1=o1, data2=o2, op=nl.add)
+                    outs.append(o_sb)
+                for j in range(G):
+                    Kd = nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=Kd, data=K[j], op0=nl.multiply, operand0=to_end[j],
+                                       engine=nisa.engine.gpsimd)
+                    kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=kv, stationary=Kd, moving=v_new[j])
+                    S_next = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.scalar_tensor_tensor(dst=S_next, data=S[j], op0=nl.multiply, operand0=e_tot[j][0:dk, :],
+                                              op1=nl.add, operand1=kv)
+                    S[j] = S_next
+                if c + 1 < n_chunks:
+                    pending = _load_chunk(q, k, v, a, b, bi, hs, group, c + 1)
+                for j, h in enumerate(hs):
+                    nisa.dma_copy(dst=o_out[bi, h, t0:t0 + n, :], src=outs[j][0:n, :])
+
+            for j in range(G):
+                nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
+    return o_out

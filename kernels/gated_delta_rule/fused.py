@@ -1,0 +1,144 @@
+"""The fused DeltaNet seams: raw projections in, the slots' conv and recurrent states updated in place.
+
+    deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids) -> o
+        mixed_qkv [B, C] (in_proj_qkv output before the conv), a, b [B, nv] raw, A_log, dt_bias [nv],
+        conv_weight [C, K], conv_state [slots, C, K - 1], recurrent_state [slots, nv, dk, dv] fp32, seq_ids [B]
+        (-1: inactive row). Returns o [B, nv, dv] fp32 (before the gated RMSNorm). The states of the slots named by
+        active rows are updated in place; nothing else is written.
+
+    deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths) -> o
+        q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU, before normalisation (activation dtype);
+        a, b [B, T, nv] raw; lengths [B] (tokens past lengths[b] are padding and change no state). The initial state
+        is read from recurrent_state[seq_ids[b]] and the final state written back there in place, in fp32. Returns
+        o [B, nv, T, dv] fp32.
+
+The NKI versions take `tf32_matmul` (default False): tf32 TensorE operands for bf16 activations, at the bf16 TensorE
+rate, instead of fp32 ones (exact; what the `nki` backend runs, so that it gives the reference's greedy tokens).
+
+Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
+points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
+(`*_nki`) that runs the kernels of `tkg.py` / `cte.py` (on the emulator when no Neuron device is present).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+
+def _upcast(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def l2norm(x, eps: float = 1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gates(a, b, A_log, dt_bias):
+    """Raw projections -> (g, beta), as the model computes them: beta = sigmoid(b) in b's dtype; g in fp32."""
+    beta = torch.sigmoid(b)
+    g = -_upcast(A_log).exp() * F.softplus(_upcast(a) + dt_bias)
+    return g, beta
+
+
+def _write_slots(state, rows, seq_ids):
+    """state[seq_ids[b]] = rows[b] in place for every active row (seq_id in range); other slots untouched.
+
+    Tensor ops only (no Python loop over values), so that the reference seams trace into static graphs."""
+    n_slots = state.shape[0]
+    match = seq_ids.to(torch.int64)[None, :] == torch.arange(n_slots, device=state.device)[:, None]  # [slots, B]
+    new = rows.to(state.dtype).index_select(0, match.to(torch.int64).argmax(1))
+    state.copy_(torch.where(match.any(1).view(-1, *([1] * (state.dim() - 1))), new, state))
+
+
+# ------------------------------------------------------------------------------------------------------ references
+def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+    from .. import causal_conv1d_step, recurrent_gated_delta_rule_step  # the dispatched entry points
+
+    B, C = mixed_qkv.shape
+    _, nv, dk, dv = recurrent_state.shape
+    nk = (C - nv * dv) // (2 * dk)
+    read = seq_ids.to(torch.int64).clamp(min=0)
+    mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, conv_state.index_select(0, read))
+    q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
+    q = l2norm(_upcast(q.reshape(B, nk, 1, dk))) * dk**-0.5
+    k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
+    v = _upcast(v.reshape(B, nv, 1, dv))
+    g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
+    o, new_state = recurrent_gated_delta_rule_step(
+        q, k, v, g[:, :, None], beta[:, :, None], recurrent_state.index_select(0, read)
+    )
+    _write_slots(conv_state, new_conv, seq_ids)
+    _write_slots(recurrent_state, new_state, seq_ids)
+    return o[:, :, 0]
+
+
+def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+    from .. import chunk_gated_delta_rule  # the dispatched entry point
+
+    B, nk, T, dk = q.shape
+    q = l2norm(_upcast(q)) * dk**-0.5
+    k = l2norm(_upcast(k))
+    v = _upcast(v)
+    g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
+    read = seq_ids.to(torch.int64).clamp(min=0)
+    o, final = chunk_gated_delta_rule(
+        q, k, v, g.transpose(1, 2), beta.transpose(1, 2), recurrent_state.index_select(0, read), lengths
+    )
+    _write_slots(recurrent_state, final, seq_ids)
+    return o
+
+
+# ------------------------------------------------------------------------------------------------------ NKI versions
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A NumPy array sharing x's memory (bf16 through an int16 view), so that a kernel writing it writes x."""
+    if not x.is_contiguous():
+        raise ValueError("the NKI seams update states in place and need contiguous tensors")
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return x.numpy()
+
+
+def _check_emulator():
+    from ..nki_import import USING_EMULATOR
+
+    if not USING_EMULATOR:
+        raise RuntimeError(
+            "the CPU NKI seams run the kernels on the emulator; with a real Neuron device the kernels are called "
+            "from the traced graphs (not wired yet)"
+        )
+
+
+def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
+                        tf32_matmul=False):
+    from .tkg import gated_delta_rule_tkg
+
+    _check_emulator()
+    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
+    o = gated_delta_rule_tkg(
+        _numpy(mixed_qkv.contiguous()), _numpy(a.contiguous()), _numpy(b.contiguous()),
+        _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
+        _numpy(conv_weight.contiguous()), _numpy(conv_state), _numpy(recurrent_state), seq, tf32_matmul,
+    )
+    return torch.from_numpy(np.asarray(o, dtype=np.float32))
+
+
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul=False):
+    from .cte import gated_delta_rule_cte, solve_masks
+
+    _check_emulator()
+    B = q.shape[0]
+    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
+    if lengths is None:
+        lengths = torch.full((B,), q.shape[2], dtype=torch.int32)
+    lens = np.ascontiguousarray(lengths.to(torch.int32).reshape(1, -1).numpy())
+    o = gated_delta_rule_cte(
+        _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
+        _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
+        _numpy(recurrent_state), seq, lens, solve_masks(), tf32_matmul,
+    )
+    return torch.from_numpy(np.asarray(o, dtype=np.float32))

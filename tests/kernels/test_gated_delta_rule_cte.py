@@ -1,0 +1,129 @@
+"""The NKI prefill kernel (kernels/gated_delta_rule/cte.py) on the emulator against the PyTorch reference.
+
+fp32 inputs within 1e-4 relative (outputs and final state), bf16 inputs within 2e-2; a nonzero initial state read
+from the slot and the final state written back in place; GQA nv = 1x, 2x, 3x nk; the 2B layer (16 heads,
+dk = dv = 128); mixed prompt lengths with right padding; partial last chunks; an inactive row (seq_id -1); 2048
+adversarial tokens (no decay, beta near 1, identical keys) with no NaN or Inf.
+"""
+
+import pytest
+import torch
+
+from optimum_qwen35.kernels.gated_delta_rule import fused
+from optimum_qwen35.kernels.gated_delta_rule.reference import recurrent_gated_delta_rule
+
+
+def make(B, slots, nk, nv, dk, dv, T, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(
+        q=r(B, nk, T, dk).to(dtype), k=r(B, nk, T, dk).to(dtype), v=r(B, nv, T, dv).to(dtype),
+        a=r(B, T, nv).to(dtype), b=r(B, T, nv).to(dtype), A_log=r(nv) * 0.5, dt_bias=r(nv) * 0.5,
+        recurrent_state=r(slots, nv, dk, dv) * 0.3,
+    )
+
+
+def rel(x, y):
+    return ((x.float() - y.float()).abs().max() / y.float().abs().max().clamp(min=1e-30)).item()
+
+
+def run_both(inputs, seq_ids, lengths):
+    ref = {k: v.clone() for k, v in inputs.items()}
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
+    o_nki = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths)
+    return o_ref, o_nki, ref, nki
+
+
+def check(o_ref, o_nki, ref, nki, seq_ids, lengths, tol, rows=None):
+    rows = range(len(seq_ids)) if rows is None else rows
+    for row in rows:
+        slot, n = int(seq_ids[row]), int(lengths[row])
+        assert rel(o_nki[row, :, :n], o_ref[row, :, :n]) <= tol, f"row {row} output"
+        assert rel(nki["recurrent_state"][slot], ref["recurrent_state"][slot]) <= tol, f"row {row} state"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(2, 2, 32, 32), (2, 4, 16, 32), (2, 6, 16, 16)],
+                         ids=lambda s: "nk%d-nv%d-dk%d-dv%d" % s)
+def test_prefill_matches_reference_mixed_lengths(shape, dtype, tol):
+    """Two prompts (200 and 57 tokens, right-padded to 200: a full and a partial chunk) from nonzero states."""
+    nk, nv, dk, dv = shape
+    inputs = make(2, 3, nk, nv, dk, dv, 200, dtype)
+    seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids, lengths)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, tol)
+    assert torch.equal(nki["recurrent_state"][1], inputs["recurrent_state"][1])  # no row names slot 1
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_prefill_2b_layer_shape(dtype, tol):
+    """16 heads, dk = dv = 128, 160 tokens (a full chunk and a partial one), a nonzero initial state."""
+    inputs = make(1, 2, 16, 16, 128, 128, 160, dtype, seed=1)
+    seq_ids, lengths = torch.tensor([1]), torch.tensor([160])
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids, lengths)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, tol)
+
+
+@pytest.mark.parametrize("T,lengths", [(1, [1, 1]), (5, [5, 2]), (128, [128, 127])])
+def test_short_and_exact_chunk_prompts(T, lengths):
+    """One token, a few tokens (one partial chunk), exactly one chunk: fp32 within 1e-4."""
+    inputs = make(2, 2, 2, 4, 16, 16, T, torch.float32, seed=7)
+    seq_ids, lengths = torch.tensor([1, 0]), torch.tensor(lengths)
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids, lengths)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 1e-4)
+
+
+def test_tf32_operands_bf16():
+    """tf32_matmul=True (tf32 TensorE operands) with bf16 inputs: within the bf16 tolerance, mixed lengths."""
+    inputs = make(2, 3, 2, 4, 32, 32, 200, torch.bfloat16, seed=6)
+    seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
+    o_nki = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths, tf32_matmul=True)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
+
+
+def test_padding_and_inactive_rows_change_no_state():
+    inputs = make(3, 3, 2, 4, 16, 16, 64, torch.float32, seed=2)
+    seq_ids, lengths = torch.tensor([1, -1, 0]), torch.tensor([10, 64, 1])
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids, lengths)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 1e-4, rows=[0, 2])
+    assert torch.equal(nki["recurrent_state"][2], inputs["recurrent_state"][2])
+    # The padded prompt's final state equals the unpadded prompt's.
+    solo = {k: v[0:1].clone() if k not in ("A_log", "dt_bias", "recurrent_state") else v.clone()
+            for k, v in inputs.items()}
+    for key in ("q", "k", "v"):
+        solo[key] = solo[key][:, :, :10].contiguous()
+    for key in ("a", "b"):
+        solo[key] = solo[key][:, :10].contiguous()
+    fused.deltanet_prefill_nki(**solo, seq_ids=torch.tensor([1]), lengths=torch.tensor([10]))
+    assert rel(solo["recurrent_state"][1], nki["recurrent_state"][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_adversarial_2048_tokens_finite():
+    """No decay (A_log = -30), beta near 1, every key identical: 2048 tokens in 16 chunks stay finite and match the
+    token-by-token recurrence."""
+    T, dk, dv = 2048, 32, 32
+    g = torch.Generator().manual_seed(4)
+    key = torch.randn(1, 1, 1, dk, generator=g).expand(1, 1, T, dk).contiguous()
+    inputs = dict(
+        q=torch.randn(1, 1, T, dk, generator=g), k=key, v=torch.randn(1, 1, T, dv, generator=g),
+        a=torch.full((1, T, 1), -20.0), b=torch.full((1, T, 1), 12.0),
+        A_log=torch.full((1,), -30.0), dt_bias=torch.zeros(1), recurrent_state=torch.zeros(1, 1, dk, dv),
+    )
+    seq_ids, lengths = torch.tensor([0]), torch.tensor([T])
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths)
+    assert torch.isfinite(o).all() and torch.isfinite(nki["recurrent_state"]).all()
+    # ground truth: the float64 recurrence on the same normalised inputs and gates
+    q = fused.l2norm(inputs["q"].double()) * dk**-0.5
+    k = fused.l2norm(inputs["k"].double())
+    gg, beta = fused.gates(inputs["a"].double(), inputs["b"].double(), inputs["A_log"].double(),
+                           inputs["dt_bias"].double())
+    o64, s64 = recurrent_gated_delta_rule(q, k, inputs["v"].double(), gg.transpose(1, 2), beta.transpose(1, 2),
+                                          torch.zeros(1, 1, dk, dv, dtype=torch.float64))
+    assert rel(o, o64) <= 1e-3
+    assert rel(nki["recurrent_state"], s64) <= 1e-3
