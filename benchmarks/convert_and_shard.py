@@ -1,12 +1,14 @@
 """Benchmark: convert + shard + save a random checkpoint with the real Qwen3.5-0.8B text shapes.
 
-    python benchmarks/convert_and_shard.py [--degrees 1 4] [--workdir DIR] [--keep]
+    python benchmarks/convert_and_shard.py [--degrees 1 4] [--workdir DIR] [--keep] [--no-shard]
 
 Builds a random bf16 checkpoint (~1.5 GB) with the exact text tensor names and shapes of Qwen3.5-0.8B
 (from tests/qwen3.5-0.8b.config.json, the published config), two safetensors shards + an index, plus small
 vision (`model.visual.*`) and MTP (`mtp.*`) stand-ins that must be skipped. It is written tensor by tensor.
 Then, for each degree, a fresh subprocess runs `save_sharded` (with its progress bar) and reports its peak
 RSS; the bound is 1.5 x the largest file it wrote + 0.5 GB. Exits non-zero if any run breaks the bound.
+Last, the cost of the NaN/Inf weight check at load: `load_decoder(checkpoint, bfloat16)` with and without
+the check, in fresh subprocesses taken in turns (fastest of 3 each), and the check alone on the loaded weights.
 Run by hand; not part of the test suite.
 """
 
@@ -99,15 +101,66 @@ def worker(src: str, out: str, tp_degree: int) -> None:
                       "files": len(files), "total": sum(f.stat().st_size for f in files)}))
 
 
+def load_worker(src: str, check: bool) -> None:
+    """One load, in a fresh process: prints a JSON line with its time (and, without the check, the check's own time)."""
+    import torch
+
+    from optimum_qwen35.checkpoint.convert import check_finite
+    from optimum_qwen35.runtime.cpu import load_decoder
+
+    start = time.perf_counter()
+    decoder = load_decoder(src, torch.bfloat16, check_weights=check)
+    seconds = time.perf_counter() - start
+    result = {"check": check, "seconds": seconds}
+    if not check:
+        params = {n: p for n, p in decoder.named_parameters()}  # tied lm_head listed once, as at load
+        alone = []
+        for _ in range(3):
+            start = time.perf_counter()
+            check_finite(params, src)
+            alone.append(time.perf_counter() - start)
+        result["check_alone"] = min(alone)
+        result["elements"] = sum(p.numel() for p in params.values())
+    print(json.dumps(result))
+
+
+def measure_nan_check(src: Path, repeats: int = 3) -> None:
+    """Fastest of `repeats` loads each way (the least disturbed by other work on the machine)."""
+    runs = {True: [], False: []}
+    alone, elements = [], 0
+    for _ in range(repeats):
+        for check in (False, True):
+            proc = subprocess.run(
+                [sys.executable, __file__, "--load-worker", str(src), str(int(check))], stdout=subprocess.PIPE, text=True, check=True
+            )
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs[check].append(r["seconds"])
+            if not check:
+                alone.append(r["check_alone"])
+                elements = r["elements"]
+
+    off, on, check = min(runs[False]), min(runs[True]), min(alone)
+    print(
+        f"load_decoder(bf16, 0.8B-shaped, {elements / 1e6:.0f}M parameters), fastest of {repeats}: "
+        f"{off:.2f} s without the NaN/Inf check, {on:.2f} s with it ({on - off:+.2f} s); "
+        f"the check alone (fastest of 3): {check * 1000:.0f} ms ({check / off:.1%} of the load without it)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--degrees", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and exports")
+    parser.add_argument("--no-shard", action="store_true", help="only build the checkpoint and measure the load")
     parser.add_argument("--worker", nargs=3, metavar=("SRC", "OUT", "TP"), help=argparse.SUPPRESS)
+    parser.add_argument("--load-worker", nargs=2, metavar=("SRC", "CHECK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        return 0
+    if args.load_worker:
+        load_worker(args.load_worker[0], bool(int(args.load_worker[1])))
         return 0
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qwen35-shard-bench-"))
@@ -117,7 +170,7 @@ def main() -> int:
     print(f"checkpoint: {nbytes / GB:.2f} GiB (incl. vision/mtp stand-ins) built in {time.perf_counter() - start:.0f} s at {src}")
     failed = False
     try:
-        for t in args.degrees:
+        for t in [] if args.no_shard else args.degrees:
             out = workdir / f"tp{t}"
             proc = subprocess.run(
                 [sys.executable, __file__, "--worker", str(src), str(out), str(t)], stdout=subprocess.PIPE, text=True, check=True
@@ -133,6 +186,7 @@ def main() -> int:
             )
             if not args.keep:
                 shutil.rmtree(out)
+        measure_nan_check(src)
     finally:
         if not args.keep and args.workdir is None:
             shutil.rmtree(workdir)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UnsupportedModelError
+from .errors import ModelNotFoundError, UnsupportedModelError, UsageError
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -114,9 +114,12 @@ class Qwen35Config:
         return degrees
 
     def check_tp_degree(self, tp_degree: int) -> None:
+        from .validation import positive_int  # noqa: PLC0415
+
+        positive_int(tp_degree, "tensor_parallel_size")
         valid = self.valid_tp_degrees()
         if tp_degree not in valid:
-            raise ValueError(
+            raise UsageError(
                 f"tensor_parallel_size={tp_degree} does not split this model by whole heads "
                 f"({self.num_attention_heads} attention heads, {self.num_key_value_heads} KV heads, "
                 f"{self.linear_num_key_heads} DeltaNet key heads). Valid degrees: {valid}."
@@ -214,9 +217,20 @@ class Qwen35Config:
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"no config.json at {path!r}: pass a Qwen3.5 checkpoint folder")
+            from .validation import looks_like_hub_id, missing_folder_error  # noqa: PLC0415
+
+            if not os.path.exists(path) and looks_like_hub_id(path):
+                raise missing_folder_error(path, "this call")
+            where = "no such folder" if not os.path.exists(path) else "a folder without it"
+            raise ModelNotFoundError(f"no config.json at {path!r} ({where}): pass a Qwen3.5 checkpoint folder")
         with open(file, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            try:
+                raw = json.load(f)
+            except ValueError as e:
+                raise UnsupportedModelError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError(f"{file} does not hold a JSON object; it is not a model config")
+        return cls.from_dict(raw)
 
     def validate(self) -> None:
         if self.hidden_act != "silu":

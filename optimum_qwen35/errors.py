@@ -35,6 +35,10 @@ class CheckpointError(Qwen35Error, ValueError):
     """A checkpoint or an export does not hold the tensors its config needs, or holds bad ones."""
 
 
+class MissingWeightsError(CheckpointError, FileNotFoundError):
+    """A checkpoint folder lacks weight files (none at all, or files its index names)."""
+
+
 class IncompatibleExportError(Qwen35Error, ValueError):
     """An exported folder was compiled for something else (target, TP degree, shapes, versions)."""
 

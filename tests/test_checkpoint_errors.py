@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from optimum_qwen35.checkpoint import CheckpointError, CheckpointReader
 from optimum_qwen35.checkpoint.convert import check_checkpoint, convert_checkpoint
-from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, load_sharded, rank_file, save_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.runtime.cpu import load_decoder
 from optimum_qwen35.testing import build_tiny_checkpoint
@@ -164,20 +164,27 @@ class FailingReader(CheckpointReader):
 
 
 def test_interrupted_export_does_not_look_complete(pristine, tmp_path):
+    """A failed export leaves no folder behind; a failed --overwrite leaves the previous export whole."""
     path, out = pristine["tiny-2b"], tmp_path / "out"
-    save_sharded(path, None, 2, out, progress=False)
-    before = {r: (out / rank_file(r)).read_bytes() for r in range(2)}
     with pytest.raises(OSError, match="simulated read failure"):
         save_sharded(FailingReader(path), None, 2, out, progress=False)
-    # The old manifest was withdrawn before anything was overwritten; no temporary file is left.
-    assert not (out / MANIFEST).exists()
-    assert not [p.name for p in out.iterdir() if "tmp" in p.name]
-    assert {r: (out / rank_file(r)).read_bytes() for r in range(2)} == before
+    assert not out.exists() and not list(tmp_path.iterdir()), "a failed first export left files behind"
+    save_sharded(path, None, 2, out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(OSError, match="simulated read failure"):
+        save_sharded(FailingReader(path), None, 2, out, progress=False, overwrite=True)
+    # The good export is untouched (manifest included) and no temporary folder or file is left.
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert load_sharded(out, 1, 2)[1] == 2  # still a complete, loadable TP = 2 export
+    # A complete export for another degree replaces it whole: no stale rank_1 file.
+    save_sharded(path, None, 1, out, progress=False, overwrite=True)
+    assert sorted(p.name for p in out.glob("rank_*")) == ["rank_0.safetensors"]
+    load_decoder(out)
+    # An export folder without its manifest (from an older version, or a copy) is refused as incomplete.
+    (out / MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="not a complete sharded export"):
         load_decoder(out, tp_degree=1)
-    # A fresh complete export is accepted again.
-    save_sharded(path, None, 1, out, progress=False)
-    load_decoder(out)
 
 
 def test_export_with_a_damaged_rank_file(pristine, tmp_path):

@@ -2,7 +2,7 @@
 
 Each check launches t processes (torch.multiprocessing spawn), each holding only its shard, and compares
 rank 0's gathered logits with the single-process model: every prompt position of context encoding and 32
-greedy decode steps. Each launch runs fp32 (the requirement: within 1e-4, same top-1) and fp64 (which
+greedy decode steps (33 new tokens: the first comes from context encoding). Each launch runs fp32 (the requirement: within 1e-4, same top-1) and fp64 (which
 shows the sharded model computes exactly the same function: differences are pure rounding, ~1e-13).
 """
 
@@ -22,7 +22,7 @@ from optimum_qwen35.runtime.tp import run_tensor_parallel
 from optimum_qwen35.testing import build_tiny_checkpoint
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 12, 250, 3, 77, 401], [3, 200, 41, 8, 64]]
-DECODE_STEPS = 32
+MAX_NEW_TOKENS = 33  # 32 decode steps after the token context encoding gives
 DTYPES = (torch.float32, torch.float64)
 FP32_ATOL, FP32_RTOL = 1e-4, 0.0  # the issue's bound, absolute
 FP64_ATOL = 1e-10
@@ -62,7 +62,7 @@ _REFERENCES: dict[str, list] = {}
 def reference(path):
     key = str(path)
     if key not in _REFERENCES:
-        _REFERENCES[key] = run_tensor_parallel(path, 1, PROMPTS, DECODE_STEPS, DTYPES)
+        _REFERENCES[key] = run_tensor_parallel(path, 1, PROMPTS, MAX_NEW_TOKENS, DTYPES)
     return _REFERENCES[key]
 
 
@@ -70,7 +70,7 @@ def assert_same_run(got, ref, atol, rtol, label):
     for p, (a, b) in enumerate(zip(got.prefill_logits, ref.prefill_logits)):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{label} prompt {p} context encoding: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"{label} prompt {p}: context-encoding top-1 differs"
-    assert got.decode_logits.shape == (DECODE_STEPS, len(PROMPTS), ref.decode_logits.shape[-1])
+    assert got.decode_logits.shape == (MAX_NEW_TOKENS - 1, len(PROMPTS), ref.decode_logits.shape[-1])
     torch.testing.assert_close(got.decode_logits, ref.decode_logits, atol=atol, rtol=rtol, msg=lambda m: f"{label} decode: {m}")
     assert torch.equal(got.decode_logits.argmax(-1), ref.decode_logits.argmax(-1)), f"{label}: decode top-1 differs"
     assert torch.equal(got.tokens, ref.tokens), f"{label}: greedy tokens differ"
@@ -95,8 +95,8 @@ def check_against_reference(results, refs, label):
 def test_tensor_parallel_matches_single_process(checkpoints, layout, tp_degree):
     path = checkpoints[layout]
     refs = reference(path)
-    assert refs[0].tokens.shape == (len(PROMPTS), DECODE_STEPS + 1)
-    results = run_tensor_parallel(path, tp_degree, PROMPTS, DECODE_STEPS, DTYPES)
+    assert refs[0].tokens.shape == (len(PROMPTS), MAX_NEW_TOKENS)
+    results = run_tensor_parallel(path, tp_degree, PROMPTS, MAX_NEW_TOKENS, DTYPES)
     check_against_reference(results, refs, f"{layout} TP={tp_degree}")
 
 
@@ -123,8 +123,20 @@ def test_saved_shards_round_trip(checkpoints, tmp_path):
     exported = load_decoder(exports[1]).state_dict()
     assert whole.keys() == exported.keys() and all(torch.equal(whole[k], exported[k]) for k in whole)
     # TP = 2 from the export, with gloo, against TP = 1 from the original checkpoint.
-    results = run_tensor_parallel(exports[2], 2, PROMPTS, DECODE_STEPS, DTYPES)
+    results = run_tensor_parallel(exports[2], 2, PROMPTS, MAX_NEW_TOKENS, DTYPES)
     check_against_reference(results, reference(path), "odd-nv3x (saved shards) TP=2")
     # An export for one degree is refused for another.
     with pytest.raises(ValueError, match="tensor_parallel_size=2, not 4"):
         load_decoder(exports[2], tp_degree=4, layers=None)
+
+
+def test_max_new_tokens_means_what_generate_means(checkpoints):
+    """run_tensor_parallel(max_new_tokens=N) returns the N tokens generate(max_new_tokens=N) returns (no EOS)."""
+    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM  # noqa: PLC0415
+
+    path = checkpoints["tiny-2b"]
+    ref = reference(path)[0]
+    model = Qwen35ForCausalLM.from_pretrained(path, batch_size=2, max_length=64)
+    assert model.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS) == ref.tokens.tolist()
+    for n in (1, 3):
+        assert run_tensor_parallel(path, 1, PROMPTS, n).tokens.tolist() == model.generate(PROMPTS, max_new_tokens=n)

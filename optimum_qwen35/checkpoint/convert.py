@@ -72,6 +72,39 @@ def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
         raise CheckpointError("\n".join(lines))
 
 
+def check_finite(tensors, where: str) -> None:
+    """Refuse weights holding NaN or Inf, naming each such tensor.
+
+    One cheap pass per tensor: a sum is finite only if every element is (NaN and Inf propagate), so the
+    exact, slower count runs only on a tensor whose sum is not (a bf16 sum accumulates in fp32 and has
+    fp32's range; fp16 is summed in fp32 so that a large tensor does not overflow).
+    """
+    bad = []
+    # One thread: the sums stream at memory speed on one core, while a parallel region per tensor costs
+    # more than the sum itself (its threads must wake, and wait for a core on a busy machine): measured on
+    # the 0.8B-shaped checkpoint, 0.07 s on one thread, 0.13 to 1.7 s on two.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, tensor in tensors.items():
+            if not tensor.is_floating_point():
+                continue
+            total = tensor.sum(dtype=torch.float32) if tensor.dtype == torch.float16 else tensor.sum()
+            if torch.isfinite(total):
+                continue
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            if nan or inf:
+                bad.append(f"{name} ({nan} NaN, {inf} Inf of {tensor.numel()})")
+    finally:
+        torch.set_num_threads(threads)
+    if bad:
+        shown = bad[:10] + ([f"... and {len(bad) - 10} more"] if len(bad) > 10 else [])
+        raise CheckpointError(
+            f"{where}: weights hold NaN or Inf values: {', '.join(shown)}. The file is corrupt or was saved from a "
+            "diverged model: download or export it again"
+        )
+
+
 def decoder_name(name: str) -> str:
     return name.replace("linear_attn.conv1d.weight", "linear_attn.conv_weight")
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError, MissingWeightsError
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -36,7 +38,7 @@ SAFETENSORS_DTYPES = {
 
 def _torch_dtype(code: str, where: str) -> torch.dtype:
     if code not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{where}: safetensors dtype {code!r} is not supported (supported: {sorted(SAFETENSORS_DTYPES)})")
+        raise CheckpointError(f"{where}: safetensors dtype {code!r} is not supported (supported: {sorted(SAFETENSORS_DTYPES)})")
     return SAFETENSORS_DTYPES[code]
 
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
@@ -69,17 +71,23 @@ class CheckpointReader:
             weight_map = {key: single.name for key in self._tensor_keys(single.name)}
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(
-                    f"no safetensors weights in {self.folder} (expected model.safetensors or "
-                    "model.safetensors.index.json); convert .bin checkpoints to safetensors first"
+            if (self.folder / "tp_shards.json").is_file() or (files and all(f.startswith("rank_") for f in files)):
+                raise CheckpointError(
+                    f"{self.folder} is a sharded export (written by `shard`), not a checkpoint: its rank files hold "
+                    "shards, not the checkpoint's tensors. Load it as it is, or shard the original checkpoint"
                 )
+            if not files:
+                from ..validation import missing_weights_message  # noqa: PLC0415
+
+                raise MissingWeightsError(f"no safetensors weights: {missing_weights_message(self.folder)}")
             weight_map = {}
             for name in files:
                 weight_map.update({key: name for key in self._tensor_keys(name)})
         missing_files = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
         if missing_files:
-            raise FileNotFoundError(f"{self.folder} is incomplete: the index names missing files {missing_files}")
+            raise MissingWeightsError(
+                f"{self.folder} is incomplete: the index names missing files {missing_files}; download them again"
+            )
         self._files: dict[str, str] = {}
         self._keys: dict[str, str] = {}
         for key, file in weight_map.items():
@@ -107,7 +115,7 @@ class CheckpointReader:
                         raise ValueError(f"header length {size} is past the end of the file")
                     header = json.loads(f.read(size))
                 except ValueError as e:
-                    raise ValueError(f"{path} is not a valid safetensors file ({e}); re-download it") from None
+                    raise CheckpointError(f"{path} is not a valid safetensors file ({e}); re-download it") from None
                 self._headers[file] = (8 + size, header)
         return self._headers[file]
 
@@ -133,7 +141,7 @@ class CheckpointReader:
         out = torch.empty(info["shape"], dtype=_torch_dtype(info["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}"))
         nbytes = out.numel() * out.element_size()
         if end - start != nbytes:
-            raise ValueError(f"{self.folder / self._files[name]}: tensor {self._keys[name]} has {end - start} bytes, {nbytes} expected")
+            raise CheckpointError(f"{self.folder / self._files[name]}: tensor {self._keys[name]} has {end - start} bytes, {nbytes} expected")
         if nbytes:
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
             with open(self.folder / self._files[name], "rb", buffering=0) as f:
@@ -142,6 +150,6 @@ class CheckpointReader:
                 while done < nbytes:
                     n = f.readinto(view[done:])
                     if not n:
-                        raise ValueError(f"{self.folder / self._files[name]} is truncated (tensor {self._keys[name]})")
+                        raise CheckpointError(f"{self.folder / self._files[name]} is truncated (tensor {self._keys[name]})")
                     done += n
         return out

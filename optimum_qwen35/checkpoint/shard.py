@@ -41,8 +41,11 @@ from pathlib import Path
 
 import torch
 
+from .. import validation
 from ..config import Qwen35Config
-from .convert import CheckpointError, check_checkpoint, convert_checkpoint, decoder_name, expected_shapes
+from ..errors import IncompatibleExportError, UsageError
+from ..output import output_folder
+from .convert import CheckpointError, check_checkpoint, check_finite, convert_checkpoint, decoder_name, expected_shapes
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 
 MANIFEST = "tp_shards.json"
@@ -313,26 +316,41 @@ def save_sharded(
     config: Qwen35Config | None,
     tp_degree: int,
     out_dir: str | os.PathLike,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Convert and shard a checkpoint for `tp_degree` ranks and save one safetensors file per rank.
 
     Output folder: `config.json` (the source's, unchanged), the tokenizer files if the source has them, `rank_{r}.safetensors` for r in 0..t-1
     (decoder parameter names, each rank's shard, tied lm_head omitted), and `tp_shards.json` (written
     last; without it the folder is an incomplete export). Each source tensor is read once and its t
-    shards are streamed into the t files, so memory holds about one source tensor at a time. Files are
-    written under temporary names and renamed when complete; an existing export in `out_dir` is
-    invalidated (its manifest removed) before anything is overwritten.
+    shards are streamed into the t files, so memory holds about one source tensor at a time.
+
+    The folder is written whole or not at all (`output.output_folder`): built in a hidden sibling and
+    renamed into place when complete. An `out_dir` holding a model or an export is refused unless
+    `overwrite=True`, and then replaced whole (no stale rank files); the source folder is refused.
+    Everything is checked before anything is written.
     """
+    if not isinstance(source, CheckpointReader):
+        source = validation.model_folder(source, "shard")
+        if is_sharded_export(source):
+            raise UsageError(
+                f"{source} is a sharded export (it has {MANIFEST} or rank files), not a checkpoint: shard the original "
+                "checkpoint folder instead"
+            )
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    dtype = None if dtype is None else validation.parse_dtype(dtype)
     config = config or Qwen35Config.from_pretrained(reader.folder)
     config.check_tp_degree(tp_degree)
     check_checkpoint(reader, config)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
+    with output_folder(out_dir, sources=[reader.folder], overwrite=overwrite) as tmp:
+        _write_shards(reader, config, tp_degree, tmp, dtype, progress)
+    return Path(out_dir).expanduser()
 
+
+def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, out: Path, dtype, progress: bool) -> None:
+    """Write the export into the (new, empty) folder `out`; the manifest last."""
     shapes = sharded_shapes(config, tp_degree)
     source_names = list(expected_shapes(config))
     dtypes = {decoder_name(n): dtype or reader.dtype(n) for n in source_names}
@@ -350,6 +368,7 @@ def save_sharded(
         _copy_side_files(reader.folder, out)
         bar = _progress(total=sum(reader_nbytes(reader, n) for n in source_names), enabled=progress, desc=f"shard TP={tp_degree}")
         for source_name, (name, tensor) in zip(source_names, convert_checkpoint(reader, config)):
+            check_finite({name: tensor}, str(reader.folder))  # an export never carries NaN or Inf weights
             layout, dim = tp_layout(name, tensor, config, tp_degree)
             for rank, writer in enumerate(writers):
                 shard = layout if dim is None else layout.chunk(tp_degree, dim)[rank]
@@ -376,7 +395,6 @@ def save_sharded(
             "files": files,
         },
     )
-    return out
 
 
 def reader_nbytes(reader: CheckpointReader, name: str) -> int:
@@ -405,8 +423,11 @@ def read_manifest(path: str | os.PathLike) -> dict:
             f"{path} has no {MANIFEST}: it is not a complete sharded export (an interrupted save_sharded leaves "
             "no manifest); export it again"
         )
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
+    try:
+        manifest = json.loads(file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}): the export is damaged; export it again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
         raise CheckpointError(f"{file} is not a {MANIFEST_FORMAT} v{MANIFEST_VERSION} manifest")
     for entry in manifest["files"]:
         f = path / entry["file"]
@@ -416,18 +437,27 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def load_sharded(
-    path: str | os.PathLike, rank: int, tp_degree: int | None = None, dtype: torch.dtype | None = None
+    path: str | os.PathLike,
+    rank: int,
+    tp_degree: int | None = None,
+    dtype: torch.dtype | None = None,
+    check_weights: bool = True,
 ) -> tuple[Qwen35Config, int, dict[str, torch.Tensor]]:
-    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor})."""
+    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor}).
+
+    Weights holding NaN or Inf (a file damaged after the export) are refused, naming the tensor."""
     from safetensors.torch import load_file  # noqa: PLC0415
 
     path = Path(path)
     manifest = read_manifest(path)
     saved_degree = manifest["tp_degree"]
     if tp_degree is not None and tp_degree != saved_degree:
-        raise ValueError(f"{path} holds shards for tensor_parallel_size={saved_degree}, not {tp_degree}; export it again")
+        raise IncompatibleExportError(
+            f"{path} holds shards for tensor_parallel_size={saved_degree}, not {tp_degree}; use "
+            f"tensor_parallel_size={saved_degree} or export it again for {tp_degree}"
+        )
     if not 0 <= rank < saved_degree:
-        raise ValueError(f"rank {rank} is outside 0..{saved_degree - 1}")
+        raise UsageError(f"rank {rank} is outside 0..{saved_degree - 1}")
     config = Qwen35Config.from_pretrained(path)
     tensors = load_file(path / rank_file(rank))
     expected = sharded_shapes(config, saved_degree)
@@ -439,6 +469,8 @@ def load_sharded(
             f"{path / rank_file(rank)} does not match config.json: missing {missing}, "
             f"unexpected {sorted(set(got) - set(expected))}, wrong shape {wrong}"
         )
+    if check_weights:
+        check_finite(tensors, str(path / rank_file(rank)))
     if dtype is not None:
         tensors = {n: t.to(dtype) for n, t in tensors.items()}
     return config, saved_degree, tensors

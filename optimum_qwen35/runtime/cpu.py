@@ -17,8 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import validation
 from ..checkpoint import CheckpointReader, convert_checkpoint
+from ..checkpoint.convert import check_finite
 from ..config import Qwen35Config
+from ..errors import CheckpointError, UsageError
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
 from ..modeling.parallel import TorchLayers
 from ..modeling.state import allocate_state
@@ -28,24 +31,31 @@ DEFAULT_BUCKET_MIN = 64
 
 def load_decoder(
     path: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     tp_degree: int = 1,
     rank: int = 0,
     layers=None,
     config: Qwen35Config | None = None,
+    check_weights: bool = True,
 ) -> Qwen35Decoder:
     """Build the decoder (this rank's share of it) and load its weights.
 
     `path` is a checkpoint folder (converted, and sharded when tp_degree > 1, on the fly) or a folder
-    written by `optimum_qwen35.checkpoint.shard.save_sharded` (its tp_degree must match).
+    written by `optimum_qwen35.checkpoint.shard.save_sharded` (its tp_degree must match). `dtype` is a
+    torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
+    the tensor (`check_weights=False` skips that check; it exists to measure its cost).
     """
     from ..checkpoint.shard import is_sharded_export, load_sharded  # noqa: PLC0415
 
+    dtype = validation.parse_dtype(dtype)
+    path = validation.model_folder(path, "load_decoder")
     config = config or Qwen35Config.from_pretrained(path)
     config.check_tp_degree(tp_degree)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
+        raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
     if sharded_export:
-        _, _, params = load_sharded(path, rank, tp_degree, dtype)
+        _, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
     if layers is None:
         layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
     with torch.device("meta"):
@@ -58,12 +68,16 @@ def load_decoder(
         from ..checkpoint.shard import convert_and_shard  # noqa: PLC0415
 
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
+    if check_weights and not sharded_export:  # load_sharded checked an export's weights
+        check_finite(params, f"{path} (rank {rank} of {tp_degree})" if tp_degree > 1 else str(path))
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
     params.update(rank_tensors(rank))
     result = decoder.load_state_dict(params, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
-        raise RuntimeError(f"decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+        raise CheckpointError(
+            f"{path}: decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
     if config.tie_word_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
     return decoder.eval()
@@ -94,6 +108,11 @@ class Qwen35ForCausalLM:
         buckets: Sequence[int] | None = None,
         trace: bool = False,
     ):
+        if not isinstance(decoder, Qwen35Decoder):
+            raise UsageError(
+                f"Qwen35ForCausalLM takes a loaded decoder, got {type(decoder).__name__}; to load a folder use "
+                "Qwen35ForCausalLM.from_pretrained(path, ...)"
+            )
         self._set_shapes(decoder.config, batch_size, max_length, buckets)
         self.decoder, self.trace = decoder, trace
         self.state_specs = decoder.state_specs(batch_size, max_length)
@@ -102,10 +121,17 @@ class Qwen35ForCausalLM:
 
     def _set_shapes(self, config: Qwen35Config, batch_size: int, max_length: int, buckets: Sequence[int] | None) -> None:
         self.config = config
-        self.batch_size, self.max_length = batch_size, max_length
-        self.buckets = sorted(buckets) if buckets else default_buckets(max_length)
+        self.batch_size = validation.positive_int(batch_size, "batch_size")
+        self.max_length = validation.positive_int(max_length, "max_length")
+        if buckets is not None and not isinstance(buckets, Sequence):
+            raise UsageError(f"buckets must be a list of context lengths, got {type(buckets).__name__}")
+        buckets = [validation.positive_int(b, "each bucket") for b in buckets or ()]
+        self.buckets = sorted(set(buckets)) if buckets else default_buckets(max_length)
         if self.buckets[-1] > max_length:
-            raise ValueError(f"bucket {self.buckets[-1]} is longer than max_length {max_length}")
+            raise UsageError(
+                f"bucket {self.buckets[-1]} is longer than max_length {max_length}; "
+                "drop that bucket or raise max_length"
+            )
 
     @classmethod
     def from_pretrained(
@@ -113,10 +139,13 @@ class Qwen35ForCausalLM:
         path: str | os.PathLike,
         batch_size: int = 1,
         max_length: int = 1024,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         buckets: Sequence[int] | None = None,
         trace: bool = False,
     ) -> "Qwen35ForCausalLM":
+        """Load a checkpoint folder (or a TP = 1 export); sizes are checked before any weight is read."""
+        validation.positive_int(batch_size, "batch_size")
+        validation.positive_int(max_length, "max_length")
         return cls(load_decoder(path, dtype), batch_size, max_length, buckets, trace)
 
     # ------------------------------------------------------------------ graphs
@@ -145,16 +174,26 @@ class Qwen35ForCausalLM:
 
     def bucket_for(self, length: int) -> int:
         if length > self.buckets[-1]:
-            raise ValueError(
+            raise UsageError(
                 f"prompt of {length} tokens is longer than the longest compiled context length "
                 f"({self.buckets[-1]}); shorten the prompt or build the model with a larger max_length"
             )
         return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     # ------------------------------------------------------------------ the two steps
-    def _check_slots(self, slots: Sequence[int]) -> None:
-        if len(set(slots)) != len(slots) or any(not 0 <= s < self.batch_size for s in slots):
-            raise ValueError(f"slots must be distinct and in [0, {self.batch_size}), got {list(slots)}")
+    def _check_slots(self, slots: Sequence[int]) -> list[int]:
+        if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence):
+            raise UsageError(f"slots must be a list of slot numbers, got {type(slots).__name__}")
+        slots = list(slots)
+        if (
+            any(not validation.is_int(s) for s in slots)
+            or len(set(slots)) != len(slots)
+            or any(not 0 <= s < self.batch_size for s in slots)
+        ):
+            raise UsageError(
+                f"slots must be distinct and in [0, {self.batch_size}) (integers below the model's batch_size), got {slots}"
+            )
+        return [int(s) for s in slots]
 
     def _seq_ids(self, slots: Sequence[int]) -> torch.Tensor:
         """The graphs' static batch: one row per slot given, -1 (inactive, results dropped) for the rest."""
@@ -165,11 +204,10 @@ class Qwen35ForCausalLM:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], all_logits: bool = False):
         """Start `prompts` in `slots` (one prompt per slot). Returns logits [n, vocab] (or [n, T, vocab])."""
+        prompts = validation.token_ids(prompts, self.config.vocab_size)
+        slots = self._check_slots(slots)
         if len(prompts) != len(slots):
-            raise ValueError("prefill needs one slot per prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        self._check_slots(slots)
+            raise UsageError(f"prefill needs one slot per prompt: got {len(prompts)} prompts and {len(slots)} slots")
         T = self.bucket_for(max(len(p) for p in prompts))
         ids = torch.zeros(self.batch_size, T, dtype=torch.int32)
         mask = torch.zeros(self.batch_size, T, dtype=torch.int32)
@@ -182,11 +220,14 @@ class Qwen35ForCausalLM:
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """One token per slot at the given positions. Returns next-token logits [n, vocab]."""
+        tokens = validation.token_id_list(tokens, self.config.vocab_size, "tokens")
+        positions = validation.int_list(positions, "positions", self.max_length, f"past max_length {self.max_length}")
+        slots = self._check_slots(slots)
         if not len(tokens) == len(positions) == len(slots):
-            raise ValueError("decode needs one token and one position per slot")
-        self._check_slots(slots)
-        if max(positions) >= self.max_length:
-            raise ValueError(f"position {max(positions)} is past max_length {self.max_length}")
+            raise UsageError(
+                f"decode needs one token and one position per slot: got {len(tokens)} tokens, "
+                f"{len(positions)} positions, {len(slots)} slots"
+            )
         ids = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
@@ -207,6 +248,9 @@ class Qwen35ForCausalLM:
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt."""
+        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
+        for p in prompts:
+            self.bucket_for(len(p))  # every prompt is checked before the first graph runs
         results = []
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
@@ -222,21 +266,27 @@ class Qwen35ForCausalLM:
         streamer=None,
         sampler=None,
     ) -> list[list[int]]:
-        """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns the new tokens of each
-        prompt, stopping after an EOS token. Prompts beyond `batch_size` run in successive waves.
-        `streamer(step, tokens)` is called once per step with the tokens of the wave's rows."""
+        """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
+        (>= 1) new tokens of each prompt, stopping after an EOS token. Prompts beyond `batch_size` run in
+        successive waves. `streamer(step, tokens)` is called once per step with the tokens of the wave's
+        rows. Every argument is checked before the first graph runs."""
+        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
+        max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
+        eos = validation.eos_ids(eos_token_id)
+        for name, fn in (("streamer", streamer), ("sampler", sampler)):
+            if fn is not None and not callable(fn):
+                raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
         pick = sampler or (lambda logits: logits.argmax(-1))
-        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-        results: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            group = [list(p) for p in prompts[start : start + self.batch_size]]
-            longest = max(len(p) for p in group)
-            self.bucket_for(longest)  # a prompt longer than every bucket gets that error first
-            if longest + max_new_tokens > self.max_length:
-                raise ValueError(
-                    f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
+        for p in prompts:
+            self.bucket_for(len(p))  # a prompt longer than every bucket gets that error first
+            if len(p) + max_new_tokens > self.max_length:
+                raise UsageError(
+                    f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
                     f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
                 )
+        results: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            group = prompts[start : start + self.batch_size]
             slots = list(range(len(group)))
             next_tokens = pick(self.prefill(group, slots)).tolist()
             positions = [len(p) for p in group]

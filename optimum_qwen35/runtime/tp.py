@@ -7,17 +7,22 @@ and the embedding all-reduce, the lm_head all-gathers the vocabulary blocks, so 
 whole logits; rank 0's are returned.
 
     from optimum_qwen35.runtime.tp import run_tensor_parallel
-    result = run_tensor_parallel("path/to/checkpoint", tp_degree=4, prompts=[[1, 2, 3]], decode_steps=32)
+    result = run_tensor_parallel("path/to/checkpoint", tp_degree=4, prompts=[[1, 2, 3]], max_new_tokens=32)
     result.prefill_logits[0]   # [3, vocab]: teacher-forced logits of every prompt position
-    result.decode_logits       # [32, n_prompts, vocab]: the logits of each decode step
-    result.tokens              # [n_prompts, 33]: the greedy tokens (1 from the prompt, 1 per decode step)
+    result.decode_logits       # [31, n_prompts, vocab]: the logits of each decode step
+    result.tokens              # [n_prompts, 32]: the greedy new tokens (1 from the prompt, 1 per decode step)
 
-`tp_degree=1` runs in the calling process (no torch.distributed), which is the reference.
+`max_new_tokens` means what it means in `Qwen35ForCausalLM.generate`: the number of new tokens (here
+always exactly that many: no EOS stop, so that runs compare step by step). `tp_degree=1` runs in the
+calling process (no torch.distributed), which is the reference. Every argument is checked in the
+calling process before any worker starts; a package error raised in a worker (e.g. NaN weights in its
+shard) is raised again, with its own type, in the caller.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
+from .. import validation
+from ..errors import IncompatibleExportError, Qwen35Error, UsageError
 from ..modeling.parallel import TorchLayers
 from .cpu import Qwen35ForCausalLM, default_buckets, load_decoder
 
@@ -33,8 +41,8 @@ from .cpu import Qwen35ForCausalLM, default_buckets, load_decoder
 @dataclass
 class TensorParallelResult:
     prefill_logits: list[torch.Tensor]  # one [len(prompt), vocab] tensor per prompt (fp32; fp64 for fp64 models)
-    decode_logits: torch.Tensor  # [decode_steps, n_prompts, vocab] (fp32; fp64 for fp64 models)
-    tokens: torch.Tensor  # [n_prompts, decode_steps + 1] int64, greedy
+    decode_logits: torch.Tensor  # [max_new_tokens - 1, n_prompts, vocab] (fp32; fp64 for fp64 models)
+    tokens: torch.Tensor  # [n_prompts, max_new_tokens] int64, greedy: the new tokens
 
 
 def _widen(logits: torch.Tensor) -> torch.Tensor:
@@ -43,12 +51,14 @@ def _widen(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_run(
-    decoder, prompts: Sequence[Sequence[int]], decode_steps: int, max_length: int | None = None
+    decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int, max_length: int | None = None
 ) -> TensorParallelResult:
-    """Prefill `prompts` (one slot each, every position's logits), then `decode_steps` greedy steps."""
+    """Prefill `prompts` (one slot each, every position's logits), then greedy steps up to `max_new_tokens`
+    new tokens (the first comes from the prefill, so max_new_tokens - 1 decode steps)."""
     prompts = [list(p) for p in prompts]
     longest = max(len(p) for p in prompts)
-    max_length = max_length or longest + decode_steps + 1
+    decode_steps = max_new_tokens - 1
+    max_length = max_length or longest + max_new_tokens
     model = Qwen35ForCausalLM(decoder, batch_size=len(prompts), max_length=max_length, buckets=default_buckets(max_length))
     slots = list(range(len(prompts)))
     with torch.no_grad():
@@ -70,7 +80,17 @@ def greedy_run(
     )
 
 
-def _worker(rank, tp_degree, store_file, path, prompts, decode_steps, dtype, max_length, out_file, threads):
+def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads):
+    try:
+        _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads)
+    except Qwen35Error as error:
+        # Handed to the caller, which raises it with its own type (mp.spawn would wrap it in its own exception).
+        with open(f"{out_file}.error-{rank}", "wb") as f:
+            pickle.dump(error, f)
+        raise
+
+
+def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads):
     torch.set_num_threads(threads)
     # A file store, not a TCP store: with TCP, rank 0 hosts the store's server and could exit while another
     # rank's store client is still closing, which aborts that rank ("terminate called without an active
@@ -81,7 +101,7 @@ def _worker(rank, tp_degree, store_file, path, prompts, decode_steps, dtype, max
         results = []
         for one_dtype in dtype:
             decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group))
-            result = greedy_run(decoder, prompts, decode_steps, max_length)
+            result = greedy_run(decoder, prompts, max_new_tokens, max_length)
             del decoder
             # Every rank gathered the same logits, so every rank must have chosen the same tokens.
             tokens = [torch.empty_like(result.tokens) for _ in range(tp_degree)]
@@ -100,32 +120,67 @@ def run_tensor_parallel(
     path: str | os.PathLike,
     tp_degree: int,
     prompts: Sequence[Sequence[int]],
-    decode_steps: int = 32,
-    dtype: torch.dtype | Sequence[torch.dtype] = torch.float32,
+    max_new_tokens: int = 32,
+    dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float32,
     max_length: int | None = None,
+    **renamed,
 ) -> TensorParallelResult | list[TensorParallelResult]:
-    """Run prefill + `decode_steps` greedy steps with `tp_degree` gloo processes; rank 0's logits.
+    """Run prefill + greedy steps up to `max_new_tokens` new tokens with `tp_degree` gloo processes.
 
-    `path` is a checkpoint folder or a `save_sharded` export. `dtype` may be a sequence of dtypes: the
-    same processes then run once per dtype (process start-up dominates on small models) and a list of
-    results is returned. Each process uses max(1, cpu_count // tp_degree) intra-op threads. An invalid
-    degree raises before any process starts. The processes are started with the `spawn` method, so a
-    calling script needs the usual `if __name__ == "__main__":` guard.
+    Returns rank 0's logits and tokens. `path` is a checkpoint folder or a `save_sharded` export. `dtype`
+    (a torch dtype or its name) may be a sequence of dtypes: the same processes then run once per dtype
+    (process start-up dominates on small models) and a list of results is returned. Each process uses
+    max(1, cpu_count // tp_degree) intra-op threads. Every argument (the degree against the model or the
+    export, token ids against the vocabulary, sizes) is checked before any process starts. The processes
+    are started with the `spawn` method, so a calling script needs the usual `if __name__ == "__main__":` guard.
     """
+    from ..checkpoint.shard import is_sharded_export, read_manifest  # noqa: PLC0415
     from ..config import Qwen35Config  # noqa: PLC0415
 
-    Qwen35Config.from_pretrained(path).check_tp_degree(tp_degree)
-    prompts = [list(map(int, p)) for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("run_tensor_parallel needs at least one prompt, each of at least one token")
-    dtypes = [dtype] if isinstance(dtype, torch.dtype) else list(dtype)
+    if "decode_steps" in renamed:
+        n = renamed["decode_steps"]
+        raise UsageError(
+            f"decode_steps was renamed max_new_tokens, the number of new tokens as in generate(): decode_steps={n} "
+            f"returned {n} + 1 tokens; pass max_new_tokens={n + 1 if isinstance(n, int) else 'N + 1'} for the same run"
+        )
+    if renamed:
+        raise UsageError(f"run_tensor_parallel got unexpected arguments {sorted(renamed)}")
+    path = validation.model_folder(path, "run_tensor_parallel")
+    config = Qwen35Config.from_pretrained(path)
+    config.check_tp_degree(tp_degree)
+    if is_sharded_export(path):
+        saved = read_manifest(path)["tp_degree"]
+        if saved != tp_degree:
+            raise IncompatibleExportError(
+                f"{path} holds shards for tensor_parallel_size={saved}, not {tp_degree}; pass tp_degree={saved} or "
+                f"export it again with --tensor-parallel-size {tp_degree}"
+            )
+    prompts = validation.token_ids(prompts, config.vocab_size)
+    max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
+    single = not (isinstance(dtype, Sequence) and not isinstance(dtype, str))
+    dtypes = [validation.parse_dtype(d) for d in ([dtype] if single else dtype)]
+    if not dtypes:
+        raise UsageError("dtype is an empty sequence: pass a dtype (e.g. torch.float32) or a list of them")
+    needed = max(len(p) for p in prompts) + max_new_tokens
+    if max_length is not None and validation.positive_int(max_length, "max_length") < needed:
+        raise UsageError(
+            f"max_length {max_length} is too short for the longest prompt + max_new_tokens ({needed}); raise it or omit it"
+        )
     if tp_degree == 1:
-        results = [greedy_run(load_decoder(path, d), prompts, decode_steps, max_length) for d in dtypes]
-        return results[0] if isinstance(dtype, torch.dtype) else results
+        results = [greedy_run(load_decoder(path, d), prompts, max_new_tokens, max_length) for d in dtypes]
+        return results[0] if single else results
     threads = max(1, (os.cpu_count() or 1) // tp_degree)
     with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
         out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
-        args = (tp_degree, store_file, os.fspath(path), prompts, decode_steps, dtypes, max_length, out_file, threads)
-        mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
+        args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads)
+        try:
+            mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
+        except ProcessException:
+            # A package error from a worker is raised again as itself; anything else is a bug: keep mp's report.
+            for rank in range(tp_degree):
+                if os.path.isfile(f"{out_file}.error-{rank}"):
+                    with open(f"{out_file}.error-{rank}", "rb") as f:
+                        raise pickle.load(f) from None
+            raise
         results = torch.load(out_file, weights_only=False)
-    return results[0] if isinstance(dtype, torch.dtype) else results
+    return results[0] if single else results
