@@ -177,3 +177,33 @@ def test_cli_help_lists_each_command_once_and_every_option_has_help():
     export_help = cli("export", "--help").stdout
     for option in ("--model", "--batch_size", "--sequence_length", "--tensor_parallel_size", "--torch_dtype", "--target", "--overwrite"):
         assert option in export_help
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from optimum_qwen35 import cli
+
+    parsers = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, *args, **kwargs):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            cli.main([])
+    finally:
+        argparse.ArgumentParser.parse_args = real
+
+    def undocumented(parser, prefix=""):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from undocumented(sub, f"{prefix}{name} ")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                yield f"{prefix}{action.option_strings or action.dest}"
+
+    assert list(undocumented(parsers[0])) == []
