@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, ExportError, Qwen35Error, UsageError
+from .errors import CheckpointError, Qwen35Error, UsageError
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -119,7 +119,7 @@ def cmd_export(args) -> int:
 
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise ExportError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
+        raise UsageError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
         args.model,
         revision=args.revision,
