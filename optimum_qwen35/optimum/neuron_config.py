@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from ..errors import IncompatibleExportError, UsageError
+from ..validation import parse_dtype
 
 NEURON_CONFIG_FILE = "neuron_config.json"
 CPU_TARGET = "cpu"
 # optimum-neuron's instance types, and the compilation target each one means.
 NEURON_TARGETS = {"trn1": "trn1", "trn1n": "trn1", "inf2": "trn1", "trn2": "trn2"}
 TARGETS = (CPU_TARGET, *NEURON_TARGETS)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+COMPILED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def normalize_target(target: str) -> str:
@@ -37,15 +38,15 @@ def normalize_target(target: str) -> str:
 
 
 def normalize_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a torch dtype or its usual name; only float32 and bfloat16 are compiled."""
-    if isinstance(dtype, str):
-        key = dtype.removeprefix("torch.")
-        if key not in DTYPES:
-            raise UsageError(f"dtype {dtype!r} is not supported: use bfloat16 or float32")
-        return DTYPES[key]
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise UsageError(f"dtype {dtype} is not supported: use torch.bfloat16 or torch.float32")
-    return dtype
+    """A torch dtype from a torch dtype or its usual name (`validation.parse_dtype`); only float32 and bfloat16
+    are compiled."""
+    try:
+        parsed = parse_dtype(dtype)
+    except UsageError:
+        parsed = None
+    if parsed not in COMPILED_DTYPES:
+        raise UsageError(f"dtype {dtype!r} is not supported: use bfloat16 or float32")
+    return parsed
 
 
 def neuronxcc_version() -> str | None:
