@@ -132,7 +132,7 @@ def test_bad_slots_and_positions(model):
         (lambda: model.prefill([[1]], [-1]), "slots must be distinct and in [0, 2)"),
         (lambda: model.prefill([[1]], [0.0]), "slots must be distinct and in [0, 2)"),
         (lambda: model.prefill([[1], [2]], [0]), "prefill needs one slot per prompt: got 2 prompts and 1 slots"),
-        (lambda: model.prefill([[1] * 33], [0]), "prompt of 33 tokens is longer than the longest compiled context length (32)"),
+        (lambda: model.prefill([[1] * 33], [0]), "prompt of 33 tokens is longer than the model's max_length (32)"),
         (lambda: model.decode([1], [32], [0]), "positions[0] = 32 is past max_length 32"),
         (lambda: model.decode([1], [-1], [0]), "positions[0] = -1 is negative"),
         (lambda: model.decode([512], [3], [0]), "tokens[0] = 512 is outside this model's vocabulary"),

@@ -35,9 +35,11 @@ def test_traced_graphs_have_no_tensor_above_rank_4(layout):
         ("token", 1, TokenGenerationGraph(model.decoder)),
     ]:
         example = model._example_inputs(kind, length)
+        n = len(model.state)  # the graphs update the state in place: each run gets its own copy
+        fresh = lambda: (*example[:-n], *(t.clone() for t in example[-n:]))  # noqa: E731
         with torch.no_grad():
-            traced = torch.jit.trace(module, example, check_trace=False)
-            eager_out, traced_out = module(*example), traced(*example)
+            traced = torch.jit.trace(module, fresh(), check_trace=False)
+            eager_out, traced_out = module(*fresh()), traced(*fresh())
         ranks = tensor_ranks(traced.inlined_graph)
         assert len(ranks) > 100, "the traced graph should record the shapes of its tensors"
         too_high = sorted({(r, k) for r, k in ranks if r > 4})
@@ -120,8 +122,10 @@ def test_prefill_touches_only_its_slots_and_padding_changes_nothing():
     mask[0, : len(prompt)] = 1
     positions = torch.arange(T, dtype=torch.int32).expand(3, T).contiguous()  # padding positions too: ignored
     seq_ids = torch.tensor([1, -1, -1], dtype=torch.int32)
+    state = [t.clone() for t in model.state]
     with torch.no_grad():
-        out = model.decoder.context_encoding(ids, mask, positions, seq_ids, *model.state)
+        out = model.decoder.context_encoding(ids, mask, positions, seq_ids, *state)
+    assert all(a is b for a, b in zip(out[1:], state)), "the graph returns the state it updated in place"
     for spec, small, big, old in zip(model.state_specs, in_small_bucket, out[1:], model.state):
         torch.testing.assert_close(big[1], small, rtol=0, atol=1e-6, msg=spec.name)
         assert torch.equal(big[0], old[0]) and torch.equal(big[2], old[2]), f"{spec.name}: an inactive row wrote"
@@ -149,9 +153,11 @@ def test_graphs_export_without_data_dependent_control_flow():
         example = list(model._example_inputs(kind, length))
         example[-len(model.state) - 1] = torch.tensor([1, -1], dtype=torch.int32)  # seq_ids: one inactive row
         example = tuple(example)
+        n = len(model.state)  # the graphs update the state in place: each run gets its own copy
+        fresh = lambda: (*example[:-n], *(t.clone() for t in example[-n:]))  # noqa: E731
         with torch.no_grad():
-            exported = torch.export.export(module, example, strict=False)
-            for a, b in zip(module(*example), exported.module()(*example)):
+            exported = torch.export.export(module, fresh(), strict=False)
+            for a, b in zip(module(*fresh()), exported.module()(*fresh())):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
@@ -169,7 +175,7 @@ def test_short_prompts_then_decode_match_one_long_prefill(length):
 
 def test_clear_errors():
     model = Qwen35ForCausalLM.from_pretrained(LAYOUT, batch_size=2, max_length=64, buckets=[32, 64])
-    with pytest.raises(ValueError, match="prompt of 65 tokens is longer than the longest compiled context length"):
+    with pytest.raises(ValueError, match="prompt of 65 tokens is longer than the model's max_length \\(64\\)"):
         model.generate([random_prompt(65, 0)], max_new_tokens=1)
     with pytest.raises(ValueError, match=r"exceeds max_length 64; lower max_new_tokens"):
         model.generate([random_prompt(60, 0)], max_new_tokens=8)

@@ -45,13 +45,13 @@ def gates(a, b, A_log, dt_bias):
 
 
 def _write_slots(state, rows, seq_ids):
-    """state[seq_ids[b]] = rows[b] in place for every active row (seq_id in range); other slots untouched.
+    """state[seq_ids[b]] = rows[b] in place for every active row (seq_id >= 0); other slots untouched.
 
-    Tensor ops only (no Python loop over values), so that the reference seams trace into static graphs."""
-    n_slots = state.shape[0]
-    match = seq_ids.to(torch.int64)[None, :] == torch.arange(n_slots, device=state.device)[:, None]  # [slots, B]
-    new = rows.to(state.dtype).index_select(0, match.to(torch.int64).argmax(1))
-    state.copy_(torch.where(match.any(1).view(-1, *([1] * (state.dim() - 1))), new, state))
+    One index_copy_ of B rows, tensor ops only (no Python branch on values), so that the reference seams trace into
+    static graphs: the model's slot write (`modeling.state.Slots.write`)."""
+    from ...modeling.state import Slots
+
+    Slots(seq_ids, state.shape[0]).write(state, rows)
 
 
 # ------------------------------------------------------------------------------------------------------ references

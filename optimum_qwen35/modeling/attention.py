@@ -43,52 +43,51 @@ class GatedAttention(nn.Module):
         return q, k, v, gate.reshape(B, T, self.num_heads * self.head_dim)
 
     def _attend(self, q, k, v, mask, gate):
-        """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible)."""
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible).
+
+        Grouped-query attention without repeating K/V per query head: the `groups` query heads that share a KV
+        head are stacked along the query axis ([B, KV, groups * Tq, hd]), so K and V are read as they are."""
+        B, H, Tq, hd = q.shape
+        groups = H // self.num_kv_heads
+        q = q.reshape(B, self.num_kv_heads, groups * Tq, hd)
+        mask = mask.repeat(1, 1, groups, 1)  # row g * Tq + t is query t of the group's g-th head
         # Matmul operands in the activation dtype, products accumulated and kept in fp32 (as TensorE
         # accumulates bf16 operands into fp32 PSUM); the softmax runs in fp32 too.
         scores = (upcast(q) @ upcast(k).transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = (upcast(probs) @ upcast(v)).to(v.dtype).transpose(1, 2).reshape(gate.shape)
+        out = (upcast(probs) @ upcast(v)).to(v.dtype).reshape(B, H, Tq, hd).transpose(1, 2).reshape(gate.shape)
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def context_encoding(self, x, cos, sin, valid, slots, k_cache, v_cache):
-        """x [B, T, hidden] right-padded, valid [B, T] bool. Writes positions 0..T-1 of each slot's cache."""
+    def context_encoding(self, x, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache):
+        """x [B, T, hidden] right-padded at positions position_ids [B, T] (row b: starts[b] .. + lengths[b] - 1).
+
+        Writes the block's K/V into each active row's slot (in place), then attends over the slot's first
+        `key_length` cached positions: the block itself for a fresh prompt (start 0), the cached prefix and the
+        block for a continued one. Positions past a query's own are masked, stale cache rows included."""
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, cos, sin)
-        # Queries in blocks, so that long prompts never hold a [T, T] score matrix per head.
+        slots.write_positions(k_cache, k, starts, lengths)
+        slots.write_positions(v_cache, v, starts, lengths)
+        keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
+        cached = torch.arange(key_length, device=x.device)
+        # Queries in blocks, so that long prompts never hold a [T, key_length] score matrix per head.
         outputs = []
         for start in range(0, T, QUERY_BLOCK):
             end = min(start + QUERY_BLOCK, T)
-            rows = torch.arange(start, end, device=x.device)[:, None]
-            causal = (torch.arange(end, device=x.device)[None, :] <= rows)[None, None]  # [1, 1, Tq, end]
-            outputs.append(self._attend(q[:, :, start:end], k[:, :, :end], v[:, :, :end], causal, gate[:, start:end]))
+            visible = (cached[None, None, :] <= position_ids[:, start:end, None])[:, None]  # [B, 1, Tq, key_length]
+            outputs.append(self._attend(q[:, :, start:end], keys, values, visible, gate[:, start:end]))
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-        # Padded positions store zeros, so that padding leaves no trace in the cache.
-        keep = valid[:, None, :, None].to(k.dtype)
-        k_cache = _write_prompt(k_cache, k * keep, slots)
-        v_cache = _write_prompt(v_cache, v * keep, slots)
         return out, k_cache, v_cache
 
-    def token_generation(self, x, cos, sin, position_ids, slots, k_cache, v_cache):
-        """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there, attend to positions <= it."""
+    def token_generation(self, x, cos, sin, position_ids, key_length, slots, k_cache, v_cache):
+        """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there (in place), attend over the first
+        `key_length` cached positions (a decode bucket covering every active position), those <= its own."""
         q, k, v, gate = self._project(x, cos, sin)
-        max_length = k_cache.shape[2]
-        positions = torch.arange(max_length, device=x.device)[None, :]  # [1, S]
-        here = (positions == position_ids)[:, None, :, None]  # [B, 1, S, 1]
-        k_slot = torch.where(here, k, slots.gather(k_cache))
-        v_slot = torch.where(here, v, slots.gather(v_cache))
-        visible = (positions <= position_ids)[:, None, None, :]  # [B, 1, 1, S]
-        out = self._attend(q, k_slot, v_slot, visible, gate)
-        return out, slots.scatter(k_cache, k_slot), slots.scatter(v_cache, v_slot)
-
-
-def _write_prompt(cache: torch.Tensor, new: torch.Tensor, slots) -> torch.Tensor:
-    """A new prompt replaces its slots whole: positions 0..T-1 from `new`, zeros after."""
-    _, heads, max_length, hd = cache.shape
-    B, _, T, _ = new.shape
-    if T < max_length:
-        new = torch.cat([new, new.new_zeros(B, heads, max_length - T, hd)], dim=2)
-    return slots.scatter(cache, new)
+        one = torch.ones_like(position_ids[:, 0])
+        slots.write_positions(k_cache, k, position_ids[:, 0], one)
+        slots.write_positions(v_cache, v, position_ids[:, 0], one)
+        keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
+        visible = (torch.arange(key_length, device=x.device)[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
+        out = self._attend(q, keys, values, visible, gate)
+        return out, k_cache, v_cache

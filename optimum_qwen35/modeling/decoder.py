@@ -1,15 +1,19 @@
 """The Qwen3.5 text decoder: embeddings, the layer stack by `layer_types`, the final norm and lm_head.
 
 It has two entry points, written the way Neuron traces them (static shapes, no data-dependent Python
-control flow, no tensor of rank above 4):
+control flow, no tensor of rank above 4). Both update the state tensors in place (only what they write:
+see `state.py`) and return them after the logits, the same tensor objects, in the order they came.
 
-- `context_encoding(input_ids, attention_mask, position_ids, seq_ids, *state)`: right-padded prompts
-  [B, T] (T is the bucket length) start fresh sequences in the slots `seq_ids` (-1: an inactive row
-  whose results are dropped); returns the logits of
-  each prompt's last real token [B, vocab] (or of every position [B, T, vocab] when built with
-  `all_logits=True`), then the updated state list.
-- `token_generation(input_ids, position_ids, seq_ids, *state)`: one token per sequence [B, 1] at
-  position position_ids [B, 1]; returns the next-token logits [B, vocab], then the updated state.
+- `context_encoding(input_ids, attention_mask, position_ids, seq_ids, *state)`: right-padded prompt blocks
+  [B, T] (T is the bucket length) for the slots `seq_ids` (-1: an inactive row that writes nothing). A row
+  whose first position is 0 starts a fresh sequence; a row starting at position p > 0 continues its slot,
+  whose first p positions are already encoded (chunked prefill: a long prompt runs through buckets no larger
+  than the largest one). Attention reads the first `key_length` cached positions (static; the block length
+  by default, which serves fresh prompts). Returns the logits of each block's last real token [B, vocab] (or
+  of every position [B, T, vocab] with `all_logits=True`), then the state.
+- `token_generation(input_ids, position_ids, seq_ids, *state)`: one token per sequence [B, 1] at position
+  position_ids [B, 1]; attention reads the first `key_length` cached positions (a decode bucket covering
+  every active position; the whole cache by default). Returns the next-token logits [B, vocab], then the state.
 """
 
 from __future__ import annotations
@@ -45,18 +49,22 @@ class DecoderLayer(nn.Module):
         h = residual + mixed
         return h + self.mlp(self._norm(self.post_attention_layernorm, h))
 
-    def context_encoding(self, h, cos, sin, valid, lengths, slots, state_a, state_b):
+    def context_encoding(self, h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b):
         x = self._norm(self.input_layernorm, h)
         if self.is_attention:
-            mixed, state_a, state_b = self.self_attn.context_encoding(x, cos, sin, valid, slots, state_a, state_b)
+            mixed, state_a, state_b = self.self_attn.context_encoding(
+                x, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b
+            )
         else:
-            mixed, state_a, state_b = self.linear_attn.context_encoding(x, lengths, slots, state_a, state_b)
+            mixed, state_a, state_b = self.linear_attn.context_encoding(x, starts, lengths, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
 
-    def token_generation(self, h, cos, sin, position_ids, slots, state_a, state_b):
+    def token_generation(self, h, cos, sin, position_ids, key_length, slots, state_a, state_b):
         x = self._norm(self.input_layernorm, h)
         if self.is_attention:
-            mixed, state_a, state_b = self.self_attn.token_generation(x, cos, sin, position_ids, slots, state_a, state_b)
+            mixed, state_a, state_b = self.self_attn.token_generation(
+                x, cos, sin, position_ids, key_length, slots, state_a, state_b
+            )
         else:
             mixed, state_a, state_b = self.linear_attn.token_generation(x, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
@@ -81,15 +89,20 @@ class Qwen35Decoder(nn.Module):
     def state_specs(self, slots: int, max_length: int) -> list[StateSpec]:
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
 
-    def context_encoding(self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False):
+    def context_encoding(
+        self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None
+    ):
         slots = Slots(seq_ids, state[0].shape[0])
-        valid = attention_mask.to(torch.bool)
         lengths = attention_mask.to(torch.int64).sum(-1)
+        starts = position_ids[:, 0].to(torch.int64)
+        key_length = key_length or input_ids.shape[1]
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
-            h, a, b = layer.context_encoding(h, cos, sin, valid, lengths, slots, state[2 * i], state[2 * i + 1])
+            h, a, b = layer.context_encoding(
+                h, cos, sin, position_ids, starts, lengths, key_length, slots, state[2 * i], state[2 * i + 1]
+            )
             new_state += [a, b]
         if not all_logits:
             # Only the last real token of each prompt feeds lm_head.
@@ -98,37 +111,47 @@ class Qwen35Decoder(nn.Module):
         logits = self.lm_head(self.norm(h))
         return (logits, *new_state)
 
-    def token_generation(self, input_ids, position_ids, seq_ids, *state):
+    def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None):
         slots = Slots(seq_ids, state[0].shape[0])
+        key_length = key_length or self._max_length(state)
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
-            h, a, b = layer.token_generation(h, cos, sin, position_ids, slots, state[2 * i], state[2 * i + 1])
+            h, a, b = layer.token_generation(h, cos, sin, position_ids, key_length, slots, state[2 * i], state[2 * i + 1])
             new_state += [a, b]
         logits = self.lm_head(self.norm(h))[:, 0]
         return (logits, *new_state)
 
 
-class ContextEncodingGraph(nn.Module):
-    """Flat-argument wrapper of `context_encoding`, the module that is traced."""
+    def _max_length(self, state) -> int:
+        """The cache length (max_length), from the first attention layer's K cache; 1 without attention layers."""
+        for i, layer in enumerate(self.layers):
+            if layer.is_attention:
+                return state[2 * i].shape[2]
+        return 1
 
-    def __init__(self, decoder: Qwen35Decoder, all_logits: bool = False):
+
+class ContextEncodingGraph(nn.Module):
+    """Flat-argument wrapper of `context_encoding`, the module that is traced (key_length: None = the block)."""
+
+    def __init__(self, decoder: Qwen35Decoder, all_logits: bool = False, key_length: int | None = None):
         super().__init__()
-        self.decoder, self.all_logits = decoder, all_logits
+        self.decoder, self.all_logits, self.key_length = decoder, all_logits, key_length
 
     def forward(self, input_ids, attention_mask, position_ids, seq_ids, *state):
         return self.decoder.context_encoding(
-            input_ids, attention_mask, position_ids, seq_ids, *state, all_logits=self.all_logits
+            input_ids, attention_mask, position_ids, seq_ids, *state, all_logits=self.all_logits,
+            key_length=self.key_length,
         )
 
 
 class TokenGenerationGraph(nn.Module):
-    """Flat-argument wrapper of `token_generation`, the module that is traced."""
+    """Flat-argument wrapper of `token_generation`, the module that is traced (key_length: None = whole cache)."""
 
-    def __init__(self, decoder: Qwen35Decoder):
+    def __init__(self, decoder: Qwen35Decoder, key_length: int | None = None):
         super().__init__()
-        self.decoder = decoder
+        self.decoder, self.key_length = decoder, key_length
 
     def forward(self, input_ids, position_ids, seq_ids, *state):
-        return self.decoder.token_generation(input_ids, position_ids, seq_ids, *state)
+        return self.decoder.token_generation(input_ids, position_ids, seq_ids, *state, key_length=self.key_length)

@@ -57,21 +57,25 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).contiguous()
         return q, k, v
 
-    def context_encoding(self, x, lengths, slots, conv_state, recurrent_state):
-        """x [B, T, hidden] right-padded, lengths [B]: fresh sequences (zero initial states)."""
-        mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, None, lengths)
+    def context_encoding(self, x, starts, lengths, slots, conv_state, recurrent_state):
+        """x [B, T, hidden] right-padded, lengths [B]. A row with starts[b] == 0 is a fresh sequence (zero initial
+        states); a row with starts[b] > 0 continues its slot from the slot's conv and recurrent states. The
+        slots' states are updated in place."""
+        fresh = (starts == 0)[:, None, None]
+        initial_conv = torch.where(fresh, torch.zeros((), dtype=conv_state.dtype), slots.gather(conv_state))
+        mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths)
         q, k, v = self._raw_heads(mixed.transpose(1, 2))
-        # Fresh sequences: their slots start from zero; the seam updates the (copied) state in place.
-        recurrent_state = slots.scatter(recurrent_state, torch.zeros_like(recurrent_state[: x.shape[0]]))
+        # Fresh sequences start from a zero recurrent state: reset their slots, which the seam then reads and updates.
+        slots.write(recurrent_state, torch.where(fresh[..., None], 0.0, slots.gather(recurrent_state)))
         o = kernels.deltanet_prefill(
             q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
             recurrent_state, slots.seq_ids, lengths,
         )
-        return self._output(o, x), slots.scatter(conv_state, new_conv), recurrent_state
+        slots.write(conv_state, new_conv)
+        return self._output(o, x), conv_state, recurrent_state
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
-        """x [B, 1, hidden]: one step from each slot's states (copied, then updated in place by the seam)."""
-        conv_state, recurrent_state = conv_state.clone(), recurrent_state.clone()
+        """x [B, 1, hidden]: one step from each slot's states, which the seam updates in place."""
         o = kernels.deltanet_decode(
             self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
             self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,

@@ -4,12 +4,19 @@
     DeltaNet layer       -> conv state      [slots, conv_channels_per_rank, kernel - 1]       model dtype
                             recurrent state [slots, value_heads_per_rank, dk, dv]              fp32
 
-Only the full-attention layers have a KV cache. Graphs take the whole list in and give it back updated
-(only the slots named by `seq_ids` change): the CPU runtime keeps it in a Python list, the Neuron
-backend aliases each tensor to a graph output so that it updates in place.
+Only the full-attention layers have a KV cache. Graphs update the state **in place** and return the same
+tensors (output i + 1 is input state i, which is how the Neuron backend aliases them): token generation writes
+one K/V row per active slot at its position and one conv/recurrent state per active slot; context encoding
+writes its prompt's positions and its slots' states. Nothing else is written: a decode step costs what it
+reads, not a copy of every cache.
 
 `seq_ids[b]` names the slot of batch row b; -1 marks an inactive row (a static-batch graph run with fewer
-sequences than rows): it reads slot 0, and what it computes is dropped.
+sequences than rows): it reads slot 0, and writes nothing.
+
+Every write is one `index_copy_` / `index_put_` with as many indices as batch rows. So that a static graph
+needs no branch on which rows are active, an inactive row repeats the write of the first active row (same
+place, same value: duplicates agree, so the write is well defined), and when no row is active every row
+writes back what it read.
 """
 
 from __future__ import annotations
@@ -23,25 +30,51 @@ from .parallel import ShardedDims
 
 
 class Slots:
-    """Which batch row reads and which writes each slot, computed once per graph call (static shapes)."""
+    """Which slot each batch row reads and writes, computed once per graph call (static shapes)."""
 
     def __init__(self, seq_ids: torch.Tensor, num_slots: int):
         seq_ids = seq_ids.to(torch.int64)
+        self.num_slots = num_slots
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
-        match = seq_ids[None, :] == torch.arange(num_slots, device=seq_ids.device)[:, None]  # [slots, B]
-        self.row = match.to(torch.int64).argmax(1)  # [slots]: the row that writes each slot (0 if none)
-        self.written = match.any(1)  # [slots]
+        active = seq_ids >= 0
+        self.any_active = active.any()
+        rows = torch.arange(seq_ids.shape[0], device=seq_ids.device)
+        # The row whose write each row makes: itself when active, else the first active row (row 0 if none).
+        self.writer = torch.where(active, rows, active.to(torch.int64).argmax())
+        self.slot = self.read.index_select(0, self.writer)  # [B]: the slot each row writes
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
         """[slots, ...] -> [B, ...]: each row's slot."""
         return state.index_select(0, self.read)
 
-    def scatter(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """state with each slot named by an active row replaced by that row; every other slot unchanged."""
-        new = rows.to(state.dtype).index_select(0, self.row)
-        keep_old = ~self.written.view(-1, *([1] * (state.dim() - 1)))
-        return torch.where(keep_old, state, new)
+    def write(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """In place: the slot of each active row b becomes rows[b]; every other slot is left as it is."""
+        new = rows.to(state.dtype).index_select(0, self.writer)
+        new = torch.where(self.any_active, new, state.index_select(0, self.slot))
+        return state.index_copy_(0, self.slot, new)
+
+    def write_positions(self, cache: torch.Tensor, new: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
+        """In place: cache [slots, H, S, D] gets new [B, H, T, D] (T <= S) at positions starts[b] + t of each active
+        row's slot, for t < lengths[b] (starts[b] + lengths[b] <= S); no other position is written.
+
+        Each row writes the window of T positions [w, w + T) holding its block, w = min(start, S - T), keeping
+        the old value at the window's positions outside the block: T rows per slot, always in range."""
+        B, H, T, D = new.shape
+        S = cache.shape[2]
+        starts, lengths = starts.to(torch.int64), lengths.to(torch.int64)
+        window = starts.clamp(max=S - T)[:, None] + torch.arange(T, device=cache.device)  # [B, T] cache positions
+        source = window - starts[:, None]  # the block token feeding each window position
+        valid = (source >= 0) & (source < lengths[:, None])
+        moved = new.gather(2, source.clamp(0, T - 1)[:, None, :, None].expand(B, H, T, D))
+        valid = valid.index_select(0, self.writer) & self.any_active
+        index = (
+            self.slot[:, None, None],
+            torch.arange(H, device=cache.device)[None, :, None],
+            window.index_select(0, self.writer)[:, None, :],
+        )  # broadcast to [B, H, T]
+        values = torch.where(valid[:, None, :, None], moved.index_select(0, self.writer).to(cache.dtype), cache[index])
+        return cache.index_put_(index, values)
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,14 @@ An export for the cpu target holds, beside its configs and tokenizer:
 
     compiled/graphs.json                 what was compiled (sizes, buckets, dtype, weight and state order)
     compiled/context_encoding_<T>.pt2    one program per context-encoding bucket T
-    compiled/token_generation.pt2        the token-generation program
+    compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.shard.save_sharded`)
 
 Each program is exported once, on the meta device, and serves every rank (SPMD, as one Neuron graph
 serves every core): the weights and the state are program inputs, not constants, so a program holds no
 weights (one copy of them, in `checkpoint/`, shared by every graph) and the rank is a weight tensor
-(`embed_tokens.rank`). Collectives are `_c10d_functional` ops named by process group, which
+(`embed_tokens.rank`). The programs update the state inputs in place (`torch.export` keeps the
+`index_put_` / `index_copy_` on the inputs), so a decode step writes one K/V row per slot, not whole caches. Collectives are `_c10d_functional` ops named by process group, which
 `torch.export` records as graph ops.
 
 Why `torch.export` rather than TorchScript: TorchScript tracing cannot record a torch.distributed
@@ -46,7 +47,7 @@ COMPILED_DIR = "compiled"
 CHECKPOINT_DIR = "checkpoint"
 GRAPHS_FILE = "graphs.json"
 GRAPHS_FORMAT = "optimum-qwen35-cpu-graphs"
-GRAPHS_VERSION = 1
+GRAPHS_VERSION = 2  # 2: state updated in place, token-generation buckets
 # The process group the programs' collectives name: the default (world) group of the worker processes.
 GROUP_NAME = "0"
 
@@ -55,7 +56,8 @@ def context_graph_name(length: int) -> str:
     return f"context_encoding_{length}"
 
 
-TOKEN_GRAPH = "token_generation"
+def token_graph_name(key_length: int) -> str:
+    return f"token_generation_{key_length}"
 
 
 def weight_names(decoder: nn.Module) -> list[str]:
@@ -85,7 +87,8 @@ def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
 
 def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec]) -> tuple[torch.Tensor, ...]:
     """The graphs' inputs after the weights: token ids, (mask,) positions, seq_ids, then the state."""
-    state = [torch.zeros((), dtype=s.dtype).expand(s.shape) for s in specs]
+    # Real, contiguous state (the programs write it in place), but never touched: `torch.empty` costs no memory.
+    state = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
     seq_ids = torch.arange(batch_size, dtype=torch.int32)
     if kind == "context":
         ids = torch.zeros(batch_size, length, dtype=torch.int32)
@@ -104,8 +107,10 @@ def compile_graphs(
     dtype: torch.dtype,
     out_dir: str | os.PathLike,
     progress: bool = True,
+    token_buckets: list[int] | None = None,
 ) -> dict:
-    """Export the context-encoding programs (one per bucket) and the token-generation program to `out_dir`.
+    """Export the context-encoding programs (one per bucket) and the token-generation programs (one per cache
+    bucket; by default the context buckets) to `out_dir`.
 
     Returns the content of `graphs.json`, written last.
     """
@@ -119,12 +124,17 @@ def compile_graphs(
     tensors = {**dict(decoder.named_parameters()), **dict(decoder.named_buffers())}
     weights = [_shape_only(tensors[n]) for n in names]
     specs = decoder.state_specs(batch_size, max_length)
-    plan = [(context_graph_name(T), "context", T) for T in buckets] + [(TOKEN_GRAPH, "token", 1)]
+    token_buckets = sorted(set(token_buckets or buckets) | {max_length})
+    plan = [(context_graph_name(T), "context", T) for T in buckets]
+    plan += [(token_graph_name(L), "token", L) for L in token_buckets]
     graphs = {}
     for name, kind, length in tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress):
-        graph = ContextEncodingGraph(decoder) if kind == "context" else TokenGenerationGraph(decoder)
+        if kind == "context":
+            graph, inputs = ContextEncodingGraph(decoder), example_inputs(kind, batch_size, length, specs)
+        else:
+            graph, inputs = TokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
         with torch.no_grad():
-            program = torch.export.export(WeightsAsInputs(graph, names), (weights, *example_inputs(kind, batch_size, length, specs)))
+            program = torch.export.export(WeightsAsInputs(graph, names), (weights, *inputs))
         file = out / f"{name}.pt2"
         tmp = file.with_name(f".{name}.tmp-{os.getpid()}.pt2")  # torch.export wants the .pt2 suffix
         torch.export.save(program, tmp)
@@ -138,6 +148,7 @@ def compile_graphs(
         "batch_size": batch_size,
         "max_length": max_length,
         "buckets": list(buckets),
+        "token_buckets": token_buckets,
         "dtype": str(dtype).removeprefix("torch."),
         "group_name": GROUP_NAME,
         "weights": names,
@@ -205,10 +216,8 @@ class CompiledGraphs:
 
     @torch.no_grad()
     def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run graph `name` on `inputs` (token ids, ..., seq_ids) with this rank's state; returns the logits."""
-        out = self.program(name)(self.weights, *inputs, *self.state)
-        self.state = list(out[1:])
-        return out[0]
+        """Run graph `name` on `inputs` (token ids, ..., seq_ids), updating this rank's state; returns the logits."""
+        return self.program(name)(self.weights, *inputs, *self.state)[0]
 
     def close(self) -> None:
         self._programs.clear()
@@ -350,13 +359,19 @@ class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
         manifest = read_graphs_manifest(folder)
         config = Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
         self._set_shapes(config, manifest["batch_size"], manifest["max_length"], manifest["buckets"])
+        self.key_buckets = manifest["token_buckets"]
         self.tp_degree = manifest["tp_degree"]
         if self.tp_degree == 1:
             self.graphs = CompiledGraphs(folder, 0, manifest)
         else:
             self.graphs = TensorParallelGraphs(folder, self.tp_degree)
 
-    def _run_context(self, length: int, all_logits: bool, *inputs: torch.Tensor) -> torch.Tensor:
+    def _run_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        if key_length is not None:
+            raise IncompatibleExportError(
+                "compiled context-encoding graphs start fresh sequences only (their buckets reach max_length); "
+                "continuing a sequence's prompt needs the eager runtime (optimum_qwen35.runtime.cpu.Qwen35ForCausalLM)"
+            )
         if all_logits:
             raise IncompatibleExportError(
                 "compiled context-encoding graphs return the last token's logits only; per-position logits "
@@ -364,8 +379,8 @@ class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
             )
         return self.graphs.run(context_graph_name(length), *inputs)
 
-    def _run_token(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.graphs.run(TOKEN_GRAPH, *inputs)
+    def _run_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graphs.run(token_graph_name(key_length), *inputs)
 
     def close(self) -> None:
         self.graphs.close()

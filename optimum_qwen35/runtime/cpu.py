@@ -2,7 +2,11 @@
 
 Static shapes throughout: a fixed number of sequence slots (the batch size), prompts right-padded to a
 context-encoding bucket, one token per slot per generation step. The state list lives here, between
-graph calls; the graphs take it in and give it back.
+graph calls; the graphs update it in place.
+
+Prompts longer than the largest context bucket run in chunks of at most that bucket, each continuing its slot
+(chunked prefill); decode steps attend over the smallest cache bucket (`key_buckets`) that covers every
+active position, not over the whole `max_length`.
 
     model = Qwen35ForCausalLM.from_pretrained("path/to/Qwen3.5-checkpoint", batch_size=2, max_length=1024)
     logits = model.logits([[1, 2, 3], [4, 5]])               # per-position logits, one [len, vocab] each
@@ -114,6 +118,7 @@ class Qwen35ForCausalLM:
                 "Qwen35ForCausalLM.from_pretrained(path, ...)"
             )
         self._set_shapes(decoder.config, batch_size, max_length, buckets)
+        self.key_buckets = default_buckets(self.max_length)
         self.decoder, self.trace = decoder, trace
         self.state_specs = decoder.state_specs(batch_size, max_length)
         self.state = allocate_state(self.state_specs)
@@ -149,11 +154,13 @@ class Qwen35ForCausalLM:
         return cls(load_decoder(path, dtype), batch_size, max_length, buckets, trace)
 
     # ------------------------------------------------------------------ graphs
-    def _graph(self, kind: str, length: int, all_logits: bool = False):
-        key = (kind, length, all_logits)
+    def _graph(self, kind: str, length: int, all_logits: bool = False, key_length: int | None = None):
+        key = (kind, length, all_logits, key_length)
         if key not in self._graphs:
             module = (
-                ContextEncodingGraph(self.decoder, all_logits) if kind == "context" else TokenGenerationGraph(self.decoder)
+                ContextEncodingGraph(self.decoder, all_logits, key_length)
+                if kind == "context"
+                else TokenGenerationGraph(self.decoder, key_length)
             )
             if self.trace:
                 example = self._example_inputs(kind, length)
@@ -163,22 +170,31 @@ class Qwen35ForCausalLM:
         return self._graphs[key]
 
     def _example_inputs(self, kind: str, length: int):
+        """Inputs to trace a graph with; the state is a scratch copy, since tracing runs the graph (in place)."""
         B = self.batch_size
+        state = [torch.zeros_like(t) for t in self.state]
         ids = torch.zeros(B, length, dtype=torch.int32)
         seq_ids = torch.arange(B, dtype=torch.int32)
         if kind == "context":
             mask = torch.ones(B, length, dtype=torch.int32)
             positions = torch.arange(length, dtype=torch.int32).expand(B, length)
-            return (ids, mask, positions, seq_ids, *self.state)
-        return (ids[:, :1], torch.zeros(B, 1, dtype=torch.int32), seq_ids, *self.state)
+            return (ids, mask, positions, seq_ids, *state)
+        return (ids[:, :1], torch.zeros(B, 1, dtype=torch.int32), seq_ids, *state)
 
     def bucket_for(self, length: int) -> int:
-        if length > self.buckets[-1]:
+        """The context bucket a block of `length` tokens runs in (longer blocks are split by `prefill`)."""
+        return self.buckets[bisect.bisect_left(self.buckets, min(length, self.buckets[-1]))]
+
+    def key_bucket_for(self, length: int) -> int:
+        """The smallest cache bucket holding positions 0 .. length - 1."""
+        return self.key_buckets[bisect.bisect_left(self.key_buckets, length)]
+
+    def _check_length(self, length: int) -> None:
+        if length > self.max_length:
             raise UsageError(
-                f"prompt of {length} tokens is longer than the longest compiled context length "
-                f"({self.buckets[-1]}); shorten the prompt or build the model with a larger max_length"
+                f"prompt of {length} tokens is longer than the model's max_length ({self.max_length}); "
+                "shorten the prompt or build the model with a larger max_length"
             )
-        return self.buckets[bisect.bisect_left(self.buckets, length)]
 
     # ------------------------------------------------------------------ the two steps
     def _check_slots(self, slots: Sequence[int]) -> list[int]:
@@ -202,20 +218,59 @@ class Qwen35ForCausalLM:
         return seq_ids
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Sequence[int]], slots: Sequence[int], all_logits: bool = False):
-        """Start `prompts` in `slots` (one prompt per slot). Returns logits [n, vocab] (or [n, T, vocab])."""
+    def prefill(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        all_logits: bool = False,
+        starts: Sequence[int] | None = None,
+    ):
+        """Encode `prompts` in `slots` (one prompt per slot). Returns the logits of each prompt's last token
+        [n, vocab] (or of every token, [n, len, vocab] padded to the longest prompt, with `all_logits`).
+
+        A prompt starts a fresh sequence, or with `starts[i] > 0` continues slot i's sequence, whose first
+        starts[i] tokens are already encoded. Prompts longer than the largest context bucket run in chunks."""
         prompts = validation.token_ids(prompts, self.config.vocab_size)
         slots = self._check_slots(slots)
         if len(prompts) != len(slots):
             raise UsageError(f"prefill needs one slot per prompt: got {len(prompts)} prompts and {len(slots)} slots")
-        T = self.bucket_for(max(len(p) for p in prompts))
-        ids = torch.zeros(self.batch_size, T, dtype=torch.int32)
-        mask = torch.zeros(self.batch_size, T, dtype=torch.int32)
-        for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int32)
-            mask[row, : len(p)] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0).to(torch.int32) * mask
-        return self._run_context(T, all_logits, ids, mask, positions, self._seq_ids(slots))[: len(prompts)]
+        if starts is None:
+            starts = [0] * len(prompts)
+        starts = validation.int_list(starts, "starts", self.max_length, f"past max_length {self.max_length}")
+        if len(starts) != len(prompts):
+            raise UsageError(f"prefill needs one start per prompt: got {len(prompts)} prompts and {len(starts)} starts")
+        for p, s in zip(prompts, starts):
+            self._check_length(s + len(p))
+        B, n, largest = self.batch_size, len(prompts), self.buckets[-1]
+        done = [0] * n  # tokens of each prompt encoded so far
+        results: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            rows = [i for i in range(n) if done[i] < len(prompts[i])]
+            chunks = {i: prompts[i][done[i] : done[i] + largest] for i in rows}
+            T = self.bucket_for(max(len(c) for c in chunks.values()))
+            ids = torch.zeros(B, T, dtype=torch.int32)
+            mask = torch.zeros(B, T, dtype=torch.int32)
+            positions = torch.zeros(B, T, dtype=torch.int32)
+            seq_ids = torch.full((B,), -1, dtype=torch.int32)
+            for i, chunk in chunks.items():
+                first = starts[i] + done[i]
+                ids[i, : len(chunk)] = torch.as_tensor(list(chunk), dtype=torch.int32)
+                mask[i, : len(chunk)] = 1
+                positions[i, : len(chunk)] = torch.arange(first, first + len(chunk), dtype=torch.int32)
+                seq_ids[i] = slots[i]
+            # A block continuing a sequence reads the cached prefix: the graph's key length covers every row's end.
+            end = max(starts[i] + done[i] + len(c) for i, c in chunks.items())
+            continuing = any(starts[i] + done[i] > 0 for i in rows)
+            key_length = max(T, self.key_bucket_for(end)) if continuing else None
+            out = self._run_context(T, all_logits, key_length, ids, mask, positions, seq_ids)
+            for i, chunk in chunks.items():
+                results[i].append(out[i, : len(chunk)] if all_logits else out[i])
+                done[i] += len(chunk)
+        if not all_logits:
+            return torch.stack([r[-1] for r in results])
+        per_prompt = [torch.cat(r) for r in results]
+        width = max(len(p) for p in prompts)
+        return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])) for x in per_prompt])
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
@@ -232,25 +287,22 @@ class Qwen35ForCausalLM:
         pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
         pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
-        return self._run_token(ids, pos, self._seq_ids(slots))[: len(tokens)]
+        key_length = self.key_bucket_for(max(positions) + 1)
+        return self._run_token(key_length, ids, pos, self._seq_ids(slots))[: len(tokens)]
 
-    # The graph calls: the state list goes in and comes back (a compiled runtime keeps it elsewhere).
-    def _run_context(self, length: int, all_logits: bool, *inputs: torch.Tensor) -> torch.Tensor:
-        out = self._graph("context", length, all_logits)(*inputs, *self.state)
-        self.state = list(out[1:])
-        return out[0]
+    # The graph calls: the graphs update the state list in place (a compiled runtime keeps it elsewhere).
+    def _run_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        return self._graph("context", length, all_logits, key_length)(*inputs, *self.state)[0]
 
-    def _run_token(self, *inputs: torch.Tensor) -> torch.Tensor:
-        out = self._graph("token", 1)(*inputs, *self.state)
-        self.state = list(out[1:])
-        return out[0]
+    def _run_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._graph("token", 1, False, key_length)(*inputs, *self.state)[0]
 
     # ------------------------------------------------------------------ user-level calls
     def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         for p in prompts:
-            self.bucket_for(len(p))  # every prompt is checked before the first graph runs
+            self._check_length(len(p))  # every prompt is checked before the first graph runs
         results = []
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
@@ -278,7 +330,7 @@ class Qwen35ForCausalLM:
                 raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
         pick = sampler or (lambda logits: logits.argmax(-1))
         for p in prompts:
-            self.bucket_for(len(p))  # a prompt longer than every bucket gets that error first
+            self._check_length(len(p))  # a prompt longer than max_length gets that error first
             if len(p) + max_new_tokens > self.max_length:
                 raise UsageError(
                     f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "

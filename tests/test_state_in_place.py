@@ -1,0 +1,139 @@
+"""State updated in place, chunked prefill and decode buckets (issue 8, items 1-3).
+
+Each test compares against a run that does not use the feature under test (one-shot prefill, the whole cache),
+so a bug in the feature cannot hide behind itself.
+"""
+
+import pytest
+import torch
+
+from optimum_qwen35.modeling.decoder import TokenGenerationGraph
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+
+from .conftest import FIXTURES
+
+ATOL = 1e-4  # fp32: chunked against one-shot prefill
+
+
+def random_prompt(length, seed):
+    return torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return load_decoder(FIXTURES / "tiny-nv3x")
+
+
+def one_shot(decoder, prompt, max_length=512):
+    model = Qwen35ForCausalLM(decoder, batch_size=1, max_length=max_length, buckets=[max_length])
+    return model.prefill([prompt], [0], all_logits=True)[0], model
+
+
+@pytest.mark.parametrize("split", [1, 37, 64, 100, 128, 129])  # inside a 64-token chunk, on chunk and bucket edges
+def test_prefill_continued_from_any_point_equals_one_shot(decoder, split):
+    prompt = random_prompt(200, 0)
+    whole, reference = one_shot(decoder, prompt)
+    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[64, 128, 256])
+    first = model.prefill([prompt[:split]], [1], all_logits=True)[0]
+    second = model.prefill([prompt[split:]], [1], all_logits=True, starts=[split])[0]
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=0, atol=ATOL)
+    # And the sequence goes on the same: greedy decode from the continued slot.
+    tokens = [int(second[-1].argmax())]
+    expected = [int(whole[-1].argmax())]
+    for step in range(6):
+        tokens.append(int(model.decode([tokens[-1]], [len(prompt) + step], [1])[0].argmax()))
+        expected.append(int(reference.decode([expected[-1]], [len(prompt) + step], [0])[0].argmax()))
+    assert tokens == expected
+
+
+def test_prompt_of_four_largest_buckets_runs_in_chunks(decoder):
+    prompt = random_prompt(4 * 64, 1)
+    whole, _ = one_shot(decoder, prompt)
+    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[32, 64])
+    chunked = model.logits([prompt])[0]
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=ATOL)
+    assert {key[1] for key in model._graphs if key[0] == "context"} == {64}, "no block larger than the largest bucket"
+    fresh = Qwen35ForCausalLM(decoder, batch_size=1, max_length=512, buckets=[256])
+    assert model.generate([prompt], max_new_tokens=8) == fresh.generate([prompt], max_new_tokens=8)
+
+
+def test_a_batch_mixing_fresh_and_continued_prompts(decoder):
+    a, b = random_prompt(90, 2), random_prompt(50, 3)
+    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[64, 128])
+    model.prefill([a[:30]], [0])
+    out = model.prefill([a[30:], b], [0, 1], all_logits=True, starts=[30, 0])
+    torch.testing.assert_close(out[0, :60], one_shot(decoder, a)[0][30:], rtol=0, atol=ATOL)
+    torch.testing.assert_close(out[1, :50], one_shot(decoder, b)[0], rtol=0, atol=ATOL)
+
+
+def test_decode_attends_only_to_its_cache_bucket(decoder):
+    """A decode step through the smallest covering cache bucket equals one through the whole cache."""
+    prompt = random_prompt(40, 4)
+    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512)
+    model.prefill([prompt, prompt[:20]], [0, 1])
+    state = [t.clone() for t in model.state]
+    got = model.decode([7, 9], [40, 20], [0, 1])
+    assert ("token", 1, False, 64) in model._graphs, f"the 64-position bucket covers position 40: {list(model._graphs)}"
+    ids, positions = torch.tensor([[7], [9]], dtype=torch.int32), torch.tensor([[40], [20]], dtype=torch.int32)
+    with torch.no_grad():
+        whole = TokenGenerationGraph(decoder)(ids, positions, torch.tensor([0, 1], dtype=torch.int32), *state)[0]
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-5)
+    for a, b in zip(model.state, state):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)  # both wrote the same state
+
+
+def test_decode_writes_one_cache_row_per_active_slot(decoder):
+    """Run a decode step with one inactive row: each active slot's cache changes at its position only."""
+    model = Qwen35ForCausalLM(decoder, batch_size=3, max_length=128)
+    model.prefill([random_prompt(30, 5), random_prompt(12, 6), random_prompt(20, 7)], [0, 1, 2])
+    before = [t.clone() for t in model.state]
+    model.decode([5, 6], [30, 12], [2, 0])  # slot 1 idle: its row of the static batch is inactive
+    changed_somewhere = False
+    for spec, old, new in zip(model.state_specs, before, model.state):
+        if "cache" not in spec.name:
+            assert torch.equal(old[1], new[1]), f"{spec.name}: the idle slot changed"
+            continue
+        diff = (old != new).any(-1)  # [slots, heads, positions]
+        allowed = torch.zeros_like(diff)
+        allowed[0, :, 12] = allowed[2, :, 30] = True
+        assert not (diff & ~allowed).any(), f"{spec.name}: a decode step wrote outside its slots' positions"
+        changed_somewhere |= bool(diff.any())
+    assert changed_somewhere
+
+
+VIEWS = {"aten.slice.Tensor", "aten.transpose.int", "aten.view.default", "aten.expand.default", "aten.alias.default",
+         "aten.permute.default", "aten.unsqueeze.default", "aten.select.int", "aten.t.default"}
+
+
+def cache_sized_ops(program, cache_numel):
+    """(op, numel) of every node of an exported program yielding a tensor at least as large as a whole cache
+    (views, which copy nothing, aside)."""
+    found = []
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or str(node.target) in VIEWS:
+            continue
+        if isinstance(val, torch.Tensor) and val.numel() >= cache_numel:
+            found.append((str(node.target), val.numel()))
+    return found
+
+
+def test_token_graph_writes_caches_in_place_and_copies_none(decoder):
+    """Inspect the exported token-generation graph: the only cache-sized op is the in-place update of the aliased
+    cache input (one per K and V cache), the new rows themselves are [B, heads, 1, head_dim]."""
+    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=2048)  # caches far larger than any weight
+    example = model._example_inputs("token", 1)
+    cache_numel = min(s.shape[0] * s.shape[1] * s.shape[2] * s.shape[3] for s in model.state_specs if "cache" in s.name)
+    with torch.no_grad():
+        program = torch.export.export(TokenGenerationGraph(decoder, key_length=128), example, strict=False)
+    ops = cache_sized_ops(program, cache_numel)
+    n_caches = sum("cache" in s.name for s in model.state_specs)
+    assert [op for op, _ in ops] == ["aten.index_put_.default"] * n_caches, ops
+    # Every state output is its input, updated in place (what the Neuron backend aliases).
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"][-len(model.state_specs):]
+    outputs = list(program.graph.output_node().args[0])[1:]
+    for spec, placeholder, output in zip(model.state_specs, placeholders, outputs):
+        node = output
+        while node.op == "call_function" and node.target.overloadpacket.__name__.endswith("_"):  # in-place op: its first arg is the target
+            node = node.args[0]
+        assert node is placeholder, f"{spec.name} is not updated in place"
