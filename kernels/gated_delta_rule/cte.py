@@ -100,7 +100,8 @@ def _l2norm_rows(x, rows, n, eps_col, scale, f32):
 
 
 def _load_chunk(q, k, v, a, b, bi, hs, group, c):
-    """DMA chunk c of row bi for the heads `hs` (zeros past T): q, k, v [C, d] fp32 tiles per head, raw a, b [C, nv]."""
+    """DMA chunk c of row bi for the heads `hs` (zeros past T): q, k, v [C, d] tiles per head in the activation dtype
+    (one contiguous run each), raw a, b [C, nv]."""
     T, dk = q.shape[2], q.shape[3]
     nv, dv = v.shape[1], v.shape[3]
     C = CHUNK
@@ -116,7 +117,7 @@ def _load_chunk(q, k, v, a, b, bi, hs, group, c):
     for h in hs:
         kh = h // group
         for name, src, hh, d in (("Q", q, kh, dk), ("K", k, kh, dk), ("V", v, h, dv)):
-            t = nl.ndarray((C, d), dtype=nl.float32, buffer=nl.sbuf)
+            t = nl.ndarray((C, d), dtype=src.dtype, buffer=nl.sbuf)
             if n < C:
                 nisa.memset(t, 0.0, engine=nisa.engine.gpsimd)
             nisa.dma_copy(dst=t[0:n, :], src=src[bi, hh, t0:t0 + n, :])
@@ -126,21 +127,34 @@ def _load_chunk(q, k, v, a, b, bi, hs, group, c):
 
 @nki.jit
 def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks,
-                         tf32_matmul=False):
+                         tf32_matmul=False, bf16_matmul=False):
     B, nk, T, dk = q.shape
     nv, dv = v.shape[1], v.shape[3]
     group = nv // nk
     C = CHUNK
     f32 = nl.float32
-    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost), or tf32 with `tf32_matmul` and bf16 inputs (bf16's
-    # TensorE rate, 10 mantissa bits: ~1e-3 relative error, inside the bf16 tolerance but enough to flip near-tied
-    # greedy tokens of the reference). The cumulative gates (exponentiated) and the carried state stay fp32.
-    mm = nl.tfloat32 if (tf32_matmul and q.dtype != nl.float32) else f32
+    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost); tf32 (`tf32_matmul`, bf16 inputs only: bf16's TensorE
+    # rate, 10 mantissa bits, ~1e-3 relative error); or bf16 (`bf16_matmul`, bf16 inputs only: bf16's rate and
+    # VectorE's bf16 lane width, ~1e-2 relative error, inside the bf16 tolerance). Gates, their cumulative sums (which
+    # are exponentiated), the decay factors and the carried state stay fp32 in every mode.
+    if q.dtype != f32 and bf16_matmul:
+        mm = nl.bfloat16
+    elif q.dtype != f32 and tf32_matmul:
+        mm = nl.tfloat32
+    else:
+        mm = f32
     levels = solve_masks.shape[0]
     assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
     n_chunks = (T + C - 1) // C
+    # LNC: the heads are split over the launch's programs (kernel[2] on trn2: two physical NeuronCores).
+    n_prog = nl.num_programs(0)
+    per_prog = (nv + n_prog - 1) // n_prog
+    h_begin = nl.program_id(0) * per_prog
+    h_end = min(nv, h_begin + per_prog)
 
     o_out = nl.ndarray((B, nv, T, dv), dtype=f32, buffer=nl.shared_hbm)
+    if h_begin >= h_end:
+        return o_out
 
     # ---------------------------------------------------------------- constants
     ones = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
@@ -149,10 +163,18 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     nisa.affine_select(dst=upper, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=ones, on_false_value=0.0,
                        cmp_op=nl.greater_equal)
     ident = nl.shared_identity_matrix(n=C, dtype=f32)
+    ident_mm = ident
+    if mm != f32:
+        ident_mm = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ident_mm, src=ident)
     eps_col = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(eps_col, L2_EPS)
     masks = nl.ndarray((C, levels, C), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=masks, src=solve_masks.ap(pattern=[[C, C], [C * C, levels], [1, C]], offset=0))
+    masks_mm = masks
+    if mm != f32:
+        masks_mm = nl.ndarray((C, levels, C), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=masks_mm, src=masks)
     token = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # token index inside a chunk, one per partition
     nisa.iota(dst=token, pattern=[[0, 1]], offset=0, channel_multiplier=1)
     alog_bc = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)
@@ -168,10 +190,10 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
 
     for bi in range(B):
         slot = seq[0:1, bi:bi + 1]
-        for h0 in range(0, nv, HEADS_INTERLEAVED):
-            # A few heads advance in lockstep, statement by statement, so that each engine's instruction stream
+        for h0 in range(h_begin, h_end, HEADS_INTERLEAVED):
+            # The heads advance in lockstep, statement by statement, so that each engine's instruction stream
             # alternates between independent heads and one head's dependency chain does not idle the others.
-            hs = list(range(h0, min(nv, h0 + HEADS_INTERLEAVED)))
+            hs = list(range(h0, min(h_end, h0 + HEADS_INTERLEAVED)))
             G = len(hs)
             views, S = [], []
             for h in hs:
@@ -190,95 +212,113 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 n = min(C, T - t0)
                 tiles, ab = pending
                 Q, K, V = tiles["Q"], tiles["K"], tiles["V"]
+
+                # ---------------------------------------------------- gates of all the heads at once: [C, G]
                 valid = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # t0 + p < lengths[b]
                 nisa.tensor_scalar(dst=valid, data=token, op0=nl.add, operand0=float(t0), op1=nl.less,
                                    operand1=len_bc[:, bi:bi + 1])
-                a_col = [ab["a"][:, h:h + 1] for h in hs]
-                b_col = [ab["b"][:, h:h + 1] for h in hs]
-                for j in range(G):
-                    _l2norm_rows(Q[j], C, dk, eps_col, float(dk) ** -0.5, f32)
-                    _l2norm_rows(K[j], C, dk, eps_col, 1.0, f32)
-
-                # ---------------------------------------------------- gates, padding mask
-                g, beta = [], []
-                for j, h in enumerate(hs):
-                    g.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=g[j], data1=a_col[j], data2=dtb_bc[:, h:h + 1], op=nl.add)
-                    nisa.activation(dst=g[j], op=nl.softplus, data=g[j])
-                    nisa.scalar_tensor_tensor(dst=g[j], data=g[j], op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                              operand1=rate[:, h:h + 1])
-                    nisa.tensor_tensor(dst=g[j], data1=g[j], data2=valid, op=nl.multiply)
-                    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
-                    beta_act = nl.ndarray((C, 1), dtype=b.dtype, buffer=nl.sbuf)
-                    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_col[j])  # b_col: the raw b (act dtype)
-                    beta.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=beta[j], data1=beta_act, data2=valid, op=nl.multiply)
-
-                # gc (column), gc_C (every partition), gc_j along the free axis; decay[i, j] = exp(gc_i - gc_j) for
-                # j <= i, 0 above the diagonal
-                # All heads' g side by side: one matmul gives every head's gc, one every head's gc_C (fp32: these
-                # are exponentiated). gc_j along the free axis: ones^T diag(gc) (the ones stationary stays loaded).
                 g_all = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)
-                for j in range(G):
-                    nisa.tensor_copy(dst=g_all[:, j:j + 1], src=g[j], engine=nisa.engine.gpsimd)
+                nisa.tensor_tensor(dst=g_all, data1=ab["a"][:, hs[0]:hs[0] + G], data2=dtb_bc[:, hs[0]:hs[0] + G],
+                                   op=nl.add)
+                nisa.activation(dst=g_all, op=nl.softplus, data=g_all)
+                nisa.tensor_tensor(dst=g_all, data1=g_all, data2=rate[:, hs[0]:hs[0] + G], op=nl.multiply)
+                # g = -(exp(A_log) softplus(a + dt_bias)) * valid
+                nisa.tensor_scalar(dst=g_all, data=g_all, op0=nl.multiply, operand0=valid, op1=nl.multiply,
+                                   operand1=-1.0)
+                # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it
+                beta_act = nl.ndarray((C, G), dtype=b.dtype, buffer=nl.sbuf)
+                nisa.activation(dst=beta_act, op=nl.sigmoid, data=ab["b"][:, hs[0]:hs[0] + G])
+                beta = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=beta, data=beta_act, op0=nl.multiply, operand0=valid)
+                # gc (column) and gc_C (every partition) of every head: two matmuls (fp32: these are exponentiated)
                 gc_all = _matmul(upper, g_all, C, G, f32)
                 g_tot_all = _matmul(ones, g_all, C, G, f32)
-                gc = [gc_all[:, j:j + 1] for j in range(G)]
-                g_tot = [g_tot_all[:, j:j + 1] for j in range(G)]
-                diag_gc = []
+                e_gc = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_i)
+                nisa.activation(dst=e_gc, op=nl.exp, data=gc_all)
+                e_tot = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_C)
+                nisa.activation(dst=e_tot, op=nl.exp, data=g_tot_all)
+                to_end = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_C - gc_i)
+                nisa.tensor_tensor(dst=to_end, data1=g_tot_all, data2=gc_all, op=nl.subtract)
+                nisa.activation(dst=to_end, op=nl.exp, data=to_end)
+                nbe = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # -beta exp(gc)
+                nisa.scalar_tensor_tensor(dst=nbe, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                          operand1=e_gc)
+
+                # ---------------------------------------------------- q, k l2 norms (sums of squares on ScalarE)
+                ssum = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
                 for j in range(G):
-                    diag_gc.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
-                    nisa.tensor_scalar(dst=diag_gc[j], data=ident, op0=nl.multiply, operand0=gc[j],
+                    for x, col in ((Q[j], j), (K[j], G + j)):
+                        sq = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
+                        nisa.activation(dst=sq, op=nl.square, data=x, reduce_op=nl.add,
+                                        reduce_res=ssum[:, col:col + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+                inv = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
+                nisa.activation(dst=inv, op=nl.rsqrt, data=ssum, bias=eps_col)
+                Qn, Kn = [], []
+                for j in range(G):
+                    Qn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=Qn[j], data=Q[j], op0=nl.multiply, operand0=inv[:, j:j + 1],
+                                       op1=nl.multiply, operand1=float(dk) ** -0.5)
+                    Kn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=Kn[j], data=K[j], op0=nl.multiply, operand0=inv[:, G + j:G + j + 1],
                                        engine=nisa.engine.gpsimd)
-                decay, e_gc, to_end, e_tot = [], [], [], []
+
+                # ---------------------------------------------------- decay[i, j] = exp(gc_i - gc_j), j < i, and
+                # its transpose, j >= i ... from gc_j along the free axis: ones^T diag(gc) (the ones stay loaded)
+                decay, decayT = [], []
                 for j in range(G):
-                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [i, j] = gc_j
-                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc[j])
-                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc[j], reverse0=True)
+                    diag_gc = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=diag_gc, data=ident, op0=nl.multiply, operand0=gc_all[:, j:j + 1],
+                                       engine=nisa.engine.gpsimd)
+                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [p, f] = gc_f
+                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc)
+                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_p - gc_f, kept for f < p
+                    nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc_all[:, j:j + 1],
+                                       reverse0=True)
                     nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
-                                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
+                                       on_false_value=NEG_BIG, cmp_op=nl.greater)
                     decay.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
                     nisa.activation(dst=decay[j], op=nl.exp, data=logd)
-                    e_gc.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
-                    nisa.activation(dst=e_gc[j], op=nl.exp, data=gc[j])
-                    to_end.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))  # exp(gc_C - gc_i)
-                    nisa.tensor_tensor(dst=to_end[j], data1=g_tot[j], data2=gc[j], op=nl.subtract)
-                    nisa.activation(dst=to_end[j], op=nl.exp, data=to_end[j])
-                    e_tot.append(nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf))
-                    nisa.activation(dst=e_tot[j], op=nl.exp, data=g_tot[j])
+                    logdT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_f - gc_p, kept for f >= p
+                    nisa.tensor_scalar(dst=logdT, data=gc_rows, op0=nl.subtract, operand0=gc_all[:, j:j + 1])
+                    nisa.affine_select(dst=logdT, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=logdT,
+                                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
+                    decayT.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=decayT[j], op=nl.exp, data=logdT)
 
-                # ---------------------------------------------------- A, intra-chunk attention
-                KT = [_transpose(K[j], C, dk, mm) for j in range(G)]
-                QT = [_transpose(Q[j], C, dk, mm) for j in range(G)]
-                A, intra, AT = [], [], []
+                # ---------------------------------------------------- A (strictly lower), intra^T (upper, diagonal)
+                KT = [_transpose(Kn[j], C, dk, mm) for j in range(G)]
+                QT = [_transpose(Qn[j], C, dk, mm) for j in range(G)]
+                A, intraT = [], []
                 for j in range(G):
                     KK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # k_i . k_j
                     nisa.nc_matmul(dst=KK, stationary=KT[j], moving=KT[j])
-                    A.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=A[j], data1=KK, data2=decay[j], op=nl.multiply)
-                    nisa.tensor_scalar(dst=A[j], data=A[j], op0=nl.multiply, operand0=beta[j],
-                                       engine=nisa.engine.gpsimd)
-                    nisa.affine_select(dst=A[j], pattern=[[-1, C]], channel_multiplier=1, on_true_tile=A[j],
-                                       on_false_value=0.0, cmp_op=nl.greater)
-                    QK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # q_i . k_j
-                    nisa.nc_matmul(dst=QK, stationary=QT[j], moving=KT[j])
-                    intra.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=intra[j], data1=QK, data2=decay[j], op=nl.multiply)
-                AT = [_transpose(A[j], C, C, f32) for j in range(G)]
+                    KQ = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [j, i] = k_j . q_i (same stationary)
+                    nisa.nc_matmul(dst=KQ, stationary=KT[j], moving=QT[j])
+                    A.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))  # beta_i k_i.k_j decay[i, j]
+                    nisa.scalar_tensor_tensor(dst=A[j], data=KK, op0=nl.multiply, operand0=beta[:, j:j + 1],
+                                              op1=nl.multiply, operand1=decay[j])
+                    intraT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.tensor_tensor(dst=intraT[j], data1=KQ, data2=decayT[j], op=nl.multiply)
+                AT = [_transpose(A[j], C, C, mm) for j in range(G)]
 
                 # ---------------------------------------------------- T = (I + A)^-1, recursive block inversion
+                # Level 0 (s = 1) needs no matmul: T = I - A * M_1 (T = I before it).
                 Tm, TmT = [], []
                 for j in range(G):
                     Tm.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_copy(dst=Tm[j], src=ident, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=Tm[j], data1=A[j], data2=masks_mm[:, 0, :], op=nl.multiply,
+                                       engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=Tm[j], data1=ident_mm, data2=Tm[j], op=nl.subtract)
                     TmT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_copy(dst=TmT[j], src=ident, engine=nisa.engine.gpsimd)
-                for lvl in range(levels):
+                    nisa.tensor_tensor(dst=TmT[j], data1=AT[j], data2=masks_mm[:, 0, :], op=nl.multiply,
+                                       engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=TmT[j], data1=ident_mm, data2=TmT[j], op=nl.subtract,
+                                       engine=nisa.engine.gpsimd)
+                for lvl in range(1, levels):
                     Y = []
                     for j in range(G):
                         AoffT = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)  # (A * M_s)^T; M_s is symmetric
-                        nisa.tensor_tensor(dst=AoffT, data1=AT[j], data2=masks[:, lvl, :], op=nl.multiply,
+                        nisa.tensor_tensor(dst=AoffT, data1=AT[j], data2=masks_mm[:, lvl, :], op=nl.multiply,
                                            engine=nisa.engine.gpsimd)
                         Y.append(_matmul(AoffT, Tm[j], C, C, mm, engine=nisa.engine.scalar))  # (A * M_s) T
                     for j in range(G):
@@ -290,54 +330,49 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                     for j in range(G):
                         TmT[j] = _transpose(Tm[j], C, C, mm)
 
-                # ---------------------------------------------------- u, w; v' = u - w S; o; S
-                uw, WT, S_mm = [], [], []
+                # ---------------------------------------------------- v' = T (beta v - beta exp(gc) k S)
+                # (= u - w S of the WY form, with one solve applied to one right-hand side); o; S
+                S_mm, v_new = [], []
                 for j in range(G):
-                    rhs = nl.ndarray((C, dv + dk), dtype=mm, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=rhs[:, 0:dv], data=V[j], op0=nl.multiply, operand0=beta[j],
-                                       engine=nisa.engine.gpsimd)
-                    nisa.tensor_scalar(dst=rhs[:, dv:dv + dk], data=K[j], op0=nl.multiply, operand0=beta[j],
-                                       op1=nl.multiply, operand1=e_gc[j], engine=nisa.engine.gpsimd)
-                    uw.append(_matmul(TmT[j], rhs, C, dv + dk, f32))  # T [beta v | beta k exp(gc)]
                     if mm == f32:
                         S_mm.append(S[j])
                     else:
                         S_mm.append(nl.ndarray((dk, dv), dtype=mm, buffer=nl.sbuf))
                         nisa.tensor_copy(dst=S_mm[j], src=S[j], engine=nisa.engine.gpsimd)
+                    bv = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dst=bv, data=V[j], op0=nl.multiply, operand0=beta[:, j:j + 1],
+                                       engine=nisa.engine.gpsimd)
+                    KS = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
+                    nisa.nc_matmul(dst=KS, stationary=KT[j], moving=S_mm[j])
+                    R = nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf)
+                    nisa.scalar_tensor_tensor(dst=R, data=KS, op0=nl.multiply, operand0=nbe[:, j:j + 1],
+                                              op1=nl.add, operand1=bv)
+                    v_new.append(_matmul(TmT[j], R, C, dv, mm, engine=nisa.engine.scalar))
+                o_stage = nl.ndarray((C, G, dv), dtype=f32, buffer=nl.sbuf)
                 for j in range(G):
-                    WT.append(_transpose(uw[j][:, dv:dv + dk], C, dk, mm))
-                v_new = []
-                for j in range(G):
-                    ws = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=ws, stationary=WT[j], moving=S_mm[j])
-                    v_new.append(nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=v_new[j], data1=uw[j][:, 0:dv], data2=ws, op=nl.subtract)
-                outs = []
-                for j, h in enumerate(hs):
                     qs = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
                     nisa.nc_matmul(dst=qs, stationary=QT[j], moving=S_mm[j])
                     o1 = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                    nisa.activation(dst=o1, op=nl.copy, data=qs, scale=e_gc[j])
-                    intraT = _transpose(intra[j], C, C, mm)
+                    nisa.activation(dst=o1, op=nl.copy, data=qs, scale=e_gc[:, j:j + 1])
                     o2 = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=o2, stationary=intraT, moving=v_new[j])
-                    o_sb = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_tensor(dst=o_sb, data1=o1, data2=o2, op=nl.add)
-                    outs.append(o_sb)
+                    nisa.nc_matmul(dst=o2, stationary=intraT[j], moving=v_new[j])
+                    nisa.tensor_tensor(dst=o_stage[:, j, :], data1=o1, data2=o2, op=nl.add)
                 for j in range(G):
                     Kd = nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=Kd, data=K[j], op0=nl.multiply, operand0=to_end[j],
+                    nisa.tensor_scalar(dst=Kd, data=Kn[j], op0=nl.multiply, operand0=to_end[:, j:j + 1],
                                        engine=nisa.engine.gpsimd)
                     kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
                     nisa.nc_matmul(dst=kv, stationary=Kd, moving=v_new[j])
                     S_next = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                    nisa.scalar_tensor_tensor(dst=S_next, data=S[j], op0=nl.multiply, operand0=e_tot[j][0:dk, :],
+                    nisa.scalar_tensor_tensor(dst=S_next, data=S[j], op0=nl.multiply, operand0=e_tot[0:dk, j:j + 1],
                                               op1=nl.add, operand1=kv)
                     S[j] = S_next
                 if c + 1 < n_chunks:
                     pending = _load_chunk(q, k, v, a, b, bi, hs, group, c + 1)
-                for j, h in enumerate(hs):
-                    nisa.dma_copy(dst=o_out[bi, h, t0:t0 + n, :], src=outs[j][0:n, :])
+                # every head's output of the chunk in one transfer: o_out[bi, h, t0 + p, :] <- o_stage[p, h, :]
+                nisa.dma_copy(dst=o_out.ap(pattern=[[dv, n], [T * dv, G], [1, dv]],
+                                           offset=((bi * nv + hs[0]) * T + t0) * dv),
+                              src=o_stage[0:n, :, :])
 
             for j in range(G):
                 nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
