@@ -58,7 +58,7 @@ from ..nki_import import nki, nisa, nl
 CHUNK = 128
 L2_EPS = 1e-6
 NEG_BIG = -3.0e38
-HEADS_INTERLEAVED = 16
+HEADS_INTERLEAVED = 8  # heads in lockstep (PSUM: 3 [C, C] fp32 tiles per head live at once)
 
 
 def solve_masks(chunk: int = CHUNK) -> np.ndarray:
@@ -163,6 +163,14 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     nisa.affine_select(dst=upper, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=ones, on_false_value=0.0,
                        cmp_op=nl.greater_equal)
     ident = nl.shared_identity_matrix(n=C, dtype=f32)
+    zeros = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(zeros, 0.0)
+    below = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # 0 where f < p, NEG_BIG elsewhere (added before exp)
+    nisa.affine_select(dst=below, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=zeros,
+                       on_false_value=NEG_BIG, cmp_op=nl.greater)
+    on_above = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # 0 where f >= p, NEG_BIG elsewhere
+    nisa.affine_select(dst=on_above, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=zeros,
+                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
     ident_mm = ident
     if mm != f32:
         ident_mm = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)
@@ -204,16 +212,20 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
                 S.append(s_tile)
 
-            # Software pipelining: chunk c + 1 is requested before chunk c's outputs are stored, so the DMA queues
-            # stream the next inputs while the engines work on this chunk.
-            pending = _load_chunk(q, k, v, a, b, bi, hs, group, 0)
-            for c in range(n_chunks):
+            # Software pipelining over chunks, in three stages per chunk, issued so that each engine's in-order
+            # stream has independent work queued when a chunk's dependency chain stalls it:
+            #   stage 1 (chunk c + 2): gates and q/k norms (VectorE/ScalarE/GpSimd only, inputs loaded a chunk ago);
+            #   stage 2 (chunk c + 1): everything else that does not depend on the carried state: cumulative gates,
+            #            decay, A, the intra-chunk attention, the solve T;
+            #   stage 3 (chunk c): v' = T (beta v - beta exp(gc) K S), o, and the state update (the chain
+            #            K S -> R -> v' -> o, k^T v' -> S, each step for all heads before the next).
+            # The loads of chunk c + 3 go out before chunk c's output store.
+            def stage1(pending, c):
                 t0 = c * C
                 n = min(C, T - t0)
                 tiles, ab = pending
                 Q, K, V = tiles["Q"], tiles["K"], tiles["V"]
-
-                # ---------------------------------------------------- gates of all the heads at once: [C, G]
+                # gates of all the heads at once: [C, G]
                 valid = nl.ndarray((C, 1), dtype=f32, buffer=nl.sbuf)  # t0 + p < lengths[b]
                 nisa.tensor_scalar(dst=valid, data=token, op0=nl.add, operand0=float(t0), op1=nl.less,
                                    operand1=len_bc[:, bi:bi + 1])
@@ -230,9 +242,31 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nisa.activation(dst=beta_act, op=nl.sigmoid, data=ab["b"][:, hs[0]:hs[0] + G])
                 beta = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)
                 nisa.tensor_scalar(dst=beta, data=beta_act, op0=nl.multiply, operand0=valid)
+                # q, k l2 norms: sums of squares on ScalarE, one rsqrt for all, the scaling on VectorE / GpSimd
+                ssum = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
+                for j in range(G):
+                    for x, col in ((Q[j], j), (K[j], G + j)):
+                        sq = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
+                        nisa.activation(dst=sq, op=nl.square, data=x, reduce_op=nl.add,
+                                        reduce_res=ssum[:, col:col + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+                inv = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
+                nisa.activation(dst=inv, op=nl.rsqrt, data=ssum, bias=eps_col)
+                nisa.tensor_scalar(dst=inv[:, 0:G], data=inv[:, 0:G], op0=nl.multiply, operand0=float(dk) ** -0.5)
+                Qn, Kn = [], []  # on ScalarE, in order after the sums: the other engines' streams do not wait here
+                for j in range(G):
+                    Qn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
+                    nisa.activation(dst=Qn[j], op=nl.copy, data=Q[j], scale=inv[:, j:j + 1])
+                    Kn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
+                    nisa.activation(dst=Kn[j], op=nl.copy, data=K[j], scale=inv[:, G + j:G + j + 1])
+                return dict(t0=t0, n=n, V=V, Qn=Qn, Kn=Kn, g_all=g_all, beta=beta)
+
+            def stage2(P):
+                Qn, Kn, g_all, beta = P["Qn"], P["Kn"], P["g_all"], P["beta"]
                 # gc (column) and gc_C (every partition) of every head: two matmuls (fp32: these are exponentiated)
                 gc_all = _matmul(upper, g_all, C, G, f32)
                 g_tot_all = _matmul(ones, g_all, C, G, f32)
+                # TensorE transposes k while gc is copied out and diag(gc) formed
+                KT = [_transpose(Kn[j], C, dk, mm) for j in range(G)]
                 e_gc = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_i)
                 nisa.activation(dst=e_gc, op=nl.exp, data=gc_all)
                 e_tot = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_C)
@@ -244,65 +278,45 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nisa.scalar_tensor_tensor(dst=nbe, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                                           operand1=e_gc)
 
-                # ---------------------------------------------------- q, k l2 norms (sums of squares on ScalarE)
-                ssum = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
+                # decay[i, j] = exp(gc_i - gc_j) for j < i and decayT[j, i] for j <= i, from gc_j along the free
+                # axis: ones^T diag(gc) (the ones stay loaded)
+                diag_gc = []
                 for j in range(G):
-                    for x, col in ((Q[j], j), (K[j], G + j)):
-                        sq = nl.ndarray((C, dk), dtype=f32, buffer=nl.sbuf)
-                        nisa.activation(dst=sq, op=nl.square, data=x, reduce_op=nl.add,
-                                        reduce_res=ssum[:, col:col + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                inv = nl.ndarray((C, 2 * G), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=inv, op=nl.rsqrt, data=ssum, bias=eps_col)
-                Qn, Kn = [], []
-                for j in range(G):
-                    Qn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_scalar(dst=Qn[j], data=Q[j], op0=nl.multiply, operand0=inv[:, j:j + 1],
-                                       op1=nl.multiply, operand1=float(dk) ** -0.5)
-                    Kn.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_scalar(dst=Kn[j], data=K[j], op0=nl.multiply, operand0=inv[:, G + j:G + j + 1],
+                    diag_gc.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=diag_gc[j], data=ident, op0=nl.multiply, operand0=gc_all[:, j:j + 1],
                                        engine=nisa.engine.gpsimd)
-
-                # ---------------------------------------------------- decay[i, j] = exp(gc_i - gc_j), j < i, and
-                # its transpose, j >= i ... from gc_j along the free axis: ones^T diag(gc) (the ones stay loaded)
-                decay, decayT = [], []
+                gc_rows = []
                 for j in range(G):
-                    diag_gc = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=diag_gc, data=ident, op0=nl.multiply, operand0=gc_all[:, j:j + 1],
-                                       engine=nisa.engine.gpsimd)
-                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [p, f] = gc_f
-                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc)
-                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_p - gc_f, kept for f < p
-                    nisa.tensor_scalar(dst=logd, data=gc_rows, op0=nl.subtract, operand0=gc_all[:, j:j + 1],
-                                       reverse0=True)
-                    nisa.affine_select(dst=logd, pattern=[[-1, C]], channel_multiplier=1, on_true_tile=logd,
-                                       on_false_value=NEG_BIG, cmp_op=nl.greater)
-                    decay.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
-                    nisa.activation(dst=decay[j], op=nl.exp, data=logd)
-                    logdT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_f - gc_p, kept for f >= p
-                    nisa.tensor_scalar(dst=logdT, data=gc_rows, op0=nl.subtract, operand0=gc_all[:, j:j + 1])
-                    nisa.affine_select(dst=logdT, pattern=[[1, C]], channel_multiplier=-1, on_true_tile=logdT,
-                                       on_false_value=NEG_BIG, cmp_op=nl.greater_equal)
-                    decayT.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
-                    nisa.activation(dst=decayT[j], op=nl.exp, data=logdT)
-
-                # ---------------------------------------------------- A (strictly lower), intra^T (upper, diagonal)
-                KT = [_transpose(Kn[j], C, dk, mm) for j in range(G)]
+                    gc_rows.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # [p, f] = gc_f
+                    nisa.nc_matmul(dst=gc_rows[j], stationary=ones, moving=diag_gc[j])
+                # TensorE: q transposes and k.k, k.q while the decay factors are formed
                 QT = [_transpose(Qn[j], C, dk, mm) for j in range(G)]
+                KK, KQ = [], []
+                for j in range(G):
+                    KK.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # k_i . k_j
+                    nisa.nc_matmul(dst=KK[j], stationary=KT[j], moving=KT[j])
+                    KQ.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # [j, i] = k_j . q_i (same stationary)
+                    nisa.nc_matmul(dst=KQ[j], stationary=KT[j], moving=QT[j])
                 A, intraT = [], []
                 for j in range(G):
-                    KK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # k_i . k_j
-                    nisa.nc_matmul(dst=KK, stationary=KT[j], moving=KT[j])
-                    KQ = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [j, i] = k_j . q_i (same stationary)
-                    nisa.nc_matmul(dst=KQ, stationary=KT[j], moving=QT[j])
-                    A.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))  # beta_i k_i.k_j decay[i, j]
-                    nisa.scalar_tensor_tensor(dst=A[j], data=KK, op0=nl.multiply, operand0=beta[:, j:j + 1],
-                                              op1=nl.multiply, operand1=decay[j])
+                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_p - gc_f for f < p, else -3e38
+                    nisa.scalar_tensor_tensor(dst=logd, data=gc_rows[j], op0=nl.subtract,
+                                              operand0=gc_all[:, j:j + 1], reverse0=True, op1=nl.add, operand1=below)
+                    decay = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.activation(dst=decay, op=nl.exp, data=logd)
+                    logdT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_f - gc_p for f >= p, else -3e38
+                    nisa.scalar_tensor_tensor(dst=logdT, data=gc_rows[j], op0=nl.subtract,
+                                              operand0=gc_all[:, j:j + 1], op1=nl.add, operand1=on_above)
+                    decayT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
+                    nisa.activation(dst=decayT, op=nl.exp, data=logdT)
+                    # A = strictly_lower(beta_i k_i.k_j decay[i, j]); intra^T[j, i] = k_j.q_i decay[i, j], j <= i
+                    A.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
+                    nisa.scalar_tensor_tensor(dst=A[j], data=KK[j], op0=nl.multiply, operand0=beta[:, j:j + 1],
+                                              op1=nl.multiply, operand1=decay)
                     intraT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=intraT[j], data1=KQ, data2=decayT[j], op=nl.multiply)
+                    nisa.tensor_tensor(dst=intraT[j], data1=KQ[j], data2=decayT, op=nl.multiply)
                 AT = [_transpose(A[j], C, C, mm) for j in range(G)]
-
-                # ---------------------------------------------------- T = (I + A)^-1, recursive block inversion
-                # Level 0 (s = 1) needs no matmul: T = I - A * M_1 (T = I before it).
+                # T = (I + A)^-1, recursive block inversion. Level 0 (s = 1) needs no matmul: T = I - A * M_1.
                 Tm, TmT = [], []
                 for j in range(G):
                     Tm.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
@@ -312,68 +326,108 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                     TmT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
                     nisa.tensor_tensor(dst=TmT[j], data1=AT[j], data2=masks_mm[:, 0, :], op=nl.multiply,
                                        engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=TmT[j], data1=ident_mm, data2=TmT[j], op=nl.subtract,
-                                       engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=TmT[j], data1=ident_mm, data2=TmT[j], op=nl.subtract)
+                # (A * M_s)^T of every level, as soon as A^T is there (GpSimd runs ahead of the solve's matmuls)
+                AoffT = []
                 for lvl in range(1, levels):
+                    AoffT.append([])
+                    for j in range(G):
+                        t = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)  # M_s is symmetric
+                        nisa.tensor_tensor(dst=t, data1=AT[j], data2=masks_mm[:, lvl, :], op=nl.multiply,
+                                           engine=nisa.engine.gpsimd)
+                        AoffT[-1].append(t)
+
+                for lvl in range(1, levels):
+                    # Only the first-half columns of each 2s-block change at this level (T A_s T is zero elsewhere):
+                    # the moving operands and the update are those C / 2 columns, a strided view [C, C / 2s, s].
+                    half = 1 << lvl
+                    cols = [t[:, :].reshape((C, C // (2 * half), 2, half))[:, :, 0, :] for t in Tm]
                     Y = []
                     for j in range(G):
-                        AoffT = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)  # (A * M_s)^T; M_s is symmetric
-                        nisa.tensor_tensor(dst=AoffT, data1=AT[j], data2=masks_mm[:, lvl, :], op=nl.multiply,
-                                           engine=nisa.engine.gpsimd)
-                        Y.append(_matmul(AoffT, Tm[j], C, C, mm, engine=nisa.engine.scalar))  # (A * M_s) T
+                        Yp = nl.ndarray((C, C // (2 * half), half), dtype=f32, buffer=nl.psum)
+                        nisa.nc_matmul(dst=Yp, stationary=AoffT[lvl - 1][j], moving=cols[j])  # (A * M_s) T
+                        Ys = nl.ndarray((C, C // (2 * half), half), dtype=mm, buffer=nl.sbuf)
+                        nisa.tensor_copy(dst=Ys, src=Yp, engine=nisa.engine.scalar)
+                        Y.append(Ys)
                     for j in range(G):
-                        Z = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)
+                        Z = nl.ndarray((C, C // (2 * half), half), dtype=f32, buffer=nl.psum)
                         nisa.nc_matmul(dst=Z, stationary=TmT[j], moving=Y[j])  # T (A * M_s) T
-                        Tn = nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf)
-                        nisa.tensor_tensor(dst=Tn, data1=Tm[j], data2=Z, op=nl.subtract)
-                        Tm[j] = Tn
+                        nisa.tensor_tensor(dst=cols[j], data1=cols[j], data2=Z, op=nl.subtract)
                     for j in range(G):
                         TmT[j] = _transpose(Tm[j], C, C, mm)
+                P.update(KT=KT, QT=QT, intraT=intraT, TmT=TmT, nbe=nbe, e_gc=e_gc, e_tot=e_tot, to_end=to_end)
+                return P
 
-                # ---------------------------------------------------- v' = T (beta v - beta exp(gc) k S)
-                # (= u - w S of the WY form, with one solve applied to one right-hand side); o; S
-                S_mm, v_new = [], []
+            def stage3(P):
+                t0, n, V, Kn, KT, QT = P["t0"], P["n"], P["V"], P["Kn"], P["KT"], P["QT"]
+                intraT, TmT, beta, nbe = P["intraT"], P["TmT"], P["beta"], P["nbe"]
+                e_gc, e_tot, to_end = P["e_gc"], P["e_tot"], P["to_end"]
+                # v' = T (beta v - beta exp(gc) K S)  (= u - w S of the WY form: one solve, one right-hand side)
+                S_mm, bv, Kd = [], [], []
                 for j in range(G):
                     if mm == f32:
                         S_mm.append(S[j])
                     else:
                         S_mm.append(nl.ndarray((dk, dv), dtype=mm, buffer=nl.sbuf))
                         nisa.tensor_copy(dst=S_mm[j], src=S[j], engine=nisa.engine.gpsimd)
-                    bv = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=bv, data=V[j], op0=nl.multiply, operand0=beta[:, j:j + 1],
+                    bv.append(nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf))
+                    nisa.tensor_scalar(dst=bv[j], data=V[j], op0=nl.multiply, operand0=beta[:, j:j + 1],
                                        engine=nisa.engine.gpsimd)
-                    KS = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=KS, stationary=KT[j], moving=S_mm[j])
-                    R = nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf)
-                    nisa.scalar_tensor_tensor(dst=R, data=KS, op0=nl.multiply, operand0=nbe[:, j:j + 1],
-                                              op1=nl.add, operand1=bv)
-                    v_new.append(_matmul(TmT[j], R, C, dv, mm, engine=nisa.engine.scalar))
+                    Kd.append(nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf))  # k exp(gc_C - gc)
+                    nisa.tensor_scalar(dst=Kd[j], data=Kn[j], op0=nl.multiply, operand0=to_end[:, j:j + 1],
+                                       engine=nisa.engine.gpsimd)
+                KS = []
+                for j in range(G):
+                    KS.append(nl.ndarray((C, dv), dtype=f32, buffer=nl.psum))
+                    nisa.nc_matmul(dst=KS[j], stationary=KT[j], moving=S_mm[j])
+                R = []
+                for j in range(G):
+                    R.append(nl.ndarray((C, dv), dtype=mm, buffer=nl.sbuf))
+                    nisa.scalar_tensor_tensor(dst=R[j], data=KS[j], op0=nl.multiply, operand0=nbe[:, j:j + 1],
+                                              op1=nl.add, operand1=bv[j])
+                qs = []
+                for j in range(G):  # q S, while R is formed
+                    qs.append(nl.ndarray((C, dv), dtype=f32, buffer=nl.psum))
+                    nisa.nc_matmul(dst=qs[j], stationary=QT[j], moving=S_mm[j])
+                v_new = [_matmul(TmT[j], R[j], C, dv, mm, engine=nisa.engine.scalar) for j in range(G)]
                 o_stage = nl.ndarray((C, G, dv), dtype=f32, buffer=nl.sbuf)
                 for j in range(G):
-                    qs = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=qs, stationary=QT[j], moving=S_mm[j])
                     o1 = nl.ndarray((C, dv), dtype=f32, buffer=nl.sbuf)
-                    nisa.activation(dst=o1, op=nl.copy, data=qs, scale=e_gc[:, j:j + 1])
+                    nisa.activation(dst=o1, op=nl.copy, data=qs[j], scale=e_gc[:, j:j + 1])
                     o2 = nl.ndarray((C, dv), dtype=f32, buffer=nl.psum)
                     nisa.nc_matmul(dst=o2, stationary=intraT[j], moving=v_new[j])
                     nisa.tensor_tensor(dst=o_stage[:, j, :], data1=o1, data2=o2, op=nl.add)
                 for j in range(G):
-                    Kd = nl.ndarray((C, dk), dtype=mm, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=Kd, data=Kn[j], op0=nl.multiply, operand0=to_end[:, j:j + 1],
-                                       engine=nisa.engine.gpsimd)
                     kv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.psum)
-                    nisa.nc_matmul(dst=kv, stationary=Kd, moving=v_new[j])
+                    nisa.nc_matmul(dst=kv, stationary=Kd[j], moving=v_new[j])
                     S_next = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
                     nisa.scalar_tensor_tensor(dst=S_next, data=S[j], op0=nl.multiply, operand0=e_tot[0:dk, j:j + 1],
                                               op1=nl.add, operand1=kv)
                     S[j] = S_next
-                if c + 1 < n_chunks:
-                    pending = _load_chunk(q, k, v, a, b, bi, hs, group, c + 1)
+                return o_stage
+
+            def store(o_stage, t0, n):
                 # every head's output of the chunk in one transfer: o_out[bi, h, t0 + p, :] <- o_stage[p, h, :]
                 nisa.dma_copy(dst=o_out.ap(pattern=[[dv, n], [T * dv, G], [1, dv]],
                                            offset=((bi * nv + hs[0]) * T + t0) * dv),
                               src=o_stage[0:n, :, :])
 
+            def load(c):
+                return _load_chunk(q, k, v, a, b, bi, hs, group, c) if c < n_chunks else None
+
+            loads = {c: load(c) for c in range(3)}
+            s1 = {c: stage1(loads.pop(c), c) for c in range(2) if c < n_chunks}
+            s2 = {0: stage2(s1.pop(0))}
+            for c in range(n_chunks):
+                if c + 2 < n_chunks:
+                    s1[c + 2] = stage1(loads.pop(c + 2), c + 2)
+                    loads[c + 3] = load(c + 3)
+                if c + 1 < n_chunks:
+                    s2[c + 1] = stage2(s1.pop(c + 1))
+                P = s2.pop(c)
+                store(stage3(P), P["t0"], P["n"])
+
             for j in range(G):
                 nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
     return o_out
+
