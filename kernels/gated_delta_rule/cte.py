@@ -1,7 +1,8 @@
 """NKI prefill kernel (context encoding, and the chunked-prefill continuation) of the gated delta rule.
 
-All heads of a layer's rank and every batch row in one launch. Per batch row b (slot s = seq_ids[b]; -1: inactive,
-reads and writes no state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
+All heads of a layer's rank and every batch row in one launch (with LNC=2 on trn2, `kernel[2]`, each of the two
+physical NeuronCores takes half of the heads). Per batch row b (slot s = seq_ids[b]; -1: inactive, reads and writes
+no state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
 
     q, k  <- l2-normalised (q also scaled by dk^-0.5) in the kernel, from the conv output
     g     =  -exp(A_log) softplus(a + dt_bias),  beta = sigmoid(b)   (computed in the kernel from the raw projections)
@@ -9,13 +10,12 @@ reads and writes no state) and value head h (key head h // (nv / nk)), chunk by 
     gc    =  cumulative sum of g inside the chunk (a matmul with the upper-triangular ones matrix)
     A     =  strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))
     T     =  (I + A)^-1
-    u, w  =  T (beta v),  T (beta k exp(gc))
-    v'    =  u - w S
-    o     =  (q exp(gc)) S + lower(q_i.k_j exp(gc_i - gc_j)) v'
+    v'    =  T (beta v - beta exp(gc) (k S))          (= u - w S of the WY form, u = T beta v, w = T beta k exp(gc))
+    o     =  exp(gc) (q S) + lower(q_i.k_j exp(gc_i - gc_j)) v'
     S     =  exp(gc_C) S + (k exp(gc_C - gc))^T v'
 
-Every exponent is <= 0: gc_i - gc_j for j <= i (the upper triangle is replaced by -3e38 before exp), gc, and
-gc_C - gc. The initial state is read from recurrent_state[s] and the final state written back there in place, fp32.
+Every exponent is <= 0: gc_i - gc_j for j <= i (the other triangle gets -3e38 added before exp), gc, and gc_C - gc.
+The initial state is read from recurrent_state[s] and the final state written back there in place, fp32.
 
 Chunk size and the triangular solve. C = 128 tokens puts one token per partition (all 128 partitions work, and the
 [C, C] matrices are single TensorE tiles). T is computed by recursive block inversion: starting from the identity
@@ -26,27 +26,36 @@ Chunk size and the triangular solve. C = 128 tokens puts one token per partition
 which is exact ([[T11, 0], [A21, ...]] -> [[T11, 0], [-T22 A21 T11, T22]]) and only ever multiplies true inverse
 blocks, so no entry grows beyond those of T itself. A truncated Neumann series (I - A + A^2 - ...) or its product
 form would form powers of A, whose entries reach C(127, 63) ~ 1e37 for identical keys with beta = 1 and no decay
-(the NaN seen in the seed); forward substitution is as exact but takes C sequential steps.
+(the NaN seen in the seed); forward substitution is as exact but takes C sequential steps. The first round (s = 1)
+needs no matmul (T = I - A * M_1); in the other six only the first-half columns of each 2s-block change, so both of
+a round's matmuls stream those C / 2 columns only (a strided view), and T^T (the stationary of the next round) is a
+TensorE transpose. Per head and chunk the solve is 6 x (2 matmuls + 1 transpose).
 
 Layouts (HBM): q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU (activation dtype); a, b [B, T, nv]
 raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk, dv] fp32 (updated in place);
 seq_ids, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
 o [B, nv, T, dv] fp32. On chip, tokens are on partitions ([C, dk], [C, dv], [C, C]) and the state is [dk, dv].
 
-Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands are fp32 (4x the
-bf16 TensorE cost), or tf32 for bf16 inputs with `tf32_matmul=True` (bf16 rate); gates' cumsum and state stay fp32.
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands: fp32 (default,
+exact, 4x the bf16 TensorE cost), tf32 (`tf32_matmul=True`, bf16 inputs: bf16's TensorE rate, ~6e-4 relative error
+at the 2B layer shape) or bf16 (`bf16_matmul=True`, bf16 inputs: also bf16's VectorE rate, ~5e-3 on outputs and
+~8e-3 on the state at the 2B layer shape, inside the 2e-2 bf16 tolerance). Gates, their cumulative sums, the decay
+factors and the carried state stay fp32 in every mode.
 
-Scheduling: 16 heads advance in lockstep, statement by statement, so that each engine's in-order stream alternates
-between independent heads; the next chunk is loaded before this chunk's outputs are stored; PSUM -> SBUF copies and
-masks are spread over ScalarE and GpSimd.
+Scheduling: 8 heads advance in lockstep (PSUM holds three [C, C] fp32 tiles per head at once), statement by
+statement, so that each engine's in-order stream alternates between independent heads. Chunks are software-pipelined
+in three stages: gates and norms of chunk c + 2, the state-free work (decay, A, intra-chunk attention, the solve) of
+chunk c + 1, then the state chain of chunk c (k S -> R -> v' -> o and k^T v' -> S, each step for all heads before
+the next); loads run three chunks ahead and each chunk's outputs of all heads leave in one transfer.
 
 Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
-tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md): TensorE is the busiest engine.
-    fp32 operands (default): 6.01 ms (TensorE 5.48 ms busy, 91%; VectorE 1.27, ScalarE 1.50, GpSimd 0.90, DMA 0.54)
-    tf32 operands (`tf32_matmul=True`): 2.63 ms (TensorE 1.96 ms busy, 74.5%; VectorE 1.27, ScalarE 1.50)
-The issue's target is 1.0 ms: NOT met. The solve alone (7 rounds x 3 TensorE instructions per head and chunk) is
-1.15 ms of TensorE time even at the tf32 rate; a cheaper solve (small diagonal blocks packed several to a tile) is
-what it would take.
+tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times of the busier physical core:
+    LNC=2, bf16 operands: 0.98 ms (TensorE 751 us busy, 77%; ScalarE 584, VectorE 408, GpSimd 328, DMA 181): the
+                          issue's target (<= 1.0 ms, TensorE the busiest engine) is met; tf32 operands: the same 0.98 ms
+    LNC=2, fp32 operands: 2.12 ms (TensorE 2.02 ms busy, 95%)
+    LNC=1, bf16 operands: 1.96 ms (TensorE 1.50 ms busy, 77%)
+(before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
+bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2900 cycles.
 """
 
 from __future__ import annotations
