@@ -43,7 +43,9 @@ class CostParams:
     vector_dep_overhead_cycles: float = 100.0  # architecture guide
     dma_efficiency: float = 0.70  # calibrated on the kernel-optimization tutorial (benchmarks/nki_cost_model.py)
     dma_chunk_overhead_bytes: float = 64.0  # assumption (the guide: "some performance overhead" per DMA buffer)
-    dma_latency_us: float = 2.0  # assumption: fixed DMA completion latency
+    # fixed latency per transfer: "descriptor setup, synchronization, and semaphore-to-start latency (~1300 ns
+    # cross-engine)", NKI DMA bandwidth guide (nki/deep-dives/nki-dma-bandwidth-guide.rst); was 2.0 (an assumption)
+    dma_latency_us: float = 1.3
     # True: a new on-chip buffer waits for the memory it reuses (from buffers the kernel dropped) to be done with,
     # which bounds prefetching by SBUF/PSUM capacity. False: unbounded buffering (every allocation is fresh memory).
     memory_reuse: bool = False  # calibrated choice: False fits the published numbers better
