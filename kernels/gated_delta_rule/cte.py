@@ -55,7 +55,7 @@ tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times 
     LNC=2, fp32 operands: 2.12 ms (TensorE 2.02 ms busy, 95%)
     LNC=1, bf16 operands: 1.96 ms (TensorE 1.50 ms busy, 77%)
 (before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
-bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2900 cycles.
+bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.
 """
 
 from __future__ import annotations
