@@ -269,13 +269,13 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                     nisa.activation(dst=Kn[j], op=nl.copy, data=K[j], scale=inv[:, G + j:G + j + 1])
                 return dict(t0=t0, n=n, V=V, Qn=Qn, Kn=Kn, g_all=g_all, beta=beta)
 
-            def stage2(P):
-                Qn, Kn, g_all, beta = P["Qn"], P["Kn"], P["g_all"], P["beta"]
-                # gc (column) and gc_C (every partition) of every head: two matmuls (fp32: these are exponentiated)
+            def gc_prep(P):
+                # cumulative gates of every head (two matmuls, fp32: they are exponentiated), their exponentials and
+                # diag(gc) for the decay matrices; issued after the previous chunk's state chain, so that the
+                # matmuls find their inputs ready and diag(gc) is there when stage 2 needs it
+                g_all, beta = P["g_all"], P["beta"]
                 gc_all = _matmul(upper, g_all, C, G, f32)
                 g_tot_all = _matmul(ones, g_all, C, G, f32)
-                # TensorE transposes k while gc is copied out and diag(gc) formed
-                KT = [_transpose(Kn[j], C, dk, mm) for j in range(G)]
                 e_gc = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_i)
                 nisa.activation(dst=e_gc, op=nl.exp, data=gc_all)
                 e_tot = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # exp(gc_C)
@@ -286,44 +286,47 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 nbe = nl.ndarray((C, G), dtype=f32, buffer=nl.sbuf)  # -beta exp(gc)
                 nisa.scalar_tensor_tensor(dst=nbe, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                                           operand1=e_gc)
-
-                # decay[i, j] = exp(gc_i - gc_j) for j < i and decayT[j, i] for j <= i, from gc_j along the free
-                # axis: ones^T diag(gc) (the ones stay loaded)
                 diag_gc = []
                 for j in range(G):
                     diag_gc.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
                     nisa.tensor_scalar(dst=diag_gc[j], data=ident, op0=nl.multiply, operand0=gc_all[:, j:j + 1],
                                        engine=nisa.engine.gpsimd)
-                gc_rows = []
+                P.update(gc_all=gc_all, e_gc=e_gc, e_tot=e_tot, to_end=to_end, nbe=nbe, diag_gc=diag_gc)
+
+            def stage2(P):
+                Qn, Kn, beta, gc_all, diag_gc = P["Qn"], P["Kn"], P["beta"], P["gc_all"], P["diag_gc"]
+                # TensorE transposes k while the decay factors are formed
+                KT = [_transpose(Kn[j], C, dk, mm) for j in range(G)]
+                # decay[i, j] = exp(gc_i - gc_j) for j < i and decayT[j, i] for j <= i, from gc_j along the free
+                # axis: ones^T diag(gc) (the ones stay loaded)
+                decay, decayT = [], []
                 for j in range(G):
-                    gc_rows.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # [p, f] = gc_f
-                    nisa.nc_matmul(dst=gc_rows[j], stationary=ones, moving=diag_gc[j])
+                    gc_rows = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [p, f] = gc_f
+                    nisa.nc_matmul(dst=gc_rows, stationary=ones, moving=diag_gc[j])
+                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_p - gc_f for f < p, else -3e38
+                    nisa.scalar_tensor_tensor(dst=logd, data=gc_rows, op0=nl.subtract,
+                                              operand0=gc_all[:, j:j + 1], reverse0=True, op1=nl.add, operand1=below)
+                    decay.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=decay[j], op=nl.exp, data=logd)
+                    logdT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_f - gc_p for f >= p, else -3e38
+                    nisa.scalar_tensor_tensor(dst=logdT, data=gc_rows, op0=nl.subtract,
+                                              operand0=gc_all[:, j:j + 1], op1=nl.add, operand1=on_above)
+                    decayT.append(nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf))
+                    nisa.activation(dst=decayT[j], op=nl.exp, data=logdT)
                 # TensorE: q transposes and k.k, k.q while the decay factors are formed
                 QT = [_transpose(Qn[j], C, dk, mm) for j in range(G)]
-                KK, KQ = [], []
-                for j in range(G):
-                    KK.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # k_i . k_j
-                    nisa.nc_matmul(dst=KK[j], stationary=KT[j], moving=KT[j])
-                    KQ.append(nl.ndarray((C, C), dtype=f32, buffer=nl.psum))  # [j, i] = k_j . q_i (same stationary)
-                    nisa.nc_matmul(dst=KQ[j], stationary=KT[j], moving=QT[j])
                 A, intraT = [], []
                 for j in range(G):
-                    logd = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_p - gc_f for f < p, else -3e38
-                    nisa.scalar_tensor_tensor(dst=logd, data=gc_rows[j], op0=nl.subtract,
-                                              operand0=gc_all[:, j:j + 1], reverse0=True, op1=nl.add, operand1=below)
-                    decay = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.activation(dst=decay, op=nl.exp, data=logd)
-                    logdT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)  # gc_f - gc_p for f >= p, else -3e38
-                    nisa.scalar_tensor_tensor(dst=logdT, data=gc_rows[j], op0=nl.subtract,
-                                              operand0=gc_all[:, j:j + 1], op1=nl.add, operand1=on_above)
-                    decayT = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
-                    nisa.activation(dst=decayT, op=nl.exp, data=logdT)
+                    KK = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # k_i . k_j
+                    nisa.nc_matmul(dst=KK, stationary=KT[j], moving=KT[j])
+                    KQ = nl.ndarray((C, C), dtype=f32, buffer=nl.psum)  # [j, i] = k_j . q_i (same stationary)
+                    nisa.nc_matmul(dst=KQ, stationary=KT[j], moving=QT[j])
                     # A = strictly_lower(beta_i k_i.k_j decay[i, j]); intra^T[j, i] = k_j.q_i decay[i, j], j <= i
                     A.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.scalar_tensor_tensor(dst=A[j], data=KK[j], op0=nl.multiply, operand0=beta[:, j:j + 1],
-                                              op1=nl.multiply, operand1=decay)
+                    nisa.scalar_tensor_tensor(dst=A[j], data=KK, op0=nl.multiply, operand0=beta[:, j:j + 1],
+                                              op1=nl.multiply, operand1=decay[j])
                     intraT.append(nl.ndarray((C, C), dtype=mm, buffer=nl.sbuf))
-                    nisa.tensor_tensor(dst=intraT[j], data1=KQ[j], data2=decayT, op=nl.multiply)
+                    nisa.tensor_tensor(dst=intraT[j], data1=KQ, data2=decayT[j], op=nl.multiply)
                 AT = [_transpose(A[j], C, C, mm) for j in range(G)]
                 # T = (I + A)^-1, recursive block inversion. Level 0 (s = 1) needs no matmul: T = I - A * M_1.
                 Tm, TmT = [], []
@@ -364,7 +367,7 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                         nisa.tensor_tensor(dst=cols[j], data1=cols[j], data2=Z, op=nl.subtract)
                     for j in range(G):
                         TmT[j] = _transpose(Tm[j], C, C, mm)
-                P.update(KT=KT, QT=QT, intraT=intraT, TmT=TmT, nbe=nbe, e_gc=e_gc, e_tot=e_tot, to_end=to_end)
+                P.update(KT=KT, QT=QT, intraT=intraT, TmT=TmT)
                 return P
 
             def stage3(P):
@@ -426,6 +429,8 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
 
             loads = {c: load(c) for c in range(3)}
             s1 = {c: stage1(loads.pop(c), c) for c in range(2) if c < n_chunks}
+            for P in s1.values():
+                gc_prep(P)
             s2 = {0: stage2(s1.pop(0))}
             for c in range(n_chunks):
                 if c + 2 < n_chunks:
@@ -435,6 +440,8 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                     s2[c + 1] = stage2(s1.pop(c + 1))
                 P = s2.pop(c)
                 store(stage3(P), P["t0"], P["n"])
+                if c + 2 < n_chunks:
+                    gc_prep(s1[c + 2])
 
             for j in range(G):
                 nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
