@@ -46,14 +46,15 @@ Scheduling: 8 heads advance in lockstep (PSUM holds three [C, C] fp32 tiles per 
 statement, so that each engine's in-order stream alternates between independent heads. Chunks are software-pipelined
 in three stages: gates and norms of chunk c + 2, the state-free work (decay, A, intra-chunk attention, the solve) of
 chunk c + 1, then the state chain of chunk c (k S -> R -> v' -> o and k^T v' -> S, each step for all heads before
-the next); loads run three chunks ahead and each chunk's outputs of all heads leave in one transfer.
+the next), then the cumulative gates and diag(gc) of chunk c + 2; loads run three chunks ahead and each chunk's
+outputs of all heads leave in one transfer.
 
 Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
 tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times of the busier physical core:
-    LNC=2, bf16 operands: 0.98 ms (TensorE 751 us busy, 77%; ScalarE 584, VectorE 408, GpSimd 328, DMA 181): the
-                          issue's target (<= 1.0 ms, TensorE the busiest engine) is met; tf32 operands: the same 0.98 ms
-    LNC=2, fp32 operands: 2.12 ms (TensorE 2.02 ms busy, 95%)
-    LNC=1, bf16 operands: 1.96 ms (TensorE 1.50 ms busy, 77%)
+    LNC=2, bf16 operands: 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584, VectorE 408, GpSimd 328, DMA 181): the
+                          issue's target (<= 1.0 ms, TensorE the busiest engine) is met; tf32 operands: 0.94 ms
+    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%)
+    LNC=1, bf16 operands: 1.85 ms (TensorE 1.50 ms busy, 81%)
 (before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
 bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.
 """
