@@ -162,9 +162,15 @@ class Kernel:
                 kind = kind or k
                 dev_kwargs[key] = d
             result = None
-            for pid in itertools.product(*[range(g) for g in self.grid]):
+            # An LNC launch (`kernel[n]`, 1 < n <= the target's LNC degree) runs each program on its own physical
+            # NeuronCore (own engines and DMA queues in the cost model); other grids run on one core, in turn.
+            lnc = len(self.grid) == 1 and 1 < self.grid[0] <= ctx.target.max_lnc
+            for index, pid in enumerate(itertools.product(*[range(g) for g in self.grid])):
                 ctx.program_id = pid
                 ctx.shared_hbm_cursor = 0
+                if ctx.trace is not None:
+                    ctx.trace.core = index if lnc else 0
+                    ctx.trace.loaded_stationary = None if lnc else ctx.trace.loaded_stationary
                 out = self.fn(*dev_args, **dev_kwargs)
                 if result is None:
                     result = out

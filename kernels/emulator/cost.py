@@ -21,6 +21,9 @@ assumption written down, with its source, in ``docs/nki_emulator.md``; in short:
   resource of ``DMA_EFFICIENCY x min(16 x 27 GiB/s, HBM bandwidth per NeuronCore)`` bytes/s (the efficiency is the
   one calibrated parameter); each contiguous chunk (DMA buffer) adds ``DMA_CHUNK_OVERHEAD_BYTES``; data lands
   ``DMA_LATENCY_US`` after the transfer ends.
+* Logical NeuronCores: the programs of an LNC launch (``kernel[2]`` on trn2) run on separate physical NeuronCores,
+  each with its own engines and DMA queues ("your kernel will be run on two physical cores ... that have shared HBM
+  memory", NKI "Using Logical Neuron Cores (LNC)" page); other SPMD grids run their programs on one core, in turn.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class CostParams:
     vector_dep_overhead_cycles: float = 100.0  # architecture guide
     dma_efficiency: float = 0.70  # calibrated on the kernel-optimization tutorial (benchmarks/nki_cost_model.py)
     dma_chunk_overhead_bytes: float = 64.0  # assumption (the guide: "some performance overhead" per DMA buffer)
-    dma_latency_us: float = 2.0  # assumption: fixed DMA completion latency
+    # fixed latency per transfer: "descriptor setup, synchronization, and semaphore-to-start latency (~1300 ns
+    # cross-engine)", NKI DMA bandwidth guide (nki/deep-dives/nki-dma-bandwidth-guide.rst); was 2.0 (an assumption)
+    dma_latency_us: float = 1.3
     # True: a new on-chip buffer waits for the memory it reuses (from buffers the kernel dropped) to be done with,
     # which bounds prefetching by SBUF/PSUM capacity. False: unbounded buffering (every allocation is fresh memory).
     memory_reuse: bool = False  # calibrated choice: False fits the published numbers better
@@ -58,6 +63,7 @@ class Record:
     writes: tuple
     nbytes: int = 0
     chunks: int = 0
+    core: int = 0  # physical NeuronCore (LNC launches)
 
 
 class Trace:
@@ -67,11 +73,12 @@ class Trace:
         self.target = target
         self.records: list[Record] = []
         self.loaded_stationary = None
+        self.core = 0  # the physical NeuronCore the current program runs on
 
     def add(self, engine, name, *, cycles=0.0, reads=(), writes=(), nbytes=0, chunks=0):
-        reads = tuple(u for u in (_uid(r) for r in reads) if u is not None)
-        writes = tuple(u for u in (_uid(w) for w in writes) if u is not None)
-        self.records.append(Record(engine, name, float(cycles), reads, writes, int(nbytes), int(chunks)))
+        reads = tuple(u for u in (_dep_key(r) for r in reads) if u is not None)
+        writes = tuple(u for u in (_dep_key(w) for w in writes) if u is not None)
+        self.records.append(Record(engine, name, float(cycles), reads, writes, int(nbytes), int(chunks), self.core))
 
     def alloc(self, buf, region: str, nbytes: int):
         self.records.append(Record("alloc", region, 0.0, (), (buf.uid,), int(nbytes)))
@@ -94,63 +101,72 @@ def dma_bandwidth(target, params: CostParams = DEFAULT_PARAMS) -> float:
 
 
 def schedule(records, target, params: CostParams = DEFAULT_PARAMS) -> "CostReport":
-    """List-schedule the records: in order per engine, after their buffer dependencies."""
-    engine_free = {e: 0.0 for e in ENGINES}
-    busy = {e: 0.0 for e in ENGINES}
-    counts = {e: 0 for e in ENGINES}
+    """List-schedule the records: in order per engine, after their buffer dependencies.
+
+    With several physical cores (an LNC launch), each core has its own engines; busy times and instruction counts
+    are those of the busiest core (per engine), utilization is busy / total."""
+    cores = sorted({r.core for r in records}) or [0]
+    engine_free = {(c, e): 0.0 for c in cores for e in ENGINES}
+    core_busy = {(c, e): 0.0 for c in cores for e in ENGINES}
+    core_counts = {(c, e): 0 for c in cores for e in ENGINES}
     write_end: dict = {}
     read_end: dict = {}
     last_written: dict = {}
     total = 0.0
     dma_bytes = 0
-    dma_spans = []
+    dma_spans = {c: [] for c in cores}
     bw = dma_bandwidth(target, params)
-    pools = {"sbuf": _Pool(target.sbuf_partition_bytes), "psum": _Pool(target.psum_partition_bytes)}
+    pools = {(c, "sbuf"): _Pool(target.sbuf_partition_bytes) for c in cores}
+    pools.update({(c, "psum"): _Pool(target.psum_partition_bytes) for c in cores})
     for r in records:
         if r.engine in ("alloc", "free") and not params.memory_reuse:
             continue
         if r.engine == "alloc":
             # The buffer reuses on-chip memory freed earlier: its first write waits until that memory's last user.
             uid = r.writes[0]
-            read_end[uid] = max(read_end.get(uid, 0.0), pools[r.name].take(r.nbytes))
+            read_end[uid] = max(read_end.get(uid, 0.0), pools[(r.core, r.name)].take(r.nbytes))
             continue
         if r.engine == "free":
             uid = r.reads[0]
-            pools[r.name].give(r.nbytes, max(read_end.get(uid, 0.0), write_end.get(uid, 0.0)))
+            pools[(r.core, r.name)].give(r.nbytes, max(read_end.get(uid, 0.0), write_end.get(uid, 0.0)))
             continue
         if r.engine == "dma":
             duration = (r.nbytes + r.chunks * params.dma_chunk_overhead_bytes) / bw * 1e6
             latency = params.dma_latency_us
         else:
             cycles = r.cycles
-            if r.engine == "vector" and any(u in last_written.get("vector", ()) for u in r.reads):
+            if r.engine == "vector" and any(u in last_written.get((r.core, "vector"), ()) for u in r.reads):
                 cycles += params.vector_dep_overhead_cycles
             duration = cycles / (_ghz(target, r.engine) * 1e3)
             latency = 0.0
         ready = 0.0
         for u in r.reads:
-            ready = max(ready, write_end.get(u, 0.0))
+            ready = max(ready, _dep_time(write_end, u))
         for u in r.writes:
-            ready = max(ready, write_end.get(u, 0.0), read_end.get(u, 0.0))
-        start = max(ready, engine_free[r.engine])
-        engine_free[r.engine] = start + duration
+            ready = max(ready, _dep_time(write_end, u), _dep_time(read_end, u))
+        key = (r.core, r.engine)
+        start = max(ready, engine_free[key])
+        engine_free[key] = start + duration
         end = start + duration + latency
         for u in r.reads:
-            read_end[u] = max(read_end.get(u, 0.0), end)
+            _dep_set(read_end, u, end, keep_max=True)
         for u in r.writes:
-            write_end[u] = end
-        last_written[r.engine] = r.writes
+            _dep_set(write_end, u, end, keep_max=False)
+        last_written[key] = r.writes
         if r.engine == "dma":
-            dma_spans.append((start, end))
-        busy[r.engine] += duration
-        counts[r.engine] += 1
+            dma_spans[r.core].append((start, end))
+        core_busy[key] += duration
+        core_counts[key] += 1
         dma_bytes += r.nbytes
         total = max(total, end)
+    busiest = {e: max(cores, key=lambda c: core_busy[(c, e)]) for e in ENGINES}
+    busy = {e: core_busy[(busiest[e], e)] for e in ENGINES}
+    counts = {e: core_counts[(busiest[e], e)] for e in ENGINES}
     util = {e: (busy[e] / total if total else 0.0) for e in ENGINES}
     # DMA activity as neuron-profile shows it: time with at least one transfer in flight (queue busy or landing).
-    util["dma"] = _union_length(dma_spans) / total if total else 0.0
+    util["dma"] = max(_union_length(dma_spans[c]) for c in cores) / total if total else 0.0
     critical = max(ENGINES, key=lambda e: busy[e])
-    return CostReport(target.name, total, busy, util, counts, critical, dma_bytes)
+    return CostReport(target.name, total, busy, util, counts, critical, dma_bytes, cores=len(cores))
 
 
 class _Pool:
@@ -175,6 +191,24 @@ class _Pool:
 
     def give(self, nbytes: int, ready: float):
         self.chunks.append((ready, nbytes))
+
+
+def _dep_time(table, key) -> float:
+    """When the accesses recorded in `table` that `key` depends on end. On-chip buffers are one unit (an int key);
+    an HBM view is (buffer, first element, last element) and depends only on recorded accesses that overlap it."""
+    if not isinstance(key, tuple):
+        return table.get(key, 0.0)
+    uid, lo, hi = key
+    return max((end for (l, h), end in table.get(uid, {}).items() if l <= hi and lo <= h), default=0.0)
+
+
+def _dep_set(table, key, end, keep_max):
+    if not isinstance(key, tuple):
+        table[key] = max(table.get(key, 0.0), end) if keep_max else end
+        return
+    uid, lo, hi = key
+    spans = table.setdefault(uid, {})
+    spans[(lo, hi)] = max(spans.get((lo, hi), 0.0), end) if keep_max else end
 
 
 def _union_length(spans) -> float:
@@ -208,11 +242,14 @@ class CostReport:
     sbuf_peak_bytes: int = 0  # per partition
     psum_peak_bytes: int = 0
     over_capacity_bytes: dict = field(default_factory=dict)  # per partition, in "spill" capacity mode
+    cores: int = 1  # physical NeuronCores (LNC launch); busy times are the busiest core's
 
     def __str__(self) -> str:
         lines = [
             f"estimated kernel time on {self.target}: {self.total_us:.2f} us "
             f"(critical engine: {self.critical_engine})"
+            + (f"; {self.cores} physical NeuronCores (LNC={self.cores}), busy times of the busiest core"
+               if self.cores > 1 else "")
         ]
         for e in ENGINES:
             lines.append(
@@ -227,6 +264,23 @@ class CostReport:
         if over:
             lines.append(f"  OVER CAPACITY (the compiler would spill; not costed): {over} B per partition")
         return "\n".join(lines)
+
+
+def _dep_key(t):
+    """The dependency unit of an operand: its buffer when on chip; for an HBM view, its buffer and the span of
+    elements it touches (the whole buffer when the span is not static, as for gathers), so that transfers to
+    disjoint parts of one HBM tensor (other heads, other chunks, the other core's half of an LNC launch) do not wait
+    for each other."""
+    uid = _uid(t)
+    region = getattr(t, "buffer", None)
+    if uid is None or region is None or getattr(region, "on_chip", True):
+        return uid
+    try:
+        lo = t.offset + sum(min(0, (n - 1) * st) for n, st in zip(t.shape, t.strides))
+        hi = t.offset + sum(max(0, (n - 1) * st) for n, st in zip(t.shape, t.strides))
+    except (AttributeError, TypeError):
+        lo, hi = -(1 << 62), 1 << 62
+    return (uid, int(lo), int(hi))
 
 
 def _uid(t):

@@ -84,6 +84,9 @@ class Target:
     dma_engines: int = 16
     dma_engine_gbps: float = 27 * 1.073741824  # 27 GiB/s per DMA engine, in GB/s
     hbm_gbps_per_core: float = 410.0
+    # Largest LNC degree: physical NeuronCores a kernel launched as `kernel[n]` runs on ("The Neuron SDK currently
+    # supports an LNC degree ... of either 1 or 2", NKI LNC page; trn1/inf2 support only LNC=1).
+    max_lnc: int = 1
     extras: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -103,6 +106,7 @@ TRN2 = Target(
     gpsimd_ghz=1.2,
     vector_lane_width=(4, 2),
     hbm_gbps_per_core=2900.0 / 8,
+    max_lnc=2,
 )
 TARGETS = {"trn1": TRN1, "inf2": INF2, "gen2": TRN1, "trn2": TRN2, "gen3": TRN2}
 

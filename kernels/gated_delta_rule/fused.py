@@ -14,6 +14,9 @@
 
 The NKI versions take `tf32_matmul` (default False): tf32 TensorE operands for bf16 activations, at the bf16 TensorE
 rate, instead of fp32 ones (exact; what the `nki` backend runs, so that it gives the reference's greedy tokens).
+`run_prefill_kernel` also offers bf16 operands (`bf16_matmul=True`, bf16 activations: the fastest prefill, within
+the bf16 tolerance; the mode of the cost target in docs/kernels.md). The prefill kernel is launched with the
+target's LNC degree (2 on trn2: the heads split over the two physical NeuronCores of the logical core).
 
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
@@ -127,7 +130,19 @@ def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
 
 
-def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul=False):
+def _lnc() -> int:
+    """The LNC degree the kernels are launched with: 2 on trn2 (neuronx-cc's default there; the prefill kernel splits
+    the heads over the two physical NeuronCores), 1 on trn1/inf2."""
+    from ..emulator.rules import get_target
+    from ..emulator.runtime import _default_target_name
+
+    return get_target(_default_target_name()).max_lnc
+
+
+def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul=False,
+                       bf16_matmul=False):
+    """`deltanet_prefill_nki` with the operand choice of the kernel: fp32 (default), tf32 or bf16 TensorE operands
+    (the last two for bf16 activations only; see cte.py)."""
     from .cte import gated_delta_rule_cte, solve_masks
 
     _check_emulator()
@@ -136,9 +151,13 @@ def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     if lengths is None:
         lengths = torch.full((B,), q.shape[2], dtype=torch.int32)
     lens = np.ascontiguousarray(lengths.to(torch.int32).reshape(1, -1).numpy())
-    o = gated_delta_rule_cte(
+    o = gated_delta_rule_cte[_lnc()](
         _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
         _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(recurrent_state), seq, lens, solve_masks(), tf32_matmul,
+        _numpy(recurrent_state), seq, lens, solve_masks(), tf32_matmul, bf16_matmul,
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
+
+
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul=False):
+    return run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, tf32_matmul)

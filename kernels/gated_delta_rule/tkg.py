@@ -31,11 +31,13 @@ exponent is <= 0 (decay = exp(g), g <= 0). The state is never rounded below fp32
 
 Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128;
 `benchmarks/deltanet_kernels.py`, docs/kernels.md), fp32 TensorE operands (default) / tf32 (`tf32_matmul=True`):
-    batch 1:  26.8 / 23.4 us (TensorE 9.6 / 3.1, VectorE 6.9, DMA 10.1 us busy); the slots' state traffic at HBM
-              bandwidth is 5.79 us: 4.64x / 4.05x (the issue's target is 1.5x: NOT met)
-    batch 8: 144.3 / 144.3 us (TensorE 77.0 / 24.5, VectorE 50.0, DMA 78.3 us busy); 46.3 us: 3.12x
-The DMA alone is 1.69x at batch 8 in the model (calibrated 0.70 efficiency, 64 B per 512 B run): the 1.5x target
-is below the model's floor for this state layout; the rest is the in-order DMA queue and its 2 us latency.
+    batch 1:  19.4 / 16.0 us (TensorE 9.6 / 3.1, VectorE 6.9, DMA 10.1 us busy); the slots' state traffic at HBM
+              bandwidth is 5.79 us: 3.36x / 2.77x (the issue's target is 1.5x: NOT met)
+    batch 8: 115.9 / 79.6 us (TensorE 77.0 / 24.5, VectorE 50.0, DMA 78.3 us busy, 100% in flight with tf32);
+              46.3 us: 2.50x / 1.72x (NOT met)
+The DMA alone is 1.69x at batch 8 in the model (calibrated 0.70 efficiency, 64 B per 512 B run of the [dk, dv] state
+rows): the 1.5x target is below the model's floor for this on-chip state layout (docs/kernels.md says what layout
+would get closest).
 """
 
 from __future__ import annotations

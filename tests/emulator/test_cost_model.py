@@ -55,6 +55,37 @@ def test_tf32_matmul_costs_as_bf16():
     assert tf32.busy_us["tensor"] == pytest.approx(bf16.busy_us["tensor"])
 
 
+def test_lnc2_launch_runs_programs_on_two_physical_cores():
+    """NKI LNC page: `kernel[2]` on trn2 runs on two physical NeuronCores (own engines); trn1 has LNC=1 only, so
+    a 2-program grid there runs its programs on one core, in turn."""
+
+    @nki.jit
+    def halves(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        n = x.shape[0] // nl.num_programs(0)
+        for i in range(n // 128):
+            r0 = nl.program_id(0) * n + i * 128
+            t = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x[r0:r0 + 128, :])
+            for _ in range(20):  # compute-bound
+                nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=1.0)
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+            nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
+        return out
+
+    x = np.ones((256, 2048), np.float32)
+    out, one = estimate(halves, x, target="trn2")
+    out2, two = estimate(halves, x, target="trn2", grid=2)
+    np.testing.assert_array_equal(out, 2 * x)
+    np.testing.assert_array_equal(out2, 2 * x)
+    assert one.cores == 1 and two.cores == 2
+    assert two.busy_us["vector"] == pytest.approx(one.busy_us["vector"] / 2)
+    assert two.total_us < 0.6 * one.total_us
+    _, trn1_one = estimate(halves, x, target="trn1")
+    _, trn1_two = estimate(halves, x, target="trn1", grid=2)
+    assert trn1_two.cores == 1 and trn1_two.busy_us["vector"] == pytest.approx(trn1_one.busy_us["vector"])
+
+
 def test_fp32_matmul_costs_four_times_bf16():
     fp32, bf16 = matmul_once(np.float32), matmul_once(ml_dtypes.bfloat16)
     assert fp32.busy_us["tensor"] == pytest.approx(4 * bf16.busy_us["tensor"])

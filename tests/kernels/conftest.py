@@ -1,8 +1,8 @@
 """The DeltaNet kernels are sized for trn2 (224 KiB of SBUF per partition), the target of their cost goals.
 
 Importing optimum-neuron on a machine without Neuron sets NEURON_PLATFORM_TARGET_OVERRIDE=trn1, which the
-emulator would follow: these tests name their target instead. On trn1/inf2 (192 KiB) the prefill kernel at
-the 2B layer's 16 heads per rank does not fit (docs/kernels.md, limits).
+emulator would follow: these tests name their target instead (trn2 is also where the prefill kernel runs as an
+LNC=2 launch, its two programs in turn on the emulator).
 """
 
 import pytest

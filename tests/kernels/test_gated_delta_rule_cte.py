@@ -85,6 +85,20 @@ def test_tf32_operands_bf16():
     check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 32, 32), (16, 16, 128, 128)], ids=["nk2-nv4-dk32", "2b-layer"])
+def test_bf16_operands_bf16(shape):
+    """bf16_matmul=True (bf16 TensorE operands, the cost target's mode) with bf16 inputs: within the bf16 tolerance,
+    mixed lengths, nonzero initial states."""
+    nk, nv, dk, dv = shape
+    inputs = make(2, 3, nk, nv, dk, dv, 200, torch.bfloat16, seed=8)
+    seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    nki = {k: v.clone() for k, v in inputs.items()}
+    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
+    o_nki = fused.run_prefill_kernel(**nki, seq_ids=seq_ids, lengths=lengths, bf16_matmul=True)
+    check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
+
+
 def test_padding_and_inactive_rows_change_no_state():
     inputs = make(3, 3, 2, 4, 16, 16, 64, torch.float32, seed=2)
     seq_ids, lengths = torch.tensor([1, -1, 0]), torch.tensor([10, 64, 1])
