@@ -338,7 +338,7 @@ def test_no_neuron_sdk_import_until_a_neuron_target_asks():
     code = (
         "import sys, importlib.util\n"
         "import optimum_qwen35.neuron, optimum_qwen35.neuron.glue, optimum_qwen35.neuron.state_dict\n"
-        "if importlib.util.find_spec('optimum.neuron') is not None:\n"
+        "if importlib.util.find_spec('optimum') is not None and importlib.util.find_spec('optimum.neuron') is not None:\n"
         "    import optimum_qwen35.optimum.modeling\n"
         "    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('neuronx_distributed', 'torch_neuronx', 'torch_xla', 'nki', 'neuronxcc'))\n"
