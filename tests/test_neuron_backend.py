@@ -199,7 +199,7 @@ def test_state_dtypes_restored_after_optimum_neurons_load_cast():
         torch.nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in layout.held_specs
     )
     before = list(module.past_key_values)
-    module._apply(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)  # what load_module does
+    load_cast(module, torch.bfloat16)
     assert {p.dtype for p in module.past_key_values} == {torch.bfloat16}
     glue.restore_state_dtypes(module.past_key_values, layout.held_specs)
     assert [p.dtype for p in module.past_key_values] == [s.dtype for s in layout.held_specs]
@@ -314,10 +314,31 @@ def test_traced_forward_matches_transformers_logits(layout_name):
     assert all(torch.equal(h[0], s) for h, s in zip(held, slot0))
 
 
+def load_cast(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What optimum-neuron's `load_module` does to the module it builds (`decoder_builders.py` L110-115)."""
+    module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def test_rotary_frequencies_rebuilt_after_the_load_cast():
+    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
+    want = Qwen35Decoder(config).rotary(torch.tensor([[0, 255, 301, 4095]]), torch.bfloat16)
+    decoder = Qwen35Decoder(config)
+    load_cast(decoder, torch.bfloat16)
+    cast = decoder.rotary(torch.tensor([[0, 255, 301, 4095]]), torch.bfloat16)
+    assert (cast[0] - want[0]).abs().max() > 0.1  # the trap: bf16 positions and frequencies
+    glue.restore_rotary_frequencies(decoder)
+    assert decoder.rotary.inv_freq.dtype == torch.float32 and decoder.rotary.inv_freq64.dtype == torch.float64
+    got = decoder.rotary(torch.tensor([[0, 255, 301, 4095]]), torch.bfloat16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_traced_forward_keeps_the_state_dtypes_in_bfloat16():
-    """A bf16 model: K/V and conv state stay bf16, the recurrent state fp32, the logits fp32, through both graphs."""
+    """A bf16 model, cast and restored as the model instance does: K/V and conv state stay bf16, the recurrent state
+    fp32, the logits fp32, through both graphs."""
     ref = {len(p): (p, torch.from_numpy(logits)) for p, logits in reference_prompts(load_reference("tiny-nv2x"))}
-    decoder = load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.bfloat16)
+    decoder = load_decoder(FIXTURES / "tiny-nv2x")
+    load_cast(decoder, torch.bfloat16)
+    glue.restore_rotary_frequencies(decoder)
     layout = glue.StateLayout(decoder.state_specs(2, 64))
     assert {s.dtype for s in layout.held_specs} == {torch.bfloat16, torch.float32}
     prompt = ref[63][0]
