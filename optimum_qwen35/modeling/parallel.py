@@ -3,7 +3,8 @@
 The model asks the factory for column-parallel and row-parallel linears, a vocab-parallel embedding
 and lm_head. Sizes are always given per rank. `TorchLayers` builds plain torch modules with
 torch.distributed's functional collectives (tensor parallelism on CPU with gloo, or none at tp_degree 1).
-A Neuron factory, with the same four methods over neuronx-distributed's parallel layers, is not written yet.
+The Neuron factory, with the same four methods over neuronx-distributed's parallel layers, is
+`optimum_qwen35.neuron.layers.NxDLayers` (it multiplies these per-rank sizes back to the global ones NxD takes).
 
 The collectives are the functional ones (`_c10d_functional`, named by process-group name, returning new
 tensors): `torch.export` records them as graph ops, so one exported program serves every rank, and the

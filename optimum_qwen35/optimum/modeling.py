@@ -13,8 +13,9 @@ The optimum-neuron flow, unchanged:
     model.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=50)
 
 One class, one flow; the compilation target (`neuron_config.target`) only changes how graphs are built
-and run: "cpu" runs this project's `torch.export` graphs (`runtime/compiled.py`), "trn1"/"trn2" the
-neuronx-distributed backend (the Neuron SDK; not part of this version).
+and run: "cpu" runs this project's `torch.export` graphs (`runtime/compiled.py`), "trn1"/"trn2" optimum-neuron's
+neuronx-distributed backend (`optimum_qwen35/neuron/`, needs the Neuron SDK; `export` and `from_pretrained` return
+its `Qwen35NxDModelForCausalLM`, and the export folder is optimum-neuron's: model.pt, checkpoint/weights/).
 
 An export folder:
 
@@ -71,13 +72,20 @@ def _neuron_sdk_available() -> bool:
 
 
 def _neuron_backend_unavailable(target: str) -> IncompatibleExportError:
-    if not _neuron_sdk_available():
-        reason = "the Neuron SDK (torch-neuronx, neuronx-distributed) is not installed here"
-    else:
-        reason = "this version of optimum-qwen35 has no Neuron (neuronx-distributed) backend yet"
     return IncompatibleExportError(
-        f"target {target!r} needs the Neuron backend, but {reason}: use target='cpu' (`--target cpu`) on this machine"
+        f"target {target!r} needs the Neuron backend, but the Neuron SDK (torch-neuronx, neuronx-distributed) is not "
+        "installed here: on a Neuron instance install it (`pip install \"optimum-qwen35[neuronx]\"` from AWS's Neuron "
+        "package index); on this machine use target='cpu' (`--target cpu`)"
     )
+
+
+def _neuron_model_class(target: str):
+    """The class that builds and runs the Neuron targets' graphs (`neuron/model.py`; imports the Neuron SDK)."""
+    if not _neuron_sdk_available():
+        raise _neuron_backend_unavailable(target)
+    from ..neuron.model import Qwen35NxDModelForCausalLM  # noqa: PLC0415
+
+    return Qwen35NxDModelForCausalLM
 
 
 def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, allow_patterns=None) -> Path:
@@ -243,7 +251,19 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         **kwargs,
     ):
         if neuron_config.target != nc.CPU_TARGET:
-            raise _neuron_backend_unavailable(neuron_config.target)
+            # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout).
+            return _neuron_model_class(neuron_config.target)._export(
+                model_id,
+                _export_config(config, model_id, neuron_config.torch_dtype),
+                neuron_config,
+                token=token,
+                revision=revision,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                local_files_only=local_files_only,
+                trust_remote_code=trust_remote_code,
+                load_weights=load_weights,
+            )
         from ..checkpoint.shard import save_sharded  # noqa: PLC0415
         from ..runtime.compiled import CHECKPOINT_DIR, COMPILED_DIR, compile_graphs  # noqa: PLC0415
         from ..runtime.cpu import default_buckets  # noqa: PLC0415
@@ -374,7 +394,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         neuron_config = nc.load(folder)
         nc.check_expected(neuron_config, folder, **expected)
         if neuron_config.target != nc.CPU_TARGET:
-            raise _neuron_backend_unavailable(neuron_config.target)
+            return _neuron_model_class(neuron_config.target)._from_pretrained(folder, config)
         _check_cpu_export(folder, neuron_config)
         model = cls(config, neuron_config, folder)
         model.runtime  # noqa: B018 (load now: a folder whose weights do not match fails here, not at generate)

@@ -1,0 +1,194 @@
+"""What the Neuron graphs need around the model, as plain torch (no Neuron SDK): every function here runs on CPU.
+
+optimum-neuron 0.4.5's traced decoder (`NxDDecoderModelForCausalLM.forward`) takes
+`(input_ids, position_ids, seq_ids, sampling_params)` and returns `[tokens or logits, *cache tensors]`, each cache
+tensor a module parameter aliased to its output (`DecoderModelInstanceForCausalLM.get`), so that the runtime
+updates it in place and never returns it. This module fixes, for Qwen3.5:
+
+- the order of the held state: the K/V of the attention layers first (what optimum-neuron calls the KV cache),
+  then the DeltaNet conv and recurrent states (`StateLayout`), and the alias map held state j -> output 1 + j;
+- the traced forward itself (`step`): context encoding when more than one token comes in, token generation for one;
+- optimum-neuron's input conventions: prompts right-padded to the context length with position 1
+  (`decoder_wrappers.py` L115-124), hence `context_attention_mask`; a 1-token prompt served by the
+  token-generation graph at position 0 (`modeling_decoder.py` L380), hence `reset_fresh_slots`;
+- `restore_state_dtypes`, `restore_rotary_frequencies`: optimum-neuron casts every floating tensor of the module to
+  the model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the rotary frequencies
+  included; they must be fp32 again before tracing;
+- `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..modeling.state import StateSpec
+
+# Graph outputs: [logits, *held state]: the held state j is output STATE_OUTPUT_OFFSET + j.
+STATE_OUTPUT_OFFSET = 1
+KV_STATE_SUFFIXES = (".key_cache", ".value_cache")
+
+
+class StateLayout:
+    """The decoder's state list (layer by layer, `Qwen35Decoder.state_specs`) and the order the graph holds it in.
+
+    Held (and output) order: the K and V of every attention layer in layer order, then the conv and recurrent
+    states of every DeltaNet layer in layer order. `output_order[j]` is the decoder index of held state j.
+    """
+
+    def __init__(self, specs: Sequence[StateSpec]):
+        self.specs = list(specs)
+        kv = [i for i, s in enumerate(self.specs) if s.name.endswith(KV_STATE_SUFFIXES)]
+        recurrent = [i for i, s in enumerate(self.specs) if not s.name.endswith(KV_STATE_SUFFIXES)]
+        self.output_order = kv + recurrent
+        self.num_kv = len(kv)
+        self._held_index = {decoder_index: j for j, decoder_index in enumerate(self.output_order)}
+
+    @property
+    def held_specs(self) -> list[StateSpec]:
+        return [self.specs[i] for i in self.output_order]
+
+    def is_kv(self, held_index: int) -> bool:
+        return held_index < self.num_kv
+
+    def to_held(self, state: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Decoder order -> held (output) order."""
+        return [state[i] for i in self.output_order]
+
+    def to_decoder(self, held: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Held (output) order -> decoder order."""
+        return [held[self._held_index[i]] for i in range(len(self.specs))]
+
+    def alias_map(self) -> dict[int, int]:
+        """Held state index -> the graph output that updates it in place."""
+        return {j: STATE_OUTPUT_OFFSET + j for j in range(len(self.specs))}
+
+
+def context_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """Real tokens per row of a context-encoding input in optimum-neuron's convention: positions p0 .. p0 + n - 1,
+    then padding at position 1, so n = max(position) - p0 + 1 (p0 = 0 for a new prompt).
+
+    A 1-token prompt padded to a wider batch ([0, 1, 1, ...]) reads as 2 tokens, the pad included: optimum-neuron
+    then continues that row at position max + 1 = 2 (`increase_position_ids`), which is consistent with it.
+    """
+    return position_ids.amax(-1) - position_ids[:, 0] + 1
+
+
+def context_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] 1 for the real tokens of right-padded rows (see `context_lengths`), 0 for the padding."""
+    columns = torch.arange(position_ids.shape[-1], device=position_ids.device)[None, :]
+    return (columns < context_lengths(position_ids)[:, None]).to(torch.int64)
+
+
+def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """optimum-neuron's position ids for a right-padded batch (`generation_utils.py` L46-49): 0, 1, ... on real
+    tokens, 1 on padding."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def pad_context_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, length: int, pad_token_id: int):
+    """Right-pad a context-encoding batch to the compiled context length as optimum-neuron's wrapper does
+    (`decoder_wrappers.py` L115-124): ids with the pad token, positions with 1."""
+    extra = length - input_ids.shape[-1]
+    return (
+        torch.nn.functional.pad(input_ids, (0, extra), value=pad_token_id),
+        torch.nn.functional.pad(position_ids, (0, extra), value=1),
+    )
+
+
+def reset_fresh_slots(
+    layout: StateLayout, held: Sequence[torch.Tensor], seq_ids: torch.Tensor, position_ids: torch.Tensor
+) -> list[torch.Tensor]:
+    """Zero the DeltaNet states of the slots whose row is at position 0 (a sequence starting in token generation).
+
+    optimum-neuron runs a 1-token prompt through the token-generation graph; the slot may hold a finished
+    sequence's states. The K/V need no reset: attention at position 0 reads only position 0, which this step
+    writes. Inactive rows (seq_id -1) reset nothing. Returns the held list with the reset tensors replaced.
+    """
+    slots = held[0].shape[0]
+    fresh = (position_ids[:, 0] == 0) & (seq_ids >= 0)  # [B]
+    hit = ((seq_ids.to(torch.int64)[None, :] == torch.arange(slots, device=seq_ids.device)[:, None]) & fresh[None, :]).any(1)
+    out = []
+    for j, tensor in enumerate(held):
+        if layout.is_kv(j):
+            out.append(tensor)
+        else:
+            keep = ~hit.view(-1, *([1] * (tensor.dim() - 1)))
+            out.append(torch.where(keep, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device)))
+    return out
+
+
+def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, position_ids, seq_ids) -> list[torch.Tensor]:
+    """The traced forward: `[logits [B, 1, vocab] fp32, *held state updated]`.
+
+    More than one token: context encoding of right-padded rows (the attention mask comes from the positions);
+    one token: token generation, after resetting the slots that start at position 0. Which branch is traced is
+    fixed by the example input's shape (one graph each), as in optimum-neuron's `_is_context_encoding`.
+    """
+    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
+    if input_ids.shape[-1] > 1:
+        mask = context_attention_mask(position_ids)
+        out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held))
+    else:
+        held = reset_fresh_slots(layout, held, seq_ids, position_ids)
+        out = decoder.token_generation(input_ids, position_ids, seq_ids, *layout.to_decoder(held))
+    logits, state = out[0], list(out[1:])
+    return [logits.float()[:, None, :], *layout.to_held(state)]
+
+
+def restore_state_dtypes(held: Sequence[torch.nn.Parameter], specs: Sequence[StateSpec]) -> None:
+    """Give each held state back its dtype (the recurrent state fp32), in place on the same Parameter objects
+    (the alias map refers to them), after optimum-neuron's load-time cast of every floating tensor."""
+    held, specs = list(held), list(specs)
+    if len(held) != len(specs):
+        raise ValueError(f"{len(held)} held state tensors for {len(specs)} state specs")
+    for tensor, spec in zip(held, specs):
+        if tuple(tensor.shape) != tuple(spec.shape):
+            raise ValueError(f"{spec.name}: held shape {tuple(tensor.shape)}, expected {tuple(spec.shape)}")
+        if tensor.dtype != spec.dtype:
+            tensor.data = tensor.data.to(spec.dtype)
+
+
+def restore_rotary_frequencies(decoder) -> None:
+    """Rebuild the rotary frequencies (fp32, and fp64 for float64 runs) after optimum-neuron's load-time cast.
+
+    They are non-persistent buffers of the decoder's `RotaryEmbedding`, so the cast that turns every floating
+    tensor into the model dtype turns them into bf16 too: positions would then be rounded to bf16 (every odd
+    position above 256 lands on an even one) and each frequency to 3 significant digits.
+    """
+    from ..modeling.layers import RotaryEmbedding  # noqa: PLC0415
+
+    fresh = RotaryEmbedding(decoder.rotary.rotary_dim, decoder.config.rope_theta)
+    for name, buffer in fresh.named_buffers():
+        setattr(decoder.rotary, name, buffer.to(getattr(decoder.rotary, name).device))
+
+
+def compiler_args(target: str | None, logical_nc_config: int) -> str:
+    """neuronx-cc flags for both graphs.
+
+    `--auto-cast=none` is the one this model cannot do without: the recurrent state, the gates, the norms and the
+    logits are fp32 in the graph, and any auto-cast would round them to bf16. The rest are the flags optimum-neuron
+    0.4.5 compiles its decoders with (`NxDModelForCausalLM.get_compiler_args`): transformer model type, -O2, the
+    logical core count (2 on trn2) and the target.
+    """
+    tensorizer = "--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 --vectorize-strided-dma"
+    flags = ["--auto-cast=none", "--model-type=transformer", f"--tensorizer-options='{tensorizer}'", "-O2", f"--lnc={logical_nc_config}"]
+    if target:
+        flags += ["--target", target]
+    return " ".join(flags)
+
+
+def check_neuron_config(neuron_config) -> None:
+    """What this backend supports of an NxDNeuronConfig: no speculation (a DeltaNet state cannot be rolled back
+    after rejected draft tokens), logits out (tokens are chosen on the host from fp32 logits), no extra outputs."""
+    problems = []
+    if getattr(neuron_config, "speculation_length", 0):
+        problems.append(f"speculation_length={neuron_config.speculation_length} (must be 0)")
+    if getattr(neuron_config, "on_device_sampling", False):
+        problems.append("on_device_sampling=True (must be False)")
+    if getattr(neuron_config, "output_logits", False):
+        problems.append("output_logits=True (must be False)")
+    if problems:
+        raise ValueError("Qwen3.5's Neuron graphs do not support " + ", ".join(problems))

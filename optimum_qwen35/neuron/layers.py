@@ -1,0 +1,60 @@
+"""The layer factory over neuronx-distributed's parallel layers (needs the Neuron SDK; imported lazily).
+
+Same four methods as `modeling.parallel.TorchLayers`, which the model calls with per-rank sizes. neuronx-distributed's
+layers take global sizes and divide by the tensor-parallel degree themselves, so each per-rank size is multiplied
+back by t: per-rank x t is exactly the size of the tensor's TP layout (`checkpoint/shard.py`: MLP and vocabulary
+padded, KV heads repeated when t > KV heads), whose contiguous block r is rank r's shard -- neuronx-distributed's
+split contract. Weights are created in the model dtype. Outputs of column-parallel layers stay sharded (the next
+row-parallel layer takes them as they are); row-parallel layers all-reduce (in fp32, neuronx-distributed's default).
+
+- embedding: ParallelEmbedding split by vocabulary, its rank read from a tensor (`use_spmd_rank`: the
+  `embed_tokens.rank_util.rank` weight, arange(t) split by rank), so that one traced graph serves every rank;
+- lm_head: a ColumnParallelLinear whose logits are computed in fp32 (as `TorchLayers`' head: the host samples from
+  fp32 logits), gathered across ranks along the vocabulary, the vocabulary padding cut off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
+
+
+class VocabGatheringHead(ColumnParallelLinear):
+    """lm_head over this rank's vocabulary rows: fp32 logits, gathered whole, the padding cut off."""
+
+    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, dtype: torch.dtype):
+        super().__init__(hidden_size, padded_vocab_size, bias=False, gather_output=False, dtype=dtype)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(acc), self.weight.to(acc))
+        logits = gather_from_tensor_model_parallel_region(logits, process_group=self.tensor_parallel_group)
+        return logits[..., : self.vocab_size]
+
+
+class NxDLayers:
+    """The model's layer factory on Neuron (the interface of `modeling.parallel.TorchLayers`)."""
+
+    def __init__(self, tp_degree: int, dtype: torch.dtype):
+        self.tp_degree, self.dtype = tp_degree, dtype
+
+    def column_linear(self, in_features: int, out_features_per_rank: int):
+        return ColumnParallelLinear(
+            in_features, out_features_per_rank * self.tp_degree, bias=False, gather_output=False, dtype=self.dtype
+        )
+
+    def row_linear(self, in_features_per_rank: int, out_features: int):
+        return RowParallelLinear(
+            in_features_per_rank * self.tp_degree, out_features, bias=False, input_is_parallel=True, dtype=self.dtype
+        )
+
+    def embedding(self, vocab_per_rank: int, hidden_size: int):
+        return ParallelEmbedding(
+            vocab_per_rank * self.tp_degree, hidden_size, dtype=self.dtype, shard_across_embedding=False, use_spmd_rank=True
+        )
+
+    def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int):
+        return VocabGatheringHead(hidden_size, vocab_per_rank * self.tp_degree, vocab_size, self.dtype)

@@ -1,0 +1,154 @@
+"""Qwen3.5 on optimum-neuron 0.4.5's NxD backend (needs the Neuron SDK; imported lazily by the Neuron targets).
+
+- `Qwen35NxDDecoderModel`, the traced module: the one model definition (`modeling.decoder.Qwen35Decoder`) built
+  over `NxDLayers`, holding the decoder state as parameters in optimum-neuron's order (K/V of the attention layers,
+  then the DeltaNet states), its forward `glue.step` with optimum-neuron's signature
+  `(input_ids, position_ids, seq_ids, sampling_params) -> [logits, *state]`;
+- `Qwen35DecoderModelInstance`: builds it, re-casts the state to its dtypes after optimum-neuron's load-time cast
+  (the recurrent state back to fp32), and aliases every held state to its output;
+- `Qwen35NxDModelForCausalLM`, the `NxDModelForCausalLM` subclass: the two graphs (context encoding, token
+  generation; no speculation), compiler flags, and weights split per rank by this project's layout (`state_dict`)
+  instead of neuronx-distributed's splitter, which does not split plain parameters (A_log, dt_bias, conv_weight).
+
+`optimum_qwen35.optimum.Qwen35NeuronModelForCausalLM` hands its Neuron targets to `Qwen35NxDModelForCausalLM`.
+None of this has run: see docs/neuron_backend.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from optimum.neuron.models.inference.backend.modules.decoder.decoder_builders import (
+    DecoderModelInstanceForCausalLM,
+    NxDDecoderBuilderForCausalLM,
+)
+from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder import NxDModelForCausalLM
+from optimum.neuron.models.inference.backend.pretrained_model import get_shards_path
+from safetensors.torch import save_file
+from torch import nn
+
+from ..modeling.decoder import Qwen35Decoder
+from . import glue
+from . import state_dict as weights
+from .layers import NxDLayers
+
+
+def shard_file(checkpoint_dir: str, rank: int) -> str:
+    """Where optimum-neuron 0.4.5 looks for rank `rank`'s pre-split weights (`pretrained_model.py` L194)."""
+    return os.path.join(get_shards_path(checkpoint_dir), f"tp{rank}_sharded_checkpoint.safetensors")
+
+
+class Qwen35NxDDecoderModel(Qwen35Decoder):
+    """The traced module: the decoder over neuronx-distributed's layers, with its state held as parameters."""
+
+    def __init__(self, config, neuron_config):
+        glue.check_neuron_config(neuron_config)
+        qwen_config = weights.qwen_config(config)
+        super().__init__(qwen_config, neuron_config.tp_degree, NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype))
+        if qwen_config.tie_word_embeddings:
+            # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as
+            # optimum-neuron's tied models do: a weight shared by two layers is not something its tracing handles.
+            self.lm_head.weight = nn.Parameter(torch.empty_like(self.embed_tokens.weight))
+        self.neuron_config = neuron_config
+        self.kv_mgr = None  # read by optimum-neuron's model instance; this module holds all its state itself
+        specs = self.state_specs(neuron_config.max_batch_size, neuron_config.sequence_length)
+        self.state_layout = glue.StateLayout(specs)
+        self.past_key_values = nn.ParameterList(
+            nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in self.state_layout.held_specs
+        )
+
+    def forward(self, input_ids, position_ids, seq_ids, sampling_params):
+        return glue.step(self, self.state_layout, list(self.past_key_values), input_ids, position_ids, seq_ids)
+
+
+class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
+    def load_module(self):
+        super().load_module()  # builds the module, then casts every floating tensor to the model dtype
+        glue.restore_state_dtypes(self.module.past_key_values, self.module.state_layout.held_specs)
+        glue.restore_rotary_frequencies(self.module)
+
+    def get(self, bucket_rank, **kwargs):
+        if bucket_rank != 0:
+            raise ValueError(f"one bucket per graph, got bucket_rank={bucket_rank}")
+        held = self.module.past_key_values
+        self.input_output_aliases = {held[j]: output for j, output in self.module.state_layout.alias_map().items()}
+        return self.module, self.input_output_aliases
+
+
+class Qwen35DecoderBuilder(NxDDecoderBuilderForCausalLM):
+    def get_model_instance(self):
+        return Qwen35DecoderModelInstance(
+            model_cls=self.model_cls, config=self.config, neuron_config=self.neuron_config, n_positions=self.max_tokens
+        )
+
+
+class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
+    """Qwen3.5 on Neuron: what `Qwen35NeuronModelForCausalLM` returns for the trn1/inf2/trn2 targets."""
+
+    _model_cls = Qwen35NxDDecoderModel
+    _STATE_DICT_MODEL_PREFIX = weights.STATE_DICT_MODEL_PREFIX
+    # optimum-neuron main's chunked prefill would cut a prompt into context-encoding calls at positions > 0.
+    _supports_chunked_prefill = False
+
+    @staticmethod
+    def convert_hf_to_neuron_state_dict(state_dict: dict, config, neuron_config) -> dict:
+        return weights.convert_hf_to_neuron_state_dict(state_dict, config, neuron_config)
+
+    @staticmethod
+    def update_state_dict_for_tied_weights(state_dict: dict) -> None:
+        weights.tie_lm_head(state_dict)
+
+    @classmethod
+    def _get_neuron_config(cls, checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype, **kwargs):
+        from ..optimum.modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
+
+        return Qwen35NeuronModelForCausalLM._get_neuron_config(
+            checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype
+        )
+
+    @classmethod
+    def create_graph_builders(cls, config, neuron_config):
+        glue.check_neuron_config(neuron_config)
+        ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
+        tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
+        return {
+            "context_encoding": Qwen35DecoderBuilder(
+                config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
+            ),
+            "token_generation": Qwen35DecoderBuilder(
+                config, tkg, max_tokens=tkg.sequence_length, active_tokens=1, model_cls=cls._model_cls, priority_model_idx=0
+            ),
+        }
+
+    @classmethod
+    def get_compiler_args(cls, neuron_config) -> str:
+        return glue.compiler_args(neuron_config.target, neuron_config.logical_nc_config)
+
+    # ------------------------------------------------------------------ weights, split by this project's layout
+    def _ranks(self) -> range:
+        nc = self.neuron_config
+        return range(nc.start_rank_id, nc.start_rank_id + nc.local_ranks_size)
+
+    def _rank_state_dicts(self, checkpoint_path) -> list[dict[str, torch.Tensor]]:
+        """Each local rank's tensors from a Hugging Face checkpoint folder (optimum-neuron's `get_state_dict`:
+        every safetensors file, prefix stripped, `convert_hf_to_neuron_state_dict`, the tied lm_head)."""
+        whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
+        nc = self.neuron_config
+        return [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+
+    def _load_weights_from_path(self, weights_path):
+        if os.path.exists(shard_file(weights_path, self.neuron_config.start_rank_id)):
+            return super()._load_weights_from_path(weights_path)  # the pre-split files `shard_checkpoint` writes
+        if self._traced_model is None:
+            raise ValueError("Model is not loaded")
+        rank_tensors = self._rank_state_dicts(weights_path)
+        start_rank = torch.tensor([self.neuron_config.start_rank_id], dtype=torch.int32, device="cpu")
+        self._traced_model.nxd_model.initialize(rank_tensors, start_rank)
+
+    def shard_checkpoint(self, src_path, dest_path, debug: bool = False):
+        """Write each rank's tensors where `_load_weights_from_path` finds them (called by `save_pretrained` for
+        a model exported from a local folder)."""
+        os.makedirs(get_shards_path(dest_path), exist_ok=True)
+        for rank, tensors in zip(self._ranks(), self._rank_state_dicts(src_path)):
+            save_file(tensors, shard_file(dest_path, rank))

@@ -1,0 +1,114 @@
+"""Checkpoint tensors -> what each Neuron rank loads, in `checkpoint/shard.py`'s layout (no Neuron SDK needed).
+
+optimum-neuron 0.4.5 loads weights as `get_state_dict` (every safetensors tensor, `_STATE_DICT_MODEL_PREFIX`
+stripped) -> `convert_hf_to_neuron_state_dict(state_dict, config, neuron_config)` -> one whole state dict, which
+neuronx-distributed then splits per rank (`trace.py` `shard_children`). That splitter only splits the parameters
+of its own parallel layers (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, SPMDRank...): a plain
+`nn.Parameter` such as the DeltaNet `A_log`, `dt_bias` or `conv_weight` would reach every rank whole, although
+each rank holds only its heads. So this backend keeps optimum-neuron's conversion hook but does the split itself:
+
+- `convert_hf_to_neuron_state_dict` returns each decoder tensor in its *TP layout* (`shard.tp_layout`: DeltaNet
+  q/k/v rows and conv channels regrouped per rank, KV heads repeated when t > KV heads, MLP and vocabulary
+  zero-padded), where rank r's shard is block r of t equal blocks along `shard.shard_dim` -- the contract of
+  neuronx-distributed's parallel layers, so the layout is also what its splitter would expect of them -- plus
+  the rank tensor `embed_tokens.rank_util.rank` = arange(t) (the vocabulary-parallel embedding's rank, a tensor so
+  that one graph serves every rank);
+- `rank_state_dict` cuts rank r's tensors out of it, every tensor (A_log, dt_bias and conv_weight with their value
+  heads, as the CPU runtime's `convert_and_shard` does) -- the same tensors `shard.save_sharded` writes;
+- tied embeddings: the traced module has its own lm_head weight (as optimum-neuron's tied models do), filled
+  from the embedding by `tie_lm_head` (optimum-neuron's `update_state_dict_for_tied_weights`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes
+from ..checkpoint.reader import text_name
+from ..checkpoint.shard import shard_dim, tp_layout
+from ..config import Qwen35Config
+
+# The rank tensor of the vocabulary-parallel embedding (neuronx-distributed's SPMDRank inside ParallelEmbedding).
+RANK_KEY = "embed_tokens.rank_util.rank"
+# The prefix optimum-neuron strips from checkpoint keys before the conversion (Qwen's vision-language checkpoints).
+STATE_DICT_MODEL_PREFIX = "model.language_model."
+
+
+def qwen_config(config) -> Qwen35Config:
+    """A Qwen35Config from a transformers config (text or composite), a dict, or a Qwen35Config."""
+    if isinstance(config, Qwen35Config):
+        return config
+    if isinstance(config, dict):
+        return Qwen35Config.from_dict(config)
+    return Qwen35Config.from_dict(config.to_dict())
+
+
+class _Tensors:
+    """A dict of tensors seen as a checkpoint, for `convert.check_checkpoint`'s one-line-per-problem error."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], where: str):
+        self.tensors, self.folder = tensors, where
+
+    def names(self):
+        return list(self.tensors)
+
+    def shape(self, name):
+        return tuple(self.tensors[name].shape)
+
+
+def text_tensors(state_dict: dict[str, torch.Tensor], config: Qwen35Config) -> dict[str, torch.Tensor]:
+    """The text decoder's tensors by checkpoint-relative name (`layers.0.linear_attn.conv1d.weight`), from keys
+    with or without optimum-neuron's prefix strip; the vision tower and the MTP head are left out."""
+    expected = expected_shapes(config)
+    out = {}
+    for key, tensor in state_dict.items():
+        name = key if key in expected else text_name(key)
+        if name is None and key.startswith("language_model."):  # optimum-neuron's default "model." strip
+            name = key[len("language_model.") :]
+        if name is not None:
+            out[name] = tensor
+    return out
+
+
+def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor], config, neuron_config) -> dict[str, torch.Tensor]:
+    """optimum-neuron's conversion hook: checkpoint tensors -> decoder names, each in its TP layout, plus the rank
+    tensor. Raises `CheckpointError` listing every missing, unexpected or wrongly shaped text tensor."""
+    cfg = qwen_config(config)
+    t = neuron_config.tp_degree
+    cfg.check_tp_degree(t)
+    text = text_tensors(state_dict, cfg)
+    if cfg.tie_word_embeddings:
+        text.pop("lm_head.weight", None)  # some exports write the tied copy; it is the embedding
+    check_checkpoint(_Tensors(text, "(the state dict given to convert_hf_to_neuron_state_dict)"), cfg)
+    out = {}
+    for name in expected_shapes(cfg):
+        layout, _ = tp_layout(decoder_name(name), convert_tensor(name, text[name]), cfg, t)
+        out[decoder_name(name)] = layout
+    out[RANK_KEY] = torch.arange(t, dtype=torch.int32)
+    return out
+
+
+def tie_lm_head(state_dict: dict[str, torch.Tensor]) -> None:
+    """optimum-neuron's `update_state_dict_for_tied_weights`: the lm_head reads the embedding's rows (both are
+    split by vocabulary, in the same layout)."""
+    state_dict["lm_head.weight"] = state_dict["embed_tokens.weight"]
+
+
+def rank_state_dict(
+    neuron_state_dict: dict[str, torch.Tensor], tp_degree: int, rank: int, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors (owned, contiguous) from `convert_hf_to_neuron_state_dict`'s output; floating tensors
+    cast to `dtype` (the model dtype), the rank tensor kept int32."""
+    if not 0 <= rank < tp_degree:
+        raise ValueError(f"rank {rank} is outside 0..{tp_degree - 1}")
+    out = {}
+    for name, tensor in neuron_state_dict.items():
+        if name == RANK_KEY:
+            out[name] = tensor[rank : rank + 1].clone()
+            continue
+        dim = shard_dim(name)
+        shard = tensor if dim is None else tensor.chunk(tp_degree, dim)[rank]
+        cast = dtype if dtype is not None and shard.is_floating_point() else shard.dtype
+        # A copy, so that a rank's tensors do not keep the whole layout alive.
+        out[name] = shard.to(dtype=cast, memory_format=torch.contiguous_format, copy=True)
+    return out
