@@ -12,7 +12,8 @@ cache; ours: `Qwen35ForCausalLM.generate` with a static batch of that size), tim
 - TTFT: from the call to the first new token of every row (prefill of the whole batch + its argmax);
 - Throughput: new tokens per second after the first (batch x (decode - 1) / time from first to last token).
 
-Each is the best of --repeat runs (the machine may be shared: only side-by-side ratios mean much). The greedy
+Each is the best of --repeat runs, the two sides alternating (the machine may be shared: only side-by-side
+ratios mean much). The greedy
 tokens of both sides are compared row by row. With --long, the same at batch 1 after a --long-token prompt, and
 the peak RSS of a process during that prefill (each side in its own fresh process, the high-water mark reset
 after loading; weights and our preallocated state included). Prints tables in the format of the seed's
@@ -113,16 +114,19 @@ def run_ours(decoder, prompts, decode):
     return clock, out
 
 
-def measure(run, model, prompts, decode, repeat):
-    """Best TTFT and best decode time over `repeat` runs; the tokens of the last run."""
-    ttft = steps = float("inf")
+def measure(hf, ours, prompts, decode, repeat):
+    """Both sides, `repeat` times, alternating (so that a change in the machine's load hits both alike): the best
+    TTFT and the best decode throughput of each, and the tokens of their last runs."""
+    best = {"transformers": [float("inf"), float("inf"), None], "ours": [float("inf"), float("inf"), None]}
     for _ in range(repeat):
-        with torch.no_grad():
-            clock, tokens = run(model, prompts, decode)
-        ttft = min(ttft, clock.first - clock.start)
-        steps = min(steps, clock.last - clock.first)
+        for name, run, model in (("transformers", run_hf, hf), ("ours", run_ours, ours)):
+            with torch.no_grad():
+                clock, tokens = run(model, prompts, decode)
+            best[name][0] = min(best[name][0], clock.first - clock.start)
+            best[name][1] = min(best[name][1], clock.last - clock.first)
+            best[name][2] = tokens
     B = prompts.shape[0]
-    return ttft, B * (decode - 1) / max(steps, 1e-9), tokens
+    return [(ttft, B * (decode - 1) / max(steps, 1e-9), tokens) for ttft, steps, tokens in best.values()]
 
 
 def agreement(a, b):
@@ -198,16 +202,14 @@ def main() -> None:
             rows = []
             for b in args.batches:
                 prompts = prompts_for(b, args.prompt)
-                hf_ttft, hf_tps, hf_tokens = measure(run_hf, hf, prompts, args.decode, args.repeat)
-                our_ttft, our_tps, our_tokens = measure(run_ours, ours, prompts, args.decode, args.repeat)
+                (hf_ttft, hf_tps, hf_tokens), (our_ttft, our_tps, our_tokens) = measure(hf, ours, prompts, args.decode, args.repeat)
                 rows.append((b, (hf_ttft, hf_tps), (our_ttft, our_tps), agreement(hf_tokens, our_tokens), args.decode))
                 print(f"  batch {b}: transformers {hf_ttft * 1e3:.0f} ms, {hf_tps:.2f} tok/s; ours {our_ttft * 1e3:.0f} ms, "
                       f"{our_tps:.2f} tok/s", flush=True)
             table(f"{name}, prompt {args.prompt} tokens, {args.decode} new tokens", rows)
             if args.long:
                 prompts = prompts_for(1, args.long)
-                hf_ttft, hf_tps, hf_tokens = measure(run_hf, hf, prompts, args.decode, args.repeat)
-                our_ttft, our_tps, our_tokens = measure(run_ours, ours, prompts, args.decode, args.repeat)
+                (hf_ttft, hf_tps, hf_tokens), (our_ttft, our_tps, our_tokens) = measure(hf, ours, prompts, args.decode, args.repeat)
                 table(f"{name}, prompt {args.long} tokens, {args.decode} new tokens",
                       [(1, (hf_ttft, hf_tps), (our_ttft, our_tps), agreement(hf_tokens, our_tokens), args.decode)])
             del hf, ours
