@@ -96,3 +96,20 @@ def test_padded_vocabulary_is_never_selected(monkeypatch):
         assert logits.shape == (3, 1, vocab)
         torch.testing.assert_close(logits, torch.nn.functional.linear(x, full))
         assert logits.argmax(-1).lt(vocab).all()
+
+
+def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
+    """A_log and dt_bias are held in fp32 whatever the model dtype: loaded from a checkpoint, and from a bf16
+    per-rank export (save_sharded with dtype) loaded back."""
+    from optimum_qwen35.checkpoint.shard import save_sharded
+
+    def gate_dtypes(decoder):
+        return {p.dtype for name, p in decoder.named_parameters() if name.endswith(("A_log", "dt_bias"))}
+
+    decoder = load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.bfloat16)
+    assert gate_dtypes(decoder) == {torch.float32}
+    assert decoder.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    export = save_sharded(FIXTURES / "tiny-nv2x", None, 1, tmp_path / "export", dtype=torch.bfloat16, progress=False)
+    assert gate_dtypes(load_decoder(export, dtype=torch.bfloat16)) == {torch.float32}
+    assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x")) == {torch.float32}
+    assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.float64)) == {torch.float64}
