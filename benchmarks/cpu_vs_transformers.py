@@ -10,7 +10,9 @@ loads it in both implementations, in each dtype. Then, for each batch size, the 
 cache; ours: `Qwen35ForCausalLM.generate` with a static batch of that size), timed through each side's streamer:
 
 - TTFT: from the call to the first new token of every row (prefill of the whole batch + its argmax);
-- Throughput: new tokens per second after the first (batch x (decode - 1) / time from first to last token).
+- Throughput: new tokens per second after the first (batch x (decode - 1) / time from first to last token),
+
+both by the wall clock and by the process's CPU time.
 
 Each is the best of --repeat runs, the two sides alternating (the machine may be shared: only side-by-side
 ratios mean much). The greedy
@@ -67,14 +69,19 @@ def load_ours(folder, dtype):
     return load_decoder(folder, dtype)
 
 
+def _now():
+    """(wall clock, this process's CPU time)."""
+    return time.perf_counter(), time.process_time()
+
+
 class _Clock:
-    """Times of the first and the last new token (streamer callbacks of both sides)."""
+    """Times of the first and the last new token (streamer callbacks of both sides), wall and CPU."""
 
     def __init__(self):
-        self.start, self.first, self.last = time.perf_counter(), None, None
+        self.start, self.first, self.last = _now(), None, None
 
     def token(self):
-        now = time.perf_counter()
+        now = _now()
         self.first = self.first if self.first is not None else now
         self.last = now
 
@@ -95,7 +102,7 @@ def run_hf(hf, prompts, decode):
         def end(self):
             pass
 
-    clock.start = time.perf_counter()
+    clock.start = _now()
     out = hf.generate(
         prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=decode, min_new_tokens=decode,
         do_sample=False, streamer=Streamer(),
@@ -109,7 +116,7 @@ def run_ours(decoder, prompts, decode):
     B, T = prompts.shape
     model = Qwen35ForCausalLM(decoder, batch_size=B, max_length=T + decode, buckets=[T])
     clock = _Clock()
-    clock.start = time.perf_counter()
+    clock.start = _now()
     out = model.generate(prompts.tolist(), max_new_tokens=decode, streamer=lambda step, tokens: clock.token())
     return clock, out
 
@@ -117,16 +124,19 @@ def run_ours(decoder, prompts, decode):
 def measure(hf, ours, prompts, decode, repeat):
     """Both sides, `repeat` times, alternating (so that a change in the machine's load hits both alike): the best
     TTFT and the best decode throughput of each, and the tokens of their last runs."""
-    best = {"transformers": [float("inf"), float("inf"), None], "ours": [float("inf"), float("inf"), None]}
+    inf = float("inf")
+    best = {name: [[inf, inf], [inf, inf], None] for name in ("transformers", "ours")}  # [wall, cpu] each
     for _ in range(repeat):
         for name, run, model in (("transformers", run_hf, hf), ("ours", run_ours, ours)):
             with torch.no_grad():
                 clock, tokens = run(model, prompts, decode)
-            best[name][0] = min(best[name][0], clock.first - clock.start)
-            best[name][1] = min(best[name][1], clock.last - clock.first)
+            for i in (0, 1):
+                best[name][0][i] = min(best[name][0][i], clock.first[i] - clock.start[i])
+                best[name][1][i] = min(best[name][1][i], clock.last[i] - clock.first[i])
             best[name][2] = tokens
     B = prompts.shape[0]
-    return [(ttft, B * (decode - 1) / max(steps, 1e-9), tokens) for ttft, steps, tokens in best.values()]
+    return [([ttft[i] for i in (0, 1)], [B * (decode - 1) / max(steps[i], 1e-9) for i in (0, 1)], tokens)
+            for ttft, steps, tokens in best.values()]
 
 
 def agreement(a, b):
@@ -135,6 +145,13 @@ def agreement(a, b):
 
 
 def table(title, rows):
+    """Two tables: wall clock, then process CPU time (with --threads 1, the time on an unshared core: the
+    fairer measure on a loaded machine, where a process gets a varying share of a core)."""
+    for i, clock in enumerate(("wall clock", "process CPU time")):
+        _table(f"{title} ({clock})", [(b, (h[0][i], h[1][i]), (o[0][i], o[1][i]), same, d) for b, h, o, same, d in rows])
+
+
+def _table(title, rows):
     print(f"\n{title}")
     print(f"{'Batch Size':>10s}  {'TTFT (ms)':>30s}  {'Throughput (tok/s)':>30s}  equal greedy tokens")
     print(f"{'':>10s}  {'transformers':>12s} {'ours':>8s} {'ratio':>7s}  {'transformers':>12s} {'ours':>8s} {'ratio':>7s}")
@@ -204,8 +221,9 @@ def main() -> None:
                 prompts = prompts_for(b, args.prompt)
                 (hf_ttft, hf_tps, hf_tokens), (our_ttft, our_tps, our_tokens) = measure(hf, ours, prompts, args.decode, args.repeat)
                 rows.append((b, (hf_ttft, hf_tps), (our_ttft, our_tps), agreement(hf_tokens, our_tokens), args.decode))
-                print(f"  batch {b}: transformers {hf_ttft * 1e3:.0f} ms, {hf_tps:.2f} tok/s; ours {our_ttft * 1e3:.0f} ms, "
-                      f"{our_tps:.2f} tok/s", flush=True)
+                print(f"  batch {b} (wall / CPU): transformers {hf_ttft[0] * 1e3:.0f} / {hf_ttft[1] * 1e3:.0f} ms, "
+                      f"{hf_tps[0]:.2f} / {hf_tps[1]:.2f} tok/s; ours {our_ttft[0] * 1e3:.0f} / {our_ttft[1] * 1e3:.0f} ms, "
+                      f"{our_tps[0]:.2f} / {our_tps[1]:.2f} tok/s", flush=True)
             table(f"{name}, prompt {args.prompt} tokens, {args.decode} new tokens", rows)
             if args.long:
                 prompts = prompts_for(1, args.long)
