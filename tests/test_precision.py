@@ -113,3 +113,22 @@ def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
     assert gate_dtypes(load_decoder(export, dtype=torch.bfloat16)) == {torch.float32}
     assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x")) == {torch.float32}
     assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.float64)) == {torch.float64}
+
+
+def test_bf16_compiled_export_holds_fp32_gates_too(tmp_path):
+    """The cpu target's compiled programs take the gate parameters as the export stores them (fp32), and give the
+    eager bf16 model's greedy tokens."""
+    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.runtime import compiled
+
+    source = FIXTURES / "tiny-2b"
+    config = Qwen35Config.from_pretrained(source)
+    save_sharded(source, config, 1, tmp_path / compiled.CHECKPOINT_DIR, torch.bfloat16, progress=False)
+    compiled.compile_graphs(config, 1, 1, 128, [128], torch.bfloat16, tmp_path / compiled.COMPILED_DIR, progress=False)
+    model = compiled.CompiledQwen35ForCausalLM(tmp_path)
+    try:
+        eager = Qwen35ForCausalLM.from_pretrained(source, max_length=128, dtype=torch.bfloat16)
+        assert model.generate([[1, 2, 3, 4, 5]], max_new_tokens=6) == eager.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)
+    finally:
+        model.close()

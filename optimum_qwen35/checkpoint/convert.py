@@ -10,6 +10,7 @@ import torch
 
 from ..config import FULL_ATTENTION, Qwen35Config
 from ..errors import CheckpointError
+from ..modeling.precision import FP32_PARAMETERS, accumulation_dtype
 from .reader import CheckpointReader
 
 
@@ -115,16 +116,12 @@ def convert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# The DeltaNet gate parameters stay fp32 whatever the model dtype (the precision policy, modeling/precision.py):
-# g = -exp(A_log) * softplus(a + dt_bias) is computed in fp32, and a bf16 A_log would move every decay rate by
-# up to 2^-9 relative before the exp. Real checkpoints store them in fp32; a bf16 one is upcast (exactly).
-FP32_TENSORS = ("linear_attn.A_log", "linear_attn.dt_bias")
-
-
 def stored_dtype(name: str, dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype a converted tensor is held in for a model of `dtype` (None: as in the checkpoint)."""
-    if dtype is not None and name.endswith(FP32_TENSORS):
-        return torch.promote_types(dtype, torch.float32)
+    """The dtype a converted tensor is held in for a model of `dtype` (None: as in the checkpoint): the DeltaNet
+    gate parameters stay fp32 whatever the model dtype (the precision policy, modeling/precision.py). Real
+    checkpoints store them in fp32; a bf16 one is upcast (exactly)."""
+    if dtype is not None and name.endswith(FP32_PARAMETERS):
+        return accumulation_dtype(dtype)
     return dtype
 
 

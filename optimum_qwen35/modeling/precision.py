@@ -40,6 +40,21 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(accumulation_dtype(x.dtype))
 
 
+# Parameters held in the accumulation dtype whatever the model dtype: the DeltaNet gates' A_log and dt_bias
+# (g = -exp(A_log) * softplus(a + dt_bias) in fp32; a bf16 A_log would move every decay rate by up to 2^-9
+# relative before the exp). The checkpoint conversion keeps them so (checkpoint/convert.py `stored_dtype`).
+FP32_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias")
+
+
+def to_model_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module.to(dtype)`, except the FP32_PARAMETERS, which go to the accumulation dtype."""
+    module.to(dtype)
+    for name, param in module.named_parameters():
+        if name.endswith(FP32_PARAMETERS):
+            param.data = param.data.to(accumulation_dtype(dtype))
+    return module
+
+
 class TorchPrecision:
     """The CPU (plain torch) form of the policy."""
 
