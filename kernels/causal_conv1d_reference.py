@@ -29,21 +29,27 @@ def causal_conv1d(
     """
     B, C, T = x.shape
     K = weight.shape[-1]
+    # Time-major inside ([B, T, C]: x is the transpose of a projection's output, so this is a view), which
+    # makes the shifted slices contiguous runs of channels; returned as the [B, C, T] view of the result.
+    xt = x.transpose(1, 2)
     if initial_state is None:
-        initial_state = x.new_zeros(B, C, K - 1)
-    padded = torch.cat([initial_state.to(x.dtype), x], dim=-1)  # [B, C, K - 1 + T]
-    # Accumulate in fp32 whatever the activation dtype: rounding each partial sum to bf16 costs accuracy.
-    acc = torch.promote_types(x.dtype, torch.float32)
-    w = weight.to(acc)
-    y = padded[:, :, 0:T].to(acc) * w[None, :, 0:1]
-    for j in range(1, K):
-        y = y + padded[:, :, j : j + T].to(acc) * w[None, :, j : j + 1]
-    if lengths is None:
-        final_state = padded[:, :, T:]
+        padded = torch.cat([xt.new_zeros(B, K - 1, C), xt], dim=1)  # [B, K - 1 + T, C]
     else:
-        index = lengths.to(torch.int64)[:, None, None] + torch.arange(K - 1, device=x.device)  # [B, 1, K-1]
-        final_state = torch.gather(padded, 2, index.expand(B, C, K - 1))
-    return F.silu(y).to(x.dtype), final_state
+        padded = torch.cat([initial_state.to(x.dtype).transpose(1, 2), xt], dim=1)
+    # Accumulate in fp32 whatever the activation dtype (rounding each partial sum to bf16 costs accuracy).
+    # The inputs are upcast once (mixed-dtype multiply-adds take a slow, unvectorized path on CPU); the
+    # weight is [C, K], a few KiB.
+    acc = torch.promote_types(x.dtype, torch.float32)
+    wide, w = padded.to(acc), weight.t().to(acc)  # [K, C]
+    y = wide[:, 0:T] * w[0]
+    for j in range(1, K):
+        y = torch.addcmul(y, wide[:, j : j + T], w[j])
+    if lengths is None:
+        final_state = padded[:, T:]
+    else:
+        index = lengths.to(torch.int64)[:, None, None] + torch.arange(K - 1, device=x.device)[:, None]  # [B, K-1, 1]
+        final_state = torch.gather(padded, 1, index.expand(B, K - 1, C))
+    return F.silu(y).to(x.dtype).transpose(1, 2), final_state.transpose(1, 2)
 
 
 def causal_conv1d_step(

@@ -12,5 +12,6 @@ from .reference import (  # noqa: F401
     mask_padding,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_step,
+    invert_unit_lower,
     solve_unit_lower,
 )

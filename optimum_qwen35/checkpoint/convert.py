@@ -10,6 +10,7 @@ import torch
 
 from ..config import FULL_ATTENTION, Qwen35Config
 from ..errors import CheckpointError
+from ..modeling.precision import FP32_PARAMETERS, accumulation_dtype
 from .reader import CheckpointReader
 
 
@@ -115,9 +116,18 @@ def convert_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def stored_dtype(name: str, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype a converted tensor is held in for a model of `dtype` (None: as in the checkpoint): the DeltaNet
+    gate parameters stay fp32 whatever the model dtype (the precision policy, modeling/precision.py). Real
+    checkpoints store them in fp32; a bf16 one is upcast (exactly)."""
+    if dtype is not None and name.endswith(FP32_PARAMETERS):
+        return accumulation_dtype(dtype)
+    return dtype
+
+
 def convert_checkpoint(reader: CheckpointReader, config: Qwen35Config, dtype: torch.dtype | None = None):
     """Yield (decoder name, tensor) for the whole (unsharded) model, one tensor at a time."""
     check_checkpoint(reader, config)
     for name in expected_shapes(config):
         tensor = convert_tensor(name, reader.get(name))
-        yield decoder_name(name), tensor if dtype is None else tensor.to(dtype)
+        yield decoder_name(name), tensor if dtype is None else tensor.to(stored_dtype(name, dtype))

@@ -45,7 +45,15 @@ from .. import validation
 from ..config import Qwen35Config
 from ..errors import IncompatibleExportError, UsageError
 from ..output import output_folder
-from .convert import CheckpointError, check_checkpoint, check_finite, convert_checkpoint, decoder_name, expected_shapes
+from .convert import (
+    CheckpointError,
+    check_checkpoint,
+    check_finite,
+    convert_checkpoint,
+    decoder_name,
+    expected_shapes,
+    stored_dtype,
+)
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 
 MANIFEST = "tp_shards.json"
@@ -245,7 +253,7 @@ def convert_and_shard(
     for name, tensor in convert_checkpoint(reader, config):
         shard = shard_tensor(name, tensor, config, tp_degree, rank)
         # A copy, so that the shard does not keep the whole tensor's storage alive.
-        yield name, shard.to(dtype=dtype or shard.dtype, memory_format=torch.contiguous_format, copy=True)
+        yield name, shard.to(dtype=stored_dtype(name, dtype) or shard.dtype, memory_format=torch.contiguous_format, copy=True)
         del tensor, shard
 
 
@@ -353,7 +361,7 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
     """Write the export into the (new, empty) folder `out`; the manifest last."""
     shapes = sharded_shapes(config, tp_degree)
     source_names = list(expected_shapes(config))
-    dtypes = {decoder_name(n): dtype or reader.dtype(n) for n in source_names}
+    dtypes = {decoder_name(n): stored_dtype(n, dtype) or reader.dtype(n) for n in source_names}
     entries = [(name, dtypes[name], shapes[name]) for name in shapes]
     writers = [
         StreamingSafetensorsWriter(
@@ -472,7 +480,7 @@ def load_sharded(
     if check_weights:
         check_finite(tensors, str(path / rank_file(rank)))
     if dtype is not None:
-        tensors = {n: t.to(dtype) for n, t in tensors.items()}
+        tensors = {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}
     return config, saved_degree, tensors
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import Qwen35Config
-from .layers import RMSNorm, apply_rotary, upcast
+from .layers import RMSNorm, apply_rotary
 from .parallel import ShardedDims
 
 QUERY_BLOCK = 1024
@@ -29,6 +29,7 @@ class GatedAttention(nn.Module):
         self.k_proj = layers.column_linear(hidden, self.num_kv_heads * hd)
         self.v_proj = layers.column_linear(hidden, self.num_kv_heads * hd)
         self.o_proj = layers.row_linear(self.num_heads * hd, hidden)
+        self.precision = layers.precision  # the backend's form of the attention core (modeling/precision.py)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
@@ -43,21 +44,12 @@ class GatedAttention(nn.Module):
         return q, k, v, gate.reshape(B, T, self.num_heads * self.head_dim)
 
     def _attend(self, q, k, v, mask, gate):
-        """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible).
-
-        Grouped-query attention without repeating K/V per query head: the `groups` query heads that share a KV
-        head are stacked along the query axis ([B, KV, groups * Tq, hd]), so K and V are read as they are."""
-        B, H, Tq, hd = q.shape
-        groups = H // self.num_kv_heads
-        q = q.reshape(B, self.num_kv_heads, groups * Tq, hd)
-        mask = mask.repeat(1, 1, groups, 1)  # row g * Tq + t is query t of the group's g-th head
-        # Matmul operands in the activation dtype, products accumulated and kept in fp32 (as TensorE
-        # accumulates bf16 operands into fp32 PSUM); the softmax runs in fp32 too.
-        scores = (upcast(q) @ upcast(k).transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = (upcast(probs) @ upcast(v)).to(v.dtype).reshape(B, H, Tq, hd).transpose(1, 2).reshape(gate.shape)
-        return self.o_proj(out * torch.sigmoid(gate))
+        """q [B, H, Tq, hd], k/v [B, KV, Tk, hd], mask [B or 1, 1, Tq, Tk] (True = visible)."""
+        # Matmul operands in the activation dtype, scores, softmax and accumulation in fp32, probabilities
+        # rounded to the activation dtype before probs @ v: the precision policy, in the backend's form
+        # (grouped-query attention without repeating K/V per query head).
+        out = self.precision.attention(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(gate.shape) * torch.sigmoid(gate))
 
     def context_encoding(self, x, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache):
         """x [B, T, hidden] right-padded at positions position_ids [B, T] (row b: starts[b] .. + lengths[b] - 1).

@@ -40,13 +40,14 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = layers.row_linear(self.nv * self.dv, hidden)
+        self.precision = layers.precision  # modeling/precision.py
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
         B, T, _ = x.shape
         z = self.in_proj_z(x).reshape(B, T, self.nv, self.dv)
-        o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)
-        return self.out_proj(o.to(x.dtype))
+        o = self.norm(o.transpose(1, 2), z).reshape(B, T, self.nv * self.dv)  # fp32 (the norm's policy)
+        return self.out_proj(self.precision.operand(o, self.out_proj.weight))
 
     def _raw_heads(self, mixed: torch.Tensor):
         """mixed [B, T, conv_dim] -> q, k [B, nk, T, dk], v [B, nv, T, dv], as they are (the seam normalises)."""

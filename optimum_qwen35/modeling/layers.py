@@ -6,10 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """fp32 for half-precision activations; float64 stays float64 (reference runs)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from .precision import upcast  # noqa: F401  (fp32 for half-precision activations; the policy's, in precision.py)
 
 
 class RMSNorm(nn.Module):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Qwen35Config
+from .precision import TorchPrecision
 
 
 @dataclass(frozen=True)
@@ -113,18 +114,22 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class VocabParallelHead(nn.Linear):
-    """lm_head over this rank's vocabulary block; logits are gathered whole and the padding cut off."""
+    """lm_head over this rank's vocabulary block; logits are gathered whole and the padding cut off.
 
-    def __init__(self, hidden_size: int, vocab_per_rank: int, vocab_size: int, group_name: str | None = None, tp_degree: int = 1):
+    The padded rows (vocabulary not divisible by the TP degree: zero rows at the end of the last rank's
+    block) are cut off here, inside the graph, so no argmax or sampler downstream can ever pick one."""
+
+    def __init__(self, hidden_size: int, vocab_per_rank: int, vocab_size: int, group_name: str | None = None,
+                 tp_degree: int = 1, precision=None):
         super().__init__(hidden_size, vocab_per_rank, bias=False)
         self.vocab_size, self.group_name, self.tp_degree = vocab_size, group_name, tp_degree
+        self.precision = precision or TorchPrecision()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Logits come out in fp32 (float64 for float64 models) whatever the weights' dtype: operands in
-        # the model dtype, accumulation and result in fp32, as TensorE accumulates into PSUM. Rounding
-        # logits to bf16 (steps of 1/32 at |logit| ~ 5) would flip near-tied top-1 tokens for nothing.
-        acc = torch.promote_types(x.dtype, torch.float32)
-        y = torch.nn.functional.linear(x.to(acc), self.weight.to(acc))
+        # Logits come out in fp32 (float64 for float64 models) whatever the weights' dtype: operands in the
+        # model dtype, accumulated in fp32, in the form the backend's precision policy picks (no fp32 copy
+        # of the weight per call).
+        y = self.precision.logits(x, self.weight)
         if self.tp_degree > 1:
             y = all_gather_last_dim(y, self.tp_degree, self.group_name)
         return y[..., : self.vocab_size]
@@ -136,6 +141,10 @@ class TorchLayers:
     `group` may be a process group or its name. Building the layers does not need torch.distributed
     (a graph can be built on the meta device and exported anywhere); running them at tp_degree > 1 does.
     """
+
+    # The precision policy of these layers' backend (modeling/precision.py): the model asks it for the forms of
+    # its bf16-operand / fp32-accumulator matmuls.
+    precision = TorchPrecision()
 
     def __init__(self, tp_degree: int = 1, rank: int = 0, group=None):
         if group is None and tp_degree > 1:
@@ -156,4 +165,4 @@ class TorchLayers:
         return VocabParallelEmbedding(vocab_per_rank, hidden_size, self.rank, self.group_name, self.tp_degree)
 
     def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int) -> nn.Module:
-        return VocabParallelHead(hidden_size, vocab_per_rank, vocab_size, self.group_name, self.tp_degree)
+        return VocabParallelHead(hidden_size, vocab_per_rank, vocab_size, self.group_name, self.tp_degree, self.precision)

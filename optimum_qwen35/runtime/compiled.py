@@ -40,6 +40,7 @@ from ..config import Qwen35Config
 from ..errors import IncompatibleExportError, Qwen35Error
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
 from ..modeling.parallel import TorchLayers
+from ..modeling.precision import to_model_dtype
 from ..modeling.state import StateSpec, allocate_state
 from .cpu import Qwen35ForCausalLM, rank_tensors
 
@@ -119,7 +120,8 @@ def compile_graphs(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
-        decoder = Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME)).to(dtype)
+        # Model dtype, except the parameters the precision policy holds in fp32 (as load_sharded returns them).
+        decoder = to_model_dtype(Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME)), dtype)
     names = weight_names(decoder)
     tensors = {**dict(decoder.named_parameters()), **dict(decoder.named_buffers())}
     weights = [_shape_only(tensors[n]) for n in names]

@@ -1,0 +1,79 @@
+"""The precision policy: one place that says how half-precision models compute, supplied by the backend.
+
+The policy, whatever the backend:
+- weights, and the operands of every matmul, in the model dtype (bf16): never an fp32 copy of a weight
+  made per call;
+- matmul products accumulated in fp32 where the hardware does (TensorE into fp32 PSUM; on CPU, oneDNN's
+  bf16 GEMM with avx512_bf16 / AMX, and the bf16 attention kernel, accumulate in fp32);
+- fp32 for the recurrent state and the delta rule, the gates (`A_log`, `dt_bias`), the norms (`upcast`
+  below), RoPE, the softmax, the residual stream and the logits.
+
+What changes between backends is only the *form* a matmul with bf16 operands and an fp32 accumulator
+takes. The layer factory supplies it (`TorchLayers.precision`); the model asks it for the three matmuls
+whose precision is a choice — the attention core, the lm_head, and the cast of fp32 values (norm outputs)
+into operands — and applies `upcast` for what always runs in fp32. A Neuron layer factory supplies its own
+(bf16 operands with fp32 PSUM results, which neuronx-cc's auto-cast must then leave alone).
+
+`TorchPrecision`, the CPU form, was picked by measurement (docs/model.md, "Numerics"):
+- attention: `F.scaled_dot_product_attention` with the boolean mask and `enable_gqa`: for bf16 it computes
+  q.k in fp32, softmax in fp32, rounds the probabilities to bf16 and accumulates probs.v in fp32 (exactly
+  the policy), without materializing repeated K/V heads or fp32 copies of q, k, v;
+- lm_head: a bf16 GEMM (fp32 accumulation inside) whose result is then made fp32, instead of an fp32
+  copy of the whole embedding-sized weight per call (most of a bf16 decode step at a 248k vocabulary).
+  The logits are rounded once to bf16 (relative 2^-9) before becoming fp32.
+fp32 and float64 models compute everything in their own dtype (no cast at all).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision dtypes; fp32 and float64 stay as they are."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in the accumulation dtype: what norms, gates, RoPE and the softmax compute in."""
+    return x.to(accumulation_dtype(x.dtype))
+
+
+# Parameters held in the accumulation dtype whatever the model dtype: the DeltaNet gates' A_log and dt_bias
+# (g = -exp(A_log) * softplus(a + dt_bias) in fp32; a bf16 A_log would move every decay rate by up to 2^-9
+# relative before the exp). The checkpoint conversion keeps them so (checkpoint/convert.py `stored_dtype`).
+FP32_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias")
+
+
+def to_model_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`module.to(dtype)`, except the FP32_PARAMETERS, which go to the accumulation dtype."""
+    module.to(dtype)
+    for name, param in module.named_parameters():
+        if name.endswith(FP32_PARAMETERS):
+            param.data = param.data.to(accumulation_dtype(dtype))
+    return module
+
+
+class TorchPrecision:
+    """The CPU (plain torch) form of the policy."""
+
+    name = "torch"
+
+    @staticmethod
+    def operand(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 values (a norm's output, the residual stream) as the operand of a matmul with `weight`."""
+        return x.to(weight.dtype)
+
+    @staticmethod
+    def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T with operands in the weight's dtype, result in fp32 (float64 for float64 models)."""
+        return F.linear(x.to(weight.dtype), weight).to(accumulation_dtype(weight.dtype))
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """softmax(q k^T * scale, masked) v for q [B, H, Tq, hd], k/v [B, KV, Tk, hd] (query head h reads KV head
+        h // (H / KV)), mask [B or 1, 1, Tq, Tk] (True = visible; every row sees at least one key). Returns
+        [B, H, Tq, hd] in v's dtype: scores, softmax and the accumulation of probs @ v in fp32, the
+        probabilities rounded to v's dtype before that product."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,0 +1,134 @@
+"""The precision policy (modeling/precision.py) and the lm_head's vocabulary padding."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from optimum_qwen35.modeling import parallel
+from optimum_qwen35.modeling.parallel import TorchLayers, VocabParallelHead
+from optimum_qwen35.modeling.precision import TorchPrecision
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+
+from .conftest import FIXTURES
+
+
+class CastLog(TorchDispatchMode):
+    """Records the input of every dtype conversion."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout):
+            self.casts.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_layer_shares_the_factorys_policy():
+    decoder = load_decoder(FIXTURES / "tiny-nv2x")
+    policies = {id(m.precision) for m in decoder.modules() if hasattr(m, "precision")}
+    assert policies == {id(TorchLayers.precision)}
+    assert isinstance(TorchLayers.precision, TorchPrecision)
+
+
+@pytest.mark.parametrize("kind", ["context", "token"])
+def test_bf16_graphs_make_no_fp32_copy_of_a_matmul_weight(kind):
+    """No weight of a matmul (linears, lm_head / tied embedding) is converted per call; only small vectors
+    (norm weights, A_log, dt_bias, the [C, 4] conv filter) may be."""
+    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", batch_size=2, max_length=128, dtype=torch.bfloat16, buckets=[64])
+    weights = {p.data_ptr(): name for name, p in model.decoder.named_parameters() if p.dim() == 2 and p.shape[1] > 4}
+    assert "lm_head.weight" in weights.values() or "embed_tokens.weight" in weights.values()
+    with CastLog() as log, torch.no_grad():
+        if kind == "context":
+            model.prefill([[1, 2, 3], [4, 5]], [0, 1])
+        else:
+            model.decode([1, 2], [3, 2], [0, 1])
+    copied = sorted({weights[t.data_ptr()] for t in log.casts if t.data_ptr() in weights})
+    assert not copied, f"per-call casts of matmul weights: {copied}"
+
+
+def test_bf16_logits_are_fp32():
+    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", max_length=64, dtype=torch.bfloat16)
+    assert model.prefill([[1, 2, 3]], [0]).dtype == torch.float32
+    assert model.decode([4], [3], [0]).dtype == torch.float32
+
+
+def test_attention_core_matches_the_explicit_form():
+    """The policy's attention (SDPA on CPU) against the explicit matmul form in float64, with GQA and a mask."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.5
+    mask[..., 0] = True
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(TorchPrecision.attention(q, k, v, mask, 0.25), want, rtol=0, atol=1e-12)
+    got = TorchPrecision.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2)
+
+
+def test_padded_vocabulary_is_never_selected(monkeypatch):
+    """Vocabulary 7 over TP = 2: 4 rows per rank, the last rank's last row is padding. Its logit would win every
+    argmax (all real logits are negative, the padded row's is 0 as in a zero-padded shard, or huge if the padding
+    held garbage): the gathered logits stop at the real vocabulary, so nothing downstream can pick it."""
+    vocab, hidden = 7, 6
+    torch.manual_seed(0)
+    full = -torch.rand(vocab, hidden) - 0.1  # negative rows; inputs positive: every real logit < 0
+    heads = []
+    for rank in range(2):
+        head = VocabParallelHead(hidden, 4, vocab, group_name="fake", tp_degree=2)
+        rows = torch.zeros(4, hidden)
+        block = full[4 * rank : 4 * rank + 4]
+        rows[: len(block)] = block
+        head.weight.data.copy_(rows)
+        heads.append(head)
+    x = torch.rand(3, 1, hidden) + 0.1
+    local = [torch.nn.functional.linear(x, h.weight) for h in heads]
+    monkeypatch.setattr(parallel, "all_gather_last_dim", lambda y, t, g: torch.cat(local, dim=-1))
+    for padding_row in (torch.zeros(hidden), torch.full((hidden,), 1e4)):
+        heads[1].weight.data[3] = padding_row
+        local[1] = torch.nn.functional.linear(x, heads[1].weight)
+        assert torch.cat(local, -1).argmax(-1).eq(vocab).all()  # the padded column would win
+        logits = heads[0](x)
+        assert logits.shape == (3, 1, vocab)
+        torch.testing.assert_close(logits, torch.nn.functional.linear(x, full))
+        assert logits.argmax(-1).lt(vocab).all()
+
+
+def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
+    """A_log and dt_bias are held in fp32 whatever the model dtype: loaded from a checkpoint, and from a bf16
+    per-rank export (save_sharded with dtype) loaded back."""
+    from optimum_qwen35.checkpoint.shard import save_sharded
+
+    def gate_dtypes(decoder):
+        return {p.dtype for name, p in decoder.named_parameters() if name.endswith(("A_log", "dt_bias"))}
+
+    decoder = load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.bfloat16)
+    assert gate_dtypes(decoder) == {torch.float32}
+    assert decoder.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    export = save_sharded(FIXTURES / "tiny-nv2x", None, 1, tmp_path / "export", dtype=torch.bfloat16, progress=False)
+    assert gate_dtypes(load_decoder(export, dtype=torch.bfloat16)) == {torch.float32}
+    assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x")) == {torch.float32}
+    assert gate_dtypes(load_decoder(FIXTURES / "tiny-nv2x", dtype=torch.float64)) == {torch.float64}
+
+
+def test_bf16_compiled_export_holds_fp32_gates_too(tmp_path):
+    """The cpu target's compiled programs take the gate parameters as the export stores them (fp32), and give the
+    eager bf16 model's greedy tokens."""
+    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.runtime import compiled
+
+    source = FIXTURES / "tiny-2b"
+    config = Qwen35Config.from_pretrained(source)
+    save_sharded(source, config, 1, tmp_path / compiled.CHECKPOINT_DIR, torch.bfloat16, progress=False)
+    compiled.compile_graphs(config, 1, 1, 128, [128], torch.bfloat16, tmp_path / compiled.COMPILED_DIR, progress=False)
+    model = compiled.CompiledQwen35ForCausalLM(tmp_path)
+    try:
+        eager = Qwen35ForCausalLM.from_pretrained(source, max_length=128, dtype=torch.bfloat16)
+        assert model.generate([[1, 2, 3, 4, 5]], max_new_tokens=6) == eager.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)
+    finally:
+        model.close()
