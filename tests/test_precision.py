@@ -132,3 +132,20 @@ def test_bf16_compiled_export_holds_fp32_gates_too(tmp_path):
         assert model.generate([[1, 2, 3, 4, 5]], max_new_tokens=6) == eager.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)
     finally:
         model.close()
+
+
+def test_casting_the_model_keeps_the_rotary_frequencies_exact():
+    """A bf16 export casts the whole decoder (`.to(torch.bfloat16)`); the rotary frequencies must stay fp32 and
+    exact, or odd positions above 256 would rotate as even ones."""
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.modeling.decoder import Qwen35Decoder
+
+    from .conftest import FIXTURES
+
+    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
+    positions = torch.tensor([[0, 255, 257, 301, 4095]])
+    want = Qwen35Decoder(config).rotary(positions, torch.bfloat16)
+    cast = Qwen35Decoder(config).to(torch.bfloat16)
+    assert cast.rotary.inv_freq.dtype == torch.float32 and cast.rotary.inv_freq64.dtype == torch.float64
+    for a, b in zip(cast.rotary(positions, torch.bfloat16), want):
+        assert torch.equal(a, b)

@@ -65,12 +65,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
+        self.rotary_dim, self.theta = rotary_dim, theta
         # Built on the CPU even when the model is built on the meta device (weights are loaded later).
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
+        self._set_frequencies(torch.device("cpu"))
+
+    def _set_frequencies(self, device: torch.device) -> None:
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device=device) / self.rotary_dim
         # fp32 frequencies computed in fp32, as transformers does; a float64 copy for float64 reference runs.
-        self.register_buffer("inv_freq", 1.0 / (theta ** exponents.float()), persistent=False)
-        self.register_buffer("inv_freq64", 1.0 / (theta**exponents), persistent=False)
-        self.rotary_dim = rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (self.theta ** exponents.float()), persistent=False)
+        self.register_buffer("inv_freq64", 1.0 / (self.theta**exponents), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # A cast of the whole model (`decoder.to(torch.bfloat16)`, as a bf16 export does) must not round the
+        # frequencies: in bf16 every odd position above 256 would rotate as an even one. Rebuild them exactly.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32 or self.inv_freq64.dtype != torch.float64:
+            self._set_frequencies(self.inv_freq.device)
+        return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [B, T] -> cos, sin [B, 1, T, rotary_dim] (broadcast over heads), fp32 (float64 for

@@ -11,9 +11,10 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
 - optimum-neuron's input conventions: prompts right-padded to the context length with position 1
   (`decoder_wrappers.py` L115-124), hence `context_attention_mask`; a 1-token prompt served by the
   token-generation graph at position 0 (`modeling_decoder.py` L380), hence `reset_fresh_slots`;
-- `restore_state_dtypes`, `restore_rotary_frequencies`: optimum-neuron casts every floating tensor of the module to
-  the model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the rotary frequencies
-  included; they must be fp32 again before tracing;
+- `restore_state_dtypes`, `restore_fp32_parameters`: optimum-neuron casts every floating tensor of the module to the
+  model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the gate parameters
+  (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
+  frequencies survive that cast by themselves: `RotaryEmbedding._apply` rebuilds them);
 - `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off).
 """
 
@@ -151,18 +152,14 @@ def restore_state_dtypes(held: Sequence[torch.nn.Parameter], specs: Sequence[Sta
             tensor.data = tensor.data.to(spec.dtype)
 
 
-def restore_rotary_frequencies(decoder) -> None:
-    """Rebuild the rotary frequencies (fp32, and fp64 for float64 runs) after optimum-neuron's load-time cast.
+def restore_fp32_parameters(module: torch.nn.Module) -> None:
+    """The DeltaNet gate parameters (`precision.FP32_PARAMETERS`) back to fp32 after the same load-time cast, in place
+    on the same Parameter objects, so that the traced graph takes them as the per-rank weights hold them (fp32)."""
+    from ..modeling.precision import FP32_PARAMETERS  # noqa: PLC0415
 
-    They are non-persistent buffers of the decoder's `RotaryEmbedding`, so the cast that turns every floating
-    tensor into the model dtype turns them into bf16 too: positions would then be rounded to bf16 (every odd
-    position above 256 lands on an even one) and each frequency to 3 significant digits.
-    """
-    from ..modeling.layers import RotaryEmbedding  # noqa: PLC0415
-
-    fresh = RotaryEmbedding(decoder.rotary.rotary_dim, decoder.config.rope_theta)
-    for name, buffer in fresh.named_buffers():
-        setattr(decoder.rotary, name, buffer.to(getattr(decoder.rotary, name).device))
+    for name, param in module.named_parameters():
+        if name.endswith(FP32_PARAMETERS) and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def compiler_args(target: str | None, logical_nc_config: int) -> str:

@@ -66,7 +66,7 @@ class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
     def load_module(self):
         super().load_module()  # builds the module, then casts every floating tensor to the model dtype
         glue.restore_state_dtypes(self.module.past_key_values, self.module.state_layout.held_specs)
-        glue.restore_rotary_frequencies(self.module)
+        glue.restore_fp32_parameters(self.module)
 
     def get(self, bucket_rank, **kwargs):
         if bucket_rank != 0:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes
+from ..checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes, stored_dtype
 from ..checkpoint.reader import text_name
 from ..checkpoint.shard import shard_dim, tp_layout
 from ..config import Qwen35Config
@@ -98,7 +98,8 @@ def rank_state_dict(
     neuron_state_dict: dict[str, torch.Tensor], tp_degree: int, rank: int, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors (owned, contiguous) from `convert_hf_to_neuron_state_dict`'s output; floating tensors
-    cast to `dtype` (the model dtype), the rank tensor kept int32."""
+    cast to `dtype` (the model dtype; the DeltaNet gate parameters fp32, the precision policy), the rank tensor
+    kept int32."""
     if not 0 <= rank < tp_degree:
         raise ValueError(f"rank {rank} is outside 0..{tp_degree - 1}")
     out = {}
@@ -108,7 +109,7 @@ def rank_state_dict(
             continue
         dim = shard_dim(name)
         shard = tensor if dim is None else tensor.chunk(tp_degree, dim)[rank]
-        cast = dtype if dtype is not None and shard.is_floating_point() else shard.dtype
+        cast = stored_dtype(name, dtype) if dtype is not None and shard.is_floating_point() else shard.dtype
         # A copy, so that a rank's tensors do not keep the whole layout alive.
         out[name] = shard.to(dtype=cast, memory_format=torch.contiguous_format, copy=True)
     return out
