@@ -121,3 +121,26 @@ def logits(folder_or_weights, tokens: list[int]) -> torch.Tensor:
         x = rms_norm(h, W[p + "post_attention_layernorm.weight"], eps)
         h = h + (F.silu(x @ W[p + "mlp.gate_proj.weight"].T) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
     return rms_norm(h, W["norm.weight"], eps) @ W["lm_head.weight"].T
+
+
+def cached_logits(folder: str | Path, tokens: list[int]) -> torch.Tensor:
+    """`logits(folder, tokens)`, kept on disk when OPTIMUM_QWEN35_ORACLE_CACHE names a folder (the mutation-testing
+    session sets it: every mutant's test run would otherwise recompute the same oracle outputs)."""
+    import hashlib
+    import os
+
+    cache = os.environ.get("OPTIMUM_QWEN35_ORACLE_CACHE")
+    if not cache:
+        return logits(folder, tokens)
+    folder = Path(folder).resolve()
+    stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.glob("*.safetensors"))]
+    key = hashlib.sha256(json.dumps([str(folder), stamp, list(tokens)]).encode()).hexdigest()
+    file = Path(cache) / f"{key}.pt"
+    if file.is_file():
+        return torch.load(file)
+    result = logits(folder, tokens)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    torch.save(result, tmp)
+    os.replace(tmp, file)
+    return result
