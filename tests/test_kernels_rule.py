@@ -96,3 +96,47 @@ def test_conv_written_out_with_padding_and_state():
     step, new_state = causal_conv1d_step(x[:, :, 0], w, s0)
     torch.testing.assert_close(step, y[:, :, 0], rtol=0, atol=1e-12)
     torch.testing.assert_close(new_state, full[:, :, 1:K], rtol=0, atol=0)
+
+
+def test_math_runs_in_the_widest_input_dtype_and_outputs_keep_their_dtypes():
+    """Any one input in float64 makes the whole computation float64 (reference runs); bf16 activations with an fp32
+    state compute in fp32 and return o in bf16 and the state in fp32. Compared exactly with the same values widened
+    by hand."""
+    from optimum_qwen35.kernels.gated_delta_rule import recurrent_gated_delta_rule_step
+
+    q, k, v, decay, beta = (x.float() for x in inputs(T=3, seed=3))
+    state = torch.randn(2, 6, 5, 3, dtype=torch.float32)
+    base = [q, k, v, decay, beta, state]
+    for rule, sl in ((recurrent_gated_delta_rule_step, slice(0, 1)), (chunk_gated_delta_rule, slice(0, 3))):
+        cut = [x[:, :, sl] for x in base[:5]] + [state]
+        want_o, want_s = rule(*(x.double() for x in cut))
+        for i in range(6):
+            args = list(cut)
+            args[i] = args[i].double()
+            o, s = rule(*args)
+            assert s.dtype == torch.float64 and o.dtype == args[2].dtype, (rule.__name__, i)
+            assert torch.equal(s, want_s), (rule.__name__, i)
+            assert torch.equal(o, want_o.to(o.dtype)), (rule.__name__, i)
+        low = [x.to(torch.bfloat16) for x in cut[:5]] + [cut[5]]
+        o, s = rule(*low)
+        want_o, want_s = rule(*(x.float() for x in low))
+        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32, rule.__name__
+        assert torch.equal(s, want_s) and torch.equal(o, want_o.to(torch.bfloat16)), rule.__name__
+
+
+def test_conv_keeps_the_activation_dtype():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 4, generator=g).to(torch.bfloat16)
+    w = torch.randn(4, 4, generator=g)
+    state = torch.randn(2, 4, 3, generator=g)  # fp32 state, bf16 activations
+    y, new_state = causal_conv1d_step(x, w, state)
+    assert y.dtype == new_state.dtype == torch.bfloat16
+    window = torch.cat([state.to(torch.bfloat16), x[:, :, None]], dim=-1)
+    assert torch.equal(new_state, window[:, :, 1:])
+    assert torch.equal(y, F.silu((window.float() * w).sum(-1)).to(torch.bfloat16))
+    # The whole-sequence conv too: an fp32 initial state with bf16 activations gives a bf16 final state.
+    xs = torch.randn(2, 4, 5, generator=g).to(torch.bfloat16)
+    ys, final = causal_conv1d(xs, w, state, torch.tensor([5, 2]))
+    assert ys.dtype == final.dtype == torch.bfloat16
+    padded = torch.cat([state.to(torch.bfloat16), xs], dim=-1)
+    assert torch.equal(final[0], padded[0, :, 5:8]) and torch.equal(final[1], padded[1, :, 2:5])
