@@ -140,3 +140,13 @@ def test_conv_keeps_the_activation_dtype():
     assert ys.dtype == final.dtype == torch.bfloat16
     padded = torch.cat([state.to(torch.bfloat16), xs], dim=-1)
     assert torch.equal(final[0], padded[0, :, 5:8]) and torch.equal(final[1], padded[1, :, 2:5])
+
+
+def test_fp32_inputs_without_an_initial_state_start_from_zeros():
+    q, k, v, decay, beta = (x.float() for x in inputs(seed=5))
+    zeros = torch.zeros(2, 6, 5, 3)
+    for rule in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
+        o, s = rule(q, k, v, decay, beta)
+        o0, s0 = rule(q, k, v, decay, beta, zeros)
+        assert o.dtype == s.dtype == torch.float32, rule.__name__
+        assert torch.equal(o, o0) and torch.equal(s, s0), rule.__name__
