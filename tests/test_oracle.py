@@ -59,7 +59,8 @@ def test_oracle_matches_transformers(layout, expected):
 
 
 def test_prefill_and_decode_match_the_oracle_in_float64(layout, expected):
-    """Right-padded prompts of three lengths in one batch (in slots 2, 0, 1), every position; then decode steps."""
+    """Right-padded prompts of three lengths in one batch (in slots 2, 0, 1): every position, then the last token only
+    (what generate runs), then decode steps."""
     prompts = prompts_of(layout)
     slots = [2, 0, 1]
     model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=3, max_length=160, dtype=torch.float64)
@@ -68,6 +69,11 @@ def test_prefill_and_decode_match_the_oracle_in_float64(layout, expected):
     for row, (prompt, want) in enumerate(zip(prompts, expected)):
         diff = (every[row, : len(prompt)] - want[: len(prompt)]).abs().max().item()
         assert diff <= PREFILL_ATOL, f"{layout} prefill len {len(prompt)}: |model - oracle| {diff:.2e}"
+    # Prefill as generate runs it (only each prompt's last real token reaches lm_head), in the same slots.
+    last = model.prefill(prompts, slots)
+    for row, (prompt, want) in enumerate(zip(prompts, expected)):
+        diff = (last[row] - want[len(prompt) - 1]).abs().max().item()
+        assert diff <= PREFILL_ATOL, f"{layout} prefill (last token) len {len(prompt)}: |model - oracle| {diff:.2e}"
     for i, token in enumerate(CONTINUATION):
         got = model.decode([token] * 3, [len(p) + i for p in prompts], slots)
         for row, (prompt, want) in enumerate(zip(prompts, expected)):
