@@ -30,3 +30,80 @@ def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK)."""
     session.install(TORCH, "-e", ".[tests,optimum]")
     _pytest(session, "-m", "not reference")
+
+
+# ------------------------------------------------------------------------------------------------ mutation testing
+# What `nox -s mutation` mutates (paths as the package installs them: `kernels/` is `optimum_qwen35/kernels/`) and the
+# fast test selection each mutant runs against (mutmut runs, per mutant, only the selected tests that call the mutated
+# function). docs/testing.md has the score and the survivors.
+MUTATED = [
+    "optimum_qwen35/modeling/*",
+    "optimum_qwen35/kernels/gated_delta_rule/reference.py",
+    "optimum_qwen35/kernels/causal_conv1d_reference.py",
+    "optimum_qwen35/checkpoint/shard.py",
+]
+MUTATION_TESTS = [
+    "tests/test_kernels_rule.py",
+    "tests/test_kernels_reference.py",
+    "tests/test_kernels_decay.py",
+    "tests/test_oracle.py",
+    "tests/test_shard.py",
+    "tests/test_shard_export.py",
+]
+# Within those: not the slow tests, not the fixtures' own check, and the model against the oracle on one layout
+# (tiny-nv3x: GQA in both mixers, nv = 3 nk, dk != dv, untied); the other layouts run in CI.
+MUTATION_SELECT = "not recorded_greedy and not tiny-2b and not tiny-nv2x"
+
+
+@nox.session
+def mutation(session):
+    """Mutation testing with mutmut (not run by CI: it is not in nox.options.sessions; ~1 hour on 2 cores).
+
+    mutmut runs from a staging folder (.mutation/) holding the committed tree (HEAD) laid out as the package installs,
+    kernels/ inside optimum_qwen35/, so that the module names mutmut derives from file paths are the imported ones. `nox -s mutation`
+    runs everything; `nox -s mutation -- <mutmut run arguments>` runs those in the same staging folder (made from HEAD
+    if absent), e.g. one module at a time: `nox -s mutation -- "optimum_qwen35.kernels.*"`, then
+    `"optimum_qwen35.modeling.*"`, then `"optimum_qwen35.checkpoint.*"`; `nox -s mutation -- results` lists them.
+    """
+    import shutil
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    session.install(TORCH, "-e", ".[tests]", "mutmut==3.8.1")
+    root, stage = Path.cwd(), Path(".mutation")
+    if not session.posargs:
+        shutil.rmtree(stage, ignore_errors=True)
+    if not stage.exists():
+        stage.mkdir()
+        # The committed tree (HEAD), not the work tree: the score belongs to a commit.
+        archive = stage / "head.tar"
+        session.run("git", "archive", "--format=tar", "-o", str(archive), "HEAD", "optimum_qwen35", "kernels", "tests",
+                    external=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(stage / "head")
+        shutil.move(stage / "head" / "optimum_qwen35", stage / "optimum_qwen35")
+        shutil.move(stage / "head" / "kernels", stage / "optimum_qwen35" / "kernels")
+        shutil.move(stage / "head" / "tests", stage / "tests")
+        shutil.rmtree(stage / "head")
+        archive.unlink()
+        session.log(f"mutation testing commit {subprocess.check_output(['git', 'rev-parse', 'HEAD'], text=True).strip()}")
+        lines = ["[mutmut]", "source_paths = optimum_qwen35", "only_mutate ="]
+        lines += [f"    {p}" for p in MUTATED]
+        lines += ["pytest_add_cli_args_test_selection ="] + [f"    {t}" for t in MUTATION_TESTS]
+        # Error paths (`raise ...(message)`) are left alone: their messages are checked by tests outside the fast
+        # selection (test_bad_input.py, test_checkpoint_errors.py).
+        lines += ["do_not_mutate_patterns =", r"    ^\s*raise "]
+        lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "    -m", "    not slow", "    -k", f"    {MUTATION_SELECT}"]
+        # torch is not fork-safe once its thread pool runs: workers fork from a server that has run no torch op.
+        lines += ["process_isolation = forkserver", ""]
+        lines += ["[tool:pytest]", "markers =", "    reference: needs transformers >= 5", "    slow: slow", ""]
+        (stage / "setup.cfg").write_text("\n".join(lines))
+    with session.chdir(stage):
+        if session.posargs and session.posargs[0] == "results":
+            session.run("mutmut", "results", *session.posargs[1:])
+        else:
+            threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # one thread per worker, two workers
+            threads["OPTIMUM_QWEN35_ORACLE_CACHE"] = str(Path.cwd() / "oracle-cache")  # the oracle does not mutate
+            session.run("nice", "-n", "10", "mutmut", "run", "--max-children", "2", *session.posargs, env=threads, external=True)
+            session.run("mutmut", "results")

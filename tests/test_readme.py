@@ -3,10 +3,17 @@
 import re
 from pathlib import Path
 
+from . import oracle
+
 README = Path(__file__).parents[1] / "README.md"
+# The example runs in fp32; the float64 oracle (tests/oracle.py) bounds its logits at the parity tolerance.
+LOGIT_ATOL = 1e-4
 
 
-def test_readme_python_example_runs(tmp_path):
+def test_readme_python_example_runs(tmp_path, capsys):
+    """It runs, and what it computes is right: the logits are the model's (the oracle's, to fp32 rounding) at every
+    position, each generated token is the argmax after the ones before it, generation stops at the first EOS, and it
+    prints the decoded tokens."""
     from optimum_qwen35.testing import build_tiny_checkpoint
 
     block = re.search(r"```python\n(from transformers import AutoTokenizer\nfrom optimum_qwen35.runtime.cpu .*?)```", README.read_text(), re.S).group(1)
@@ -14,8 +21,22 @@ def test_readme_python_example_runs(tmp_path):
     code = block.replace('"path/to/checkpoint"', repr(str(tmp_path / "ckpt")))
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
-    assert len(namespace["logits"]) == 2 and namespace["logits"][0].shape[0] == len(namespace["prompts"][0])
-    assert all(len(t) >= 1 for t in namespace["new_tokens"])
+    prompts, logits, new_tokens = namespace["prompts"], namespace["logits"], namespace["new_tokens"]
+    eos = namespace["tokenizer"].eos_token_id
+    weights = oracle.read_text_weights(tmp_path / "ckpt")
+    assert len(logits) == len(new_tokens) == len(prompts) == 2
+    for prompt, got, tokens in zip(prompts, logits, new_tokens):
+        want = oracle.logits(weights, prompt + tokens[:-1])  # teacher-forced through the generated tokens
+        assert got.shape == (len(prompt), want.shape[-1])
+        assert (got.double() - want[: len(prompt)]).abs().max().item() <= LOGIT_ATOL
+        steps = want[len(prompt) - 1 :]
+        top2 = steps.topk(2, dim=-1).values
+        for step, (token, row, (a, b)) in enumerate(zip(tokens, steps, top2)):
+            if a - b < LOGIT_ATOL:  # a near-tie: fp32 may pick either; nothing after it is comparable
+                break
+            assert token == int(row.argmax()), f"step {step}: generated {token}, argmax {int(row.argmax())}"
+        assert eos not in tokens[:-1] and (len(tokens) == 32 or tokens[-1] == eos)
+    assert capsys.readouterr().out.strip() == str(namespace["tokenizer"].batch_decode(new_tokens))
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_second():

@@ -362,7 +362,7 @@ def test_committed_reference_npz(layout):
             tokens, margin = ref[f"gen_tokens_{j}"], ref[f"gen_margin_{j}"]
             assert tokens.shape == margin.shape == (mr.GEN_NEW_TOKENS,)
             assert tokens.dtype == np.int64 and ((0 <= tokens) & (tokens < vocab)).all()
-            assert (margin >= 0).all()
+            # The margins and tokens themselves are checked against an independent model in test_oracle.py.
             assert len(np.unique(tokens)) > 10  # not stuck on one token
 
 

@@ -1,0 +1,142 @@
+"""Exports cast to another dtype (`save_sharded(dtype=...)`, `shard --dtype`), and the checkpoint reader's other paths:
+several .safetensors files without an index, a truncated file, a header whose byte counts disagree with the shapes."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from optimum_qwen35.checkpoint import CheckpointReader
+from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file, save_sharded
+from optimum_qwen35.cli import main
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import CheckpointError
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.testing import build_tiny_checkpoint
+
+PROMPTS = [[5, 17, 300, 42, 7, 99, 12], [3, 200]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """fp32 on disk, nv = 3 nk, dk != dv, untied: every sharding kind has something to do."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("src") / "nv3x", "tiny-nv3x", seed=4)
+
+
+def dtypes_on_disk(file):
+    with safe_open(file, "pt") as f:
+        return {key: f.get_slice(key).get_dtype() for key in f.keys()}
+
+
+@pytest.mark.parametrize("tp_degree", [1, 2])
+def test_export_cast_to_bf16(ckpt, tmp_path, tp_degree):
+    """Every rank file holds bf16 tensors whose values are the fp32 shards rounded to bf16; the manifest says BF16."""
+    out = save_sharded(ckpt, None, tp_degree, tmp_path / "bf16", dtype="bfloat16", progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["dtype"] == ["BF16"] and manifest["tp_degree"] == tp_degree
+    reader, config = CheckpointReader(ckpt), Qwen35Config.from_pretrained(ckpt)
+    for rank in range(tp_degree):
+        assert set(dtypes_on_disk(out / rank_file(rank)).values()) == {"BF16"}
+        saved = load_file(out / rank_file(rank))
+        want = dict(convert_and_shard(reader, config, tp_degree, rank))
+        assert saved.keys() == want.keys()
+        for name, tensor in want.items():
+            assert tensor.dtype == torch.float32  # the source is fp32: the cast is the export's
+            assert torch.equal(saved[name], tensor.to(torch.bfloat16)), name
+
+
+def test_export_keeps_the_source_dtype_unless_told(tmp_path):
+    """A bf16 checkpoint (as on the Hub) exports bf16 without --dtype, fp32 with dtype=float32, exactly."""
+    src = build_tiny_checkpoint(tmp_path / "src", "tiny-nv2x", seed=2, dtype="bfloat16")
+    kept = save_sharded(src, None, 1, tmp_path / "kept", progress=False)
+    widened = save_sharded(src, None, 1, tmp_path / "fp32", dtype=torch.float32, progress=False)
+    assert set(dtypes_on_disk(kept / rank_file(0)).values()) == {"BF16"}
+    assert set(dtypes_on_disk(widened / rank_file(0)).values()) == {"F32"}
+    a, b = load_file(kept / rank_file(0)), load_file(widened / rank_file(0))
+    assert all(torch.equal(a[n].float(), b[n]) for n in a)
+    # Loaded at the same dtype, the export and the checkpoint are the same model.
+    whole = Qwen35ForCausalLM.from_pretrained(src, batch_size=2, max_length=64).logits(PROMPTS)
+    for folder in (kept, widened):
+        got = Qwen35ForCausalLM.from_pretrained(folder, batch_size=2, max_length=64).logits(PROMPTS)
+        assert all(torch.equal(x, y) for x, y in zip(got, whole))
+
+
+def test_shard_command_dtype_writes_what_save_sharded_writes(ckpt, tmp_path, capsys):
+    args = ["shard", "--model", str(ckpt), "--tensor-parallel-size", "2", "--dtype", "bfloat16", str(tmp_path / "cli")]
+    assert main(args) == 0
+    api = save_sharded(ckpt, None, 2, tmp_path / "api", dtype=torch.bfloat16, progress=False)
+    for rank in range(2):
+        assert (tmp_path / "cli" / rank_file(rank)).read_bytes() == (api / rank_file(rank)).read_bytes()
+
+
+def split_without_index(src, dst):
+    """The checkpoint's tensors spread over three files, no index (as some exporters write)."""
+    dst.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            (dst / name).write_bytes((src / name).read_bytes())
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    keys = sorted(tensors)
+    for i in range(3):
+        save_file({k: tensors[k] for k in keys[i::3]}, dst / f"part-{i}.safetensors", metadata={"format": "pt"})
+    return keys
+
+
+def test_several_files_without_an_index(ckpt, tmp_path):
+    keys = split_without_index(ckpt, tmp_path / "split")
+    reader = CheckpointReader(tmp_path / "split")
+    assert sorted(reader.names()) == sorted(CheckpointReader(ckpt).names())
+    assert len({reader._files[n] for n in reader.names()}) == 3 and len(keys) > len(reader.names())  # mtp.* skipped
+    whole = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=64)
+    split = Qwen35ForCausalLM.from_pretrained(tmp_path / "split", batch_size=2, max_length=64)
+    assert all(torch.equal(x, y) for x, y in zip(split.logits(PROMPTS), whole.logits(PROMPTS)))
+
+
+def single_file_copy(ckpt, dst):
+    dst.mkdir()
+    (dst / "config.json").write_bytes((ckpt / "config.json").read_bytes())
+    (dst / "model.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    return dst / "model.safetensors"
+
+
+def last_tensor(file):
+    size = int.from_bytes(file.read_bytes()[:8], "little")
+    header = json.loads(file.read_bytes()[8 : 8 + size])
+    text = [k for k in header if k.startswith(("model.language_model.", "lm_head."))]
+    return max(text, key=lambda k: header[k]["data_offsets"][1]), header, size
+
+
+def test_truncated_file_names_the_file_and_the_tensor(ckpt, tmp_path):
+    file = single_file_copy(ckpt, tmp_path / "cut")
+    key, header, size = last_tensor(file)
+    data = file.read_bytes()
+    file.write_bytes(data[: 8 + size + header[key]["data_offsets"][1] - 100])  # ends 100 bytes into its last tensor
+    reader = CheckpointReader(file.parent)
+    name = next(n for n in reader.names() if reader._keys[n] == key)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors is truncated \(tensor {key}\)"):
+        reader.get(name)
+    with pytest.raises(CheckpointError, match="is truncated"):
+        Qwen35ForCausalLM.from_pretrained(file.parent, max_length=16)
+
+
+def test_byte_count_that_disagrees_with_the_shape(ckpt, tmp_path):
+    """A header that says F16 for an F32 tensor (same header length): the byte count gives it away."""
+    file = single_file_copy(ckpt, tmp_path / "bad")
+    key, header, size = last_tensor(file)
+    assert header[key]["dtype"] == "F32"
+    header[key]["dtype"] = "F16"
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (size - len(blob))
+    assert len(blob) == size
+    data = file.read_bytes()
+    file.write_bytes(data[:8] + blob + data[8 + size :])
+    start, end = header[key]["data_offsets"]
+    numel = torch.Size(header[key]["shape"]).numel()
+    reader = CheckpointReader(file.parent)
+    name = next(n for n in reader.names() if reader._keys[n] == key)
+    with pytest.raises(CheckpointError, match=rf"tensor {key} has {end - start} bytes, {numel * 2} expected"):
+        reader.get(name)
