@@ -32,19 +32,22 @@ def dtypes_on_disk(file):
 
 @pytest.mark.parametrize("tp_degree", [1, 2])
 def test_export_cast_to_bf16(ckpt, tmp_path, tp_degree):
-    """Every rank file holds bf16 tensors whose values are the fp32 shards rounded to bf16; the manifest says BF16."""
+    """Every rank file holds bf16 tensors whose values are the fp32 shards rounded to bf16, except the DeltaNet gate
+    parameters (A_log, dt_bias), which the precision policy keeps fp32; the manifest says so."""
     out = save_sharded(ckpt, None, tp_degree, tmp_path / "bf16", dtype="bfloat16", progress=False)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["dtype"] == ["BF16"] and manifest["tp_degree"] == tp_degree
+    assert manifest["dtype"] == ["BF16", "F32"] and manifest["tp_degree"] == tp_degree
     reader, config = CheckpointReader(ckpt), Qwen35Config.from_pretrained(ckpt)
     for rank in range(tp_degree):
-        assert set(dtypes_on_disk(out / rank_file(rank)).values()) == {"BF16"}
+        on_disk = dtypes_on_disk(out / rank_file(rank))
         saved = load_file(out / rank_file(rank))
         want = dict(convert_and_shard(reader, config, tp_degree, rank))
         assert saved.keys() == want.keys()
         for name, tensor in want.items():
             assert tensor.dtype == torch.float32  # the source is fp32: the cast is the export's
-            assert torch.equal(saved[name], tensor.to(torch.bfloat16)), name
+            kept_fp32 = name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))
+            assert on_disk[name] == ("F32" if kept_fp32 else "BF16"), name
+            assert torch.equal(saved[name], tensor if kept_fp32 else tensor.to(torch.bfloat16)), name
 
 
 def test_export_keeps_the_source_dtype_unless_told(tmp_path):
