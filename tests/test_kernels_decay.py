@@ -10,11 +10,9 @@ form (the intra-chunk decay, the decayed keys of the state update, the chunk-end
 import pytest
 import torch
 
-from optimum_qwen35.kernels.gated_delta_rule import (
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-    recurrent_gated_delta_rule_step,
-)
+from optimum_qwen35.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+from .test_long_context import prefill_then_decode
 
 PREFILL, DECODE = 8192, 64
 # fp32 chunked + steps against the float64 recurrence; outputs and states are O(1). Measured 7.2e-7 (outputs) and
@@ -42,15 +40,7 @@ def test_long_sequence_with_decaying_gates_against_float64():
     # The slow heads still remember the initial state at the end, and the fast ones do not: both regimes are seen.
     assert g[0, 0].sum() > -2 and g[0, -1].sum() < -1000
 
-    x32 = [t.float() for t in (q, k, v, g, beta)]
-    P = slice(0, PREFILL)
-    o_pre, state = chunk_gated_delta_rule(*(t[..., P, :] if t.dim() == 4 else t[..., P] for t in x32), s0.float())
-    outs = [o_pre]
-    for t in range(PREFILL, PREFILL + DECODE):
-        sl = slice(t, t + 1)
-        o_t, state = recurrent_gated_delta_rule_step(*(x[..., sl, :] if x.dim() == 4 else x[..., sl] for x in x32), state)
-        outs.append(o_t)
-    o = torch.cat(outs, dim=2)
+    o, state = prefill_then_decode([t.float() for t in (q, k, v, g, beta)], PREFILL, DECODE, s0.float())
     err_o = (o.double() - o_ref).abs().max().item()
     err_s = (state.double() - s_ref).abs().max().item()
     print(f"\n{PREFILL}+{DECODE} tokens, decaying gates, fp32 chunked+steps vs float64 recurrence: "

@@ -19,6 +19,21 @@ from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
 from .conftest import FIXTURES
 
 PREFILL, DECODE = 8192, 64
+
+
+def prefill_then_decode(inputs, prefill, decode, initial_state=None):
+    """The first `prefill` tokens of (q, k, v, g, beta) through the chunked rule, then `decode` single steps:
+    what a long prompt and its generation do. Returns (o over all tokens, final state)."""
+
+    def tokens(x, sl):
+        return x[..., sl, :] if x.dim() == 4 else x[..., sl]
+
+    o_pre, state = chunk_gated_delta_rule(*(tokens(x, slice(0, prefill)) for x in inputs), initial_state)
+    outs = [o_pre]
+    for t in range(prefill, prefill + decode):
+        o_t, state = recurrent_gated_delta_rule_step(*(tokens(x, slice(t, t + 1)) for x in inputs), state)
+        outs.append(o_t)
+    return torch.cat(outs, dim=2), state
 # fp32 against float64 over 8256 tokens. Outputs and states are O(1) here; measured 7e-7 (outputs) and
 # 4e-6 (state). The bound leaves room for other BLAS builds and is still far below any real error.
 KERNEL_ATOL = 1e-4
@@ -43,15 +58,7 @@ def test_kernels_long_adversarial_sequence_against_float64():
     q, k, v, g, beta = adversarial_inputs()
     o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta)  # float64 ground truth, token by token
 
-    x32 = [t.float() for t in (q, k, v, g, beta)]
-    P = slice(0, PREFILL)
-    o_pre, state = chunk_gated_delta_rule(*(t[..., P, :] if t.dim() == 4 else t[..., P] for t in x32))
-    outs = [o_pre]
-    for t in range(PREFILL, PREFILL + DECODE):
-        sl = slice(t, t + 1)
-        o_t, state = recurrent_gated_delta_rule_step(*(x[..., sl, :] if x.dim() == 4 else x[..., sl] for x in x32), state)
-        outs.append(o_t)
-    o = torch.cat(outs, dim=2)
+    o, state = prefill_then_decode([t.float() for t in (q, k, v, g, beta)], PREFILL, DECODE)
     assert torch.isfinite(o).all() and torch.isfinite(state).all()
     assert state.dtype == torch.float32
     err_o = (o.double() - o_ref).abs().max().item()
