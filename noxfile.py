@@ -49,10 +49,15 @@ MUTATION_TESTS = [
     "tests/test_oracle.py",
     "tests/test_shard.py",
     "tests/test_shard_export.py",
+    "tests/test_state_in_place.py",
+    "tests/test_precision.py",
+    "tests/test_tensor_parallel_nv3x.py",
 ]
-# Within those: not the slow tests, not the fixtures' own check, and the model against the oracle on one layout
-# (tiny-nv3x: GQA in both mixers, nv = 3 nk, dk != dv, untied); the other layouts run in CI.
-MUTATION_SELECT = "not recorded_greedy and not tiny-2b and not tiny-nv2x"
+# Within those: not the slow tests, not the fixtures' own check, not the bf16 cpu export (17 s; the in-memory bf16 model
+# tests check the same policy), and the model against the oracle on one layout (tiny-nv3x: GQA in both mixers,
+# nv = 3 nk, dk != dv, untied); the other layouts run in CI. The TP test's ranks run in spawned processes, which import
+# the mutated code but record no coverage: mutmut lists it for the functions that the single-process run also calls.
+MUTATION_SELECT = "not recorded_greedy and not tiny-2b and not tiny-nv2x and not compiled_export"
 
 
 @nox.session
