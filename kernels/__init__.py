@@ -1,12 +1,18 @@
 """Kernels of the Qwen3.5 DeltaNet layers, installed as `optimum_qwen35.kernels`.
 
 Each kernel sits beside its PyTorch reference, with the same signature. The model calls the
-entry points below; `set_backend` chooses which implementation answers them (the PyTorch reference
-by default; NKI kernels register themselves as another backend).
+entry points below; which implementation answers them is a backend: the one a model names (`backend=`,
+which the DeltaNet mixer takes from its layer factory: per model, nothing leaks to other models), or else
+the process-wide one `set_backend` chooses (the PyTorch reference by default). NKI kernels register
+themselves as the "nki" backend.
+
+`calls` counts the dispatched calls per (backend, entry point): what tests read to know which
+implementation a model really ran.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable
 
 from . import causal_conv1d_reference as _conv
@@ -34,6 +40,7 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
     }
 }
 _active = "torch"
+calls: Counter = Counter()
 
 
 def register_backend(name: str, implementations: dict[str, Callable]) -> None:
@@ -55,34 +62,48 @@ def get_backend() -> str:
     return _active
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, lengths=None):
-    return _BACKENDS[_active]["chunk_gated_delta_rule"](q, k, v, g, beta, initial_state, lengths)
+def _implementation(entry: str, backend: str | None) -> Callable:
+    """The implementation of `entry` in `backend` (None: the process-wide one), counted in `calls`."""
+    name = _active if backend is None else backend
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; registered: {sorted(_BACKENDS)}")
+    calls[(name, entry)] += 1
+    return _BACKENDS[name][entry]
 
 
-def recurrent_gated_delta_rule_step(q, k, v, g, beta, state):
-    return _BACKENDS[_active]["recurrent_gated_delta_rule_step"](q, k, v, g, beta, state)
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, lengths=None, *, backend=None):
+    return _implementation("chunk_gated_delta_rule", backend)(q, k, v, g, beta, initial_state, lengths)
 
 
-def causal_conv1d(x, weight, initial_state=None, lengths=None):
-    return _BACKENDS[_active]["causal_conv1d"](x, weight, initial_state, lengths)
+def recurrent_gated_delta_rule_step(q, k, v, g, beta, state, *, backend=None):
+    return _implementation("recurrent_gated_delta_rule_step", backend)(q, k, v, g, beta, state)
 
 
-def causal_conv1d_step(x, weight, state):
-    return _BACKENDS[_active]["causal_conv1d_step"](x, weight, state)
+def causal_conv1d(x, weight, initial_state=None, lengths=None, *, backend=None):
+    return _implementation("causal_conv1d", backend)(x, weight, initial_state, lengths)
 
 
-def deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths):
+def causal_conv1d_step(x, weight, state, *, backend=None):
+    return _implementation("causal_conv1d_step", backend)(x, weight, state)
+
+
+def deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, *, backend=None):
     """Normalise q/k, gates from the raw a/b, chunked rule from each slot's state; the final state in place."""
-    return _BACKENDS[_active]["deltanet_prefill"](q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths)
+    return _implementation("deltanet_prefill", backend)(
+        q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths
+    )
 
 
-def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids):
+def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids, *,
+                    backend=None):
     """One token per row from raw projections: conv step, norms, gates, delta-rule step; slot states in place."""
-    return _BACKENDS[_active]["deltanet_decode"](
+    return _implementation("deltanet_decode", backend)(
         mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids
     )
 
 
-# The NKI kernels behind the fused seams. On CPU they run on the NKI emulator (`set_backend("nki")`); on a Neuron
-# device they are to be called from the traced graphs (not wired yet: the Neuron backend's in-place state contract).
+# The NKI kernels behind the fused seams. Where the real `nki` package is importable (NKI >= 0.3, Neuron SDK 2.29+;
+# see nki_import.py) they are `nki.jit` launches on the tensors as given: inside the Neuron graphs, torch-xla
+# tensors, and the Neuron model builder selects this backend for its DeltaNet layers (`neuron.glue.kernel_backend`).
+# Elsewhere they run on the CPU NKI emulator (`set_backend("nki")`, or `TorchLayers(kernel_backend="nki")`).
 register_backend("nki", {"deltanet_prefill": _fused.deltanet_prefill_nki, "deltanet_decode": _fused.deltanet_decode_nki})

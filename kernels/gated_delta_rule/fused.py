@@ -20,7 +20,10 @@ target's LNC degree (2 on trn2: the heads split over the two physical NeuronCore
 
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
-(`*_nki`) that runs the kernels of `tkg.py` / `cte.py` (on the emulator when no Neuron device is present).
+(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`: with the real NKI (`nki_import.USING_EMULATOR` False) it
+launches the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced Neuron graph:
+each launch becomes one custom call of the graph, compiled with it by neuronx-cc); on the emulator it hands them
+NumPy views of the same memory, so that the kernels' in-place state writes land in the torch tensors.
 """
 
 from __future__ import annotations
@@ -106,26 +109,32 @@ def _numpy(x: torch.Tensor) -> np.ndarray:
     return x.numpy()
 
 
-def _check_emulator():
+def _on_emulator() -> bool:
+    """True when `nki` is this project's CPU emulator (the seams hand it NumPy views of the tensors); False when it
+    is the real NKI, whose `nki.jit` kernels take the torch tensors themselves (torch-xla tensors in a Neuron graph).
+    """
     from ..nki_import import USING_EMULATOR
 
-    if not USING_EMULATOR:
-        raise RuntimeError(
-            "the CPU NKI seams run the kernels on the emulator; with a real Neuron device the kernels are called "
-            "from the traced graphs (not wired yet)"
-        )
+    return USING_EMULATOR
+
+
+def _int32_row(x: torch.Tensor) -> torch.Tensor:
+    """seq_ids / lengths [B] -> the kernels' [1, B] int32 layout."""
+    return x.to(torch.int32).reshape(1, -1).contiguous()
 
 
 def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
                         tf32_matmul=False):
     from .tkg import gated_delta_rule_tkg
 
-    _check_emulator()
-    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
+    args = (mixed_qkv.contiguous(), a.contiguous(), b.contiguous(), A_log.float().contiguous(),
+            dt_bias.float().contiguous(), conv_weight.contiguous())
+    if not _on_emulator():
+        # The real kernel, launched on the graph's tensors: it writes the slots of conv_state and recurrent_state
+        # (the held state) in place and returns o, as on the emulator (see docs/neuron_backend.md on aliasing).
+        return gated_delta_rule_tkg(*args, conv_state, recurrent_state, _int32_row(seq_ids), tf32_matmul)
     o = gated_delta_rule_tkg(
-        _numpy(mixed_qkv.contiguous()), _numpy(a.contiguous()), _numpy(b.contiguous()),
-        _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(conv_weight.contiguous()), _numpy(conv_state), _numpy(recurrent_state), seq, tf32_matmul,
+        *map(_numpy, args), _numpy(conv_state), _numpy(recurrent_state), _numpy(_int32_row(seq_ids)), tf32_matmul
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
 
@@ -145,16 +154,20 @@ def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, 
     (the last two for bf16 activations only; see cte.py)."""
     from .cte import gated_delta_rule_cte, solve_masks
 
-    _check_emulator()
-    B = q.shape[0]
-    seq = np.ascontiguousarray(seq_ids.to(torch.int32).reshape(1, -1).numpy())
     if lengths is None:
-        lengths = torch.full((B,), q.shape[2], dtype=torch.int32)
-    lens = np.ascontiguousarray(lengths.to(torch.int32).reshape(1, -1).numpy())
-    o = gated_delta_rule_cte[_lnc()](
-        _numpy(q.contiguous()), _numpy(k.contiguous()), _numpy(v.contiguous()), _numpy(a.contiguous()),
-        _numpy(b.contiguous()), _numpy(A_log.float().contiguous()), _numpy(dt_bias.float().contiguous()),
-        _numpy(recurrent_state), seq, lens, solve_masks(), tf32_matmul, bf16_matmul,
+        lengths = torch.full((q.shape[0],), q.shape[2], dtype=torch.int32, device=q.device)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(), b.contiguous(),
+            A_log.float().contiguous(), dt_bias.float().contiguous())
+    kernel = gated_delta_rule_cte[_lnc()]  # LNC=2 on trn2: half the heads on each physical core
+    if not _on_emulator():
+        # The real kernel on the graph's tensors; the solve masks (a constant) go to the device with them. It writes
+        # the slots' final states into recurrent_state in place and returns o.
+        masks = torch.from_numpy(solve_masks()).to(q.device)
+        return kernel(*args, recurrent_state, _int32_row(seq_ids), _int32_row(lengths), masks, tf32_matmul,
+                      bf16_matmul)
+    o = kernel(
+        *map(_numpy, args), _numpy(recurrent_state), _numpy(_int32_row(seq_ids)), _numpy(_int32_row(lengths)),
+        solve_masks(), tf32_matmul, bf16_matmul,
     )
     return torch.from_numpy(np.asarray(o, dtype=np.float32))
 

@@ -41,6 +41,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = layers.row_linear(self.nv * self.dv, hidden)
         self.precision = layers.precision  # modeling/precision.py
+        # Which kernel backend answers this mixer's kernel calls: the factory's choice (the Neuron builder names
+        # "nki" there), or None for the process-wide one (`kernels.set_backend`).
+        self.kernel_backend = getattr(layers, "kernel_backend", None)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
@@ -64,13 +67,15 @@ class GatedDeltaNet(nn.Module):
         slots' states are updated in place."""
         fresh = (starts == 0)[:, None, None]
         initial_conv = torch.where(fresh, torch.zeros((), dtype=conv_state.dtype), slots.gather(conv_state))
-        mixed, new_conv = kernels.causal_conv1d(self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths)
+        mixed, new_conv = kernels.causal_conv1d(
+            self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths, backend=self.kernel_backend
+        )
         q, k, v = self._raw_heads(mixed.transpose(1, 2))
         # Fresh sequences start from a zero recurrent state: reset their slots, which the seam then reads and updates.
         slots.write(recurrent_state, torch.where(fresh[..., None], 0.0, slots.gather(recurrent_state)))
         o = kernels.deltanet_prefill(
             q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
-            recurrent_state, slots.seq_ids, lengths,
+            recurrent_state, slots.seq_ids, lengths, backend=self.kernel_backend,
         )
         slots.write(conv_state, new_conv)
         return self._output(o, x), conv_state, recurrent_state
@@ -80,6 +85,6 @@ class GatedDeltaNet(nn.Module):
         o = kernels.deltanet_decode(
             self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
             self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,
-            recurrent_state, slots.seq_ids,
+            recurrent_state, slots.seq_ids, backend=self.kernel_backend,
         )
         return self._output(o[:, :, None], x), conv_state, recurrent_state

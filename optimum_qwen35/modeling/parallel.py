@@ -140,19 +140,24 @@ class TorchLayers:
 
     `group` may be a process group or its name. Building the layers does not need torch.distributed
     (a graph can be built on the meta device and exported anywhere); running them at tp_degree > 1 does.
+    `kernel_backend` names the kernel backend the model's DeltaNet layers call (e.g. "nki": the NKI kernels, on
+    the emulator on CPU); None uses the process-wide one (`kernels.set_backend`).
     """
 
     # The precision policy of these layers' backend (modeling/precision.py): the model asks it for the forms of
     # its bf16-operand / fp32-accumulator matmuls.
     precision = TorchPrecision()
 
-    def __init__(self, tp_degree: int = 1, rank: int = 0, group=None):
+    def __init__(self, tp_degree: int = 1, rank: int = 0, group=None, kernel_backend: str | None = None):
         if group is None and tp_degree > 1:
             if not dist.is_initialized():
                 raise RuntimeError("tensor parallelism on CPU needs torch.distributed initialized (gloo) first")
             group = dist.group.WORLD
         self.tp_degree, self.rank = tp_degree, rank
         self.group_name = group if isinstance(group, str) or group is None else group.group_name
+        # The kernel backend of the model built over these layers (`optimum_qwen35.kernels`); None: the
+        # process-wide one.
+        self.kernel_backend = kernel_backend
 
     def column_linear(self, in_features: int, out_features_per_rank: int) -> nn.Module:
         # Column-parallel output stays sharded: the next row-parallel layer consumes it as is.

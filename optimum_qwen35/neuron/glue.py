@@ -15,7 +15,9 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
   model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the gate parameters
   (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
   frequencies survive that cast by themselves: `RotaryEmbedding._apply` rebuilds them);
-- `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off).
+- `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off);
+- `kernel_backend`: which kernel backend the traced DeltaNet layers call (the NKI kernels where the real NKI is
+  importable).
 """
 
 from __future__ import annotations
@@ -175,6 +177,28 @@ def compiler_args(target: str | None, logical_nc_config: int) -> str:
     if target:
         flags += ["--target", target]
     return " ".join(flags)
+
+
+def kernel_backend(requested: str | None = None) -> str:
+    """The kernel backend (`optimum_qwen35.kernels`) the traced module's DeltaNet layers call.
+
+    Default: "nki" when the real NKI package is importable (NKI >= 0.3, Neuron SDK 2.29+: `nki_import` then gives
+    it, and the kernels are `nki.jit` launches on the graph's torch-xla tensors), else "torch" (the PyTorch
+    references, traced op by op). The emulator is never a choice here: it runs NumPy on host memory, which a traced
+    graph cannot call. `requested` ("nki" or "torch") overrides the default; "nki" without the real NKI is refused.
+    """
+    from ..kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
+
+    if requested not in (None, "nki", "torch"):
+        raise ValueError(f"kernel backend {requested!r}: the Neuron graphs take 'nki' or 'torch'")
+    if requested == "nki" and USING_EMULATOR:
+        raise ValueError(
+            "kernel backend 'nki' in a Neuron graph needs the real NKI package (NKI >= 0.3, Neuron SDK 2.29+); "
+            "`optimum_qwen35.kernels.nki_import` found only the CPU emulator"
+        )
+    if requested is not None:
+        return requested
+    return "torch" if USING_EMULATOR else "nki"
 
 
 def check_neuron_config(neuron_config) -> None:

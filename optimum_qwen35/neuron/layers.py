@@ -38,8 +38,10 @@ class VocabGatheringHead(ColumnParallelLinear):
 class NxDLayers:
     """The model's layer factory on Neuron (the interface of `modeling.parallel.TorchLayers`)."""
 
-    def __init__(self, tp_degree: int, dtype: torch.dtype):
-        self.tp_degree, self.dtype = tp_degree, dtype
+    def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch"):
+        # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches
+        # the `nki.jit` kernels inside the graph, "torch" traces the PyTorch references.
+        self.tp_degree, self.dtype, self.kernel_backend = tp_degree, dtype, kernel_backend
 
     def column_linear(self, in_features: int, out_features_per_rank: int):
         return ColumnParallelLinear(

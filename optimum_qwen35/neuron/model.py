@@ -42,10 +42,16 @@ def shard_file(checkpoint_dir: str, rank: int) -> str:
 class Qwen35NxDDecoderModel(Qwen35Decoder):
     """The traced module: the decoder over neuronx-distributed's layers, with its state held as parameters."""
 
+    # The DeltaNet layers' kernels (`glue.kernel_backend`): None picks the NKI kernels when the real NKI is
+    # importable, the PyTorch references otherwise; a subclass may pin "nki" or "torch". Carried by this model's
+    # layer factory, so that it does not change the process-wide backend of other models.
+    kernel_backend: str | None = None
+
     def __init__(self, config, neuron_config):
         glue.check_neuron_config(neuron_config)
         qwen_config = weights.qwen_config(config)
-        super().__init__(qwen_config, neuron_config.tp_degree, NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype))
+        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, glue.kernel_backend(self.kernel_backend))
+        super().__init__(qwen_config, neuron_config.tp_degree, layers)
         if qwen_config.tie_word_embeddings:
             # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as
             # optimum-neuron's tied models do: a weight shared by two layers is not something its tracing handles.

@@ -1,0 +1,83 @@
+"""The Neuron graphs' DeltaNet layers through the NKI kernels, as far as CPU can run them.
+
+The traced forward's body (`neuron.glue.step`) is run with the CPU layer factory naming the "nki" kernel backend,
+as `Qwen35NxDDecoderModel` names it through `NxDLayers` (there the kernels are `nki.jit` launches on torch-xla
+tensors; here they run on the emulator). It must give the torch references' logits and held state, through the
+dispatch's NKI entry points (counted), without touching the process-wide backend.
+"""
+
+import pytest
+import torch
+
+from optimum_qwen35 import kernels
+from optimum_qwen35.kernels import nki_import
+from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.neuron import glue
+from optimum_qwen35.runtime.cpu import load_decoder
+
+from ..conftest import FIXTURES
+from ..test_neuron_backend import allocate, context_batch, run, tokens
+
+
+def nki_calls() -> dict[str, int]:
+    return {entry: kernels.calls[("nki", entry)] for entry in ("deltanet_prefill", "deltanet_decode")}
+
+
+@pytest.mark.parametrize("layout_name", ["tiny-2b", "tiny-nv2x"])
+def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_name):
+    assert kernels.get_backend() == "torch"
+    path = FIXTURES / layout_name
+    with_nki = load_decoder(path, layers=TorchLayers(kernel_backend="nki"))
+    with_torch = load_decoder(path, layers=TorchLayers(kernel_backend="torch"))
+    deltanet_layers = sum(not layer.is_attention for layer in with_nki.layers)
+    layout = glue.StateLayout(with_nki.state_specs(2, 64))
+    held_nki, held_torch = allocate(layout), allocate(layout)
+
+    def both(ids, positions, seq_ids):
+        nonlocal held_nki, held_torch
+        logits_nki, held_nki = run(with_nki, layout, held_nki, ids, positions, seq_ids)
+        logits_torch, held_torch = run(with_torch, layout, held_torch, ids, positions, seq_ids)
+        torch.testing.assert_close(logits_nki, logits_torch, rtol=0, atol=1e-4)
+        for got, want, spec in zip(held_nki, held_torch, layout.held_specs):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=spec.name)
+
+    before = nki_calls()
+    # Context encoding of right-padded prompts (lengths 9 and 4) into slots 0 and 1.
+    ids, positions = context_batch([list(range(3, 12)), [7, 8, 9, 10]], 16)
+    both(ids, positions, [0, 1])
+    after_prefill = nki_calls()
+    assert after_prefill["deltanet_prefill"] - before["deltanet_prefill"] == deltanet_layers
+    # Token generation, then with row 1 inactive (seq_id -1: writes nothing).
+    both(tokens([12, 11]), tokens([9, 4]), [0, 1])
+    slot1 = [h[1].clone() for h in held_nki]
+    both(tokens([13, 5]), tokens([10, 7]), [0, -1])
+    assert all(torch.equal(h[1], s) for h, s in zip(held_nki, slot1))
+    after = nki_calls()
+    assert after["deltanet_decode"] - after_prefill["deltanet_decode"] == 2 * deltanet_layers
+    # The choice was this model's: the process-wide backend is still the reference.
+    assert kernels.get_backend() == "torch"
+
+
+def test_a_model_naming_no_backend_follows_the_process_wide_one():
+    decoder = load_decoder(FIXTURES / "tiny-2b")
+    layout = glue.StateLayout(decoder.state_specs(1, 16))
+    before = kernels.calls[("torch", "deltanet_prefill")], nki_calls()
+    ids, positions = context_batch([[3, 4, 5]], 8)
+    run(decoder, layout, allocate(layout), ids, positions, [0])
+    assert kernels.calls[("torch", "deltanet_prefill")] > before[0] and nki_calls() == before[1]
+
+
+def test_kernel_backend_of_the_neuron_graphs(monkeypatch):
+    # This machine has no real NKI: the graphs trace the references, and asking for NKI is refused (the emulator
+    # cannot run inside a traced graph).
+    assert nki_import.USING_EMULATOR
+    assert glue.kernel_backend() == "torch"
+    assert glue.kernel_backend("torch") == "torch"
+    with pytest.raises(ValueError, match="real NKI"):
+        glue.kernel_backend("nki")
+    with pytest.raises(ValueError, match="'nki' or 'torch'"):
+        glue.kernel_backend("emulator")
+    # Where `nki_import` found the real NKI, the default is the NKI kernels.
+    monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
+    assert glue.kernel_backend() == "nki"
+    assert glue.kernel_backend("torch") == "torch"
