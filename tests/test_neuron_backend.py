@@ -23,7 +23,8 @@ from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.checkpoint.shard import convert_and_shard, deltanet_rank_heads, shard_dim
 from optimum_qwen35.config import FULL_ATTENTION, Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.parallel import ShardedDims
+from optimum_qwen35.modeling.parallel import ShardedDims, TorchLayers
+from optimum_qwen35.modeling.precision import NeuronPrecision
 from optimum_qwen35.modeling.state import state_specs
 from optimum_qwen35.neuron import glue
 from optimum_qwen35.neuron import state_dict as nsd
@@ -271,12 +272,20 @@ def tokens(ids: list[int]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32)[:, None]
 
 
+class NeuronFormLayers(TorchLayers):
+    """The CPU layers with the precision policy in the form `NxDLayers` supplies (explicit attention core)."""
+
+    precision = NeuronPrecision()
+
+
+@pytest.mark.parametrize("layers", [None, NeuronFormLayers()], ids=["torch-precision", "neuron-precision"])
 @pytest.mark.parametrize("layout_name", ["tiny-2b", "tiny-nv2x"])
-def test_traced_forward_matches_transformers_logits(layout_name):
+def test_traced_forward_matches_transformers_logits(layout_name, layers):
     """`glue.step` with the CPU layer factory: context encoding of right-padded prompts, then teacher-forced token
-    generation, an inactive row, a 1-token prompt at position 0 in a used slot, a batch-1 prefill of one slot."""
+    generation, an inactive row, a 1-token prompt at position 0 in a used slot, a batch-1 prefill of one slot.
+    Also with the Neuron form of the precision policy, so the attention core the Neuron graphs trace is checked."""
     ref = {len(p): (p, torch.from_numpy(logits)) for p, logits in reference_prompts(load_reference(layout_name))}
-    decoder = load_decoder(FIXTURES / layout_name)
+    decoder = load_decoder(FIXTURES / layout_name, layers=layers)
     layout = glue.StateLayout(decoder.state_specs(2, 128))
     held = allocate(layout)
     long, short = ref[63], ref[3]
@@ -330,11 +339,12 @@ def test_rotary_frequencies_survive_the_load_cast():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_traced_forward_keeps_the_state_dtypes_in_bfloat16():
+@pytest.mark.parametrize("layers", [None, NeuronFormLayers()], ids=["torch-precision", "neuron-precision"])
+def test_traced_forward_keeps_the_state_dtypes_in_bfloat16(layers):
     """A bf16 model, cast and restored as the model instance does: K/V and conv state stay bf16, the recurrent state
     fp32, the logits fp32, through both graphs."""
     ref = {len(p): (p, torch.from_numpy(logits)) for p, logits in reference_prompts(load_reference("tiny-nv2x"))}
-    decoder = load_decoder(FIXTURES / "tiny-nv2x")
+    decoder = load_decoder(FIXTURES / "tiny-nv2x", layers=layers)
     load_cast(decoder, torch.bfloat16)
     layout = glue.StateLayout(decoder.state_specs(2, 64))
     assert {s.dtype for s in layout.held_specs} == {torch.bfloat16, torch.float32}
@@ -395,3 +405,35 @@ def test_gate_parameters_back_to_fp32_after_the_load_cast():
     for name, param in params_after.items():
         assert param is params[name], "the same Parameter objects (their weight slots stay as built)"
         assert param.dtype == (torch.float32 if name in gate_names else torch.bfloat16), name
+
+
+def test_nxd_layers_define_everything_the_model_reads_from_its_layer_factory():
+    """The model reads `layers.<name>` (methods, the precision policy, the kernel backend); `NxDLayers` cannot be
+    imported without the SDK, so its source is read: each name must be defined there (a missing `precision` once
+    made the traced module fail to build)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import optimum_qwen35
+
+    package = Path(optimum_qwen35.__file__).parent
+    read = set()
+    for file in (package / "modeling").glob("*.py"):
+        source = file.read_text()
+        read |= set(re.findall(r"\blayers\.([a-z_]+)\b", source)) | set(re.findall(r'getattr\(layers, "([a-z_]+)"', source))
+    tree = ast.parse((package / "neuron" / "layers.py").read_text())
+    (nxd,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "NxDLayers"]
+    defined = set()
+    for node in ast.walk(nxd):
+        if isinstance(node, ast.FunctionDef):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        defined.add(name.id)
+                    elif isinstance(name, ast.Attribute) and isinstance(name.value, ast.Name) and name.value.id == "self":
+                        defined.add(name.attr)
+    assert {"column_linear", "row_linear", "embedding", "lm_head", "precision", "kernel_backend"} <= read
+    assert read <= defined, f"NxDLayers lacks {sorted(read - defined)}"

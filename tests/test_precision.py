@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimum_qwen35.modeling import parallel
 from optimum_qwen35.modeling.parallel import TorchLayers, VocabParallelHead
-from optimum_qwen35.modeling.precision import TorchPrecision
+from optimum_qwen35.modeling.precision import NeuronPrecision, TorchPrecision
 from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
 
 from .conftest import FIXTURES
@@ -54,8 +54,10 @@ def test_bf16_logits_are_fp32():
     assert model.decode([4], [3], [0]).dtype == torch.float32
 
 
-def test_attention_core_matches_the_explicit_form():
-    """The policy's attention (SDPA on CPU) against the explicit matmul form in float64, with GQA and a mask."""
+@pytest.mark.parametrize("form", [TorchPrecision, NeuronPrecision], ids=["torch", "neuron"])
+def test_attention_core_matches_the_explicit_form(form):
+    """The policy's attention (SDPA on CPU; explicit on Neuron) against the explicit matmul form in float64, with
+    GQA and a mask; in bf16 within the rounding of its operands, scores and probabilities."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 5, 16, generator=g, dtype=torch.float64)
     k = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
@@ -64,8 +66,8 @@ def test_attention_core_matches_the_explicit_form():
     mask[..., 0] = True
     scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
     want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v.repeat_interleave(2, 1)
-    torch.testing.assert_close(TorchPrecision.attention(q, k, v, mask, 0.25), want, rtol=0, atol=1e-12)
-    got = TorchPrecision.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)
+    torch.testing.assert_close(form.attention(q, k, v, mask, 0.25), want, rtol=0, atol=1e-12)
+    got = form.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2)
 

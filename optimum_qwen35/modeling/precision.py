@@ -77,3 +77,28 @@ class TorchPrecision:
         [B, H, Tq, hd] in v's dtype: scores, softmax and the accumulation of probs @ v in fp32, the
         probabilities rounded to v's dtype before that product."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class NeuronPrecision(TorchPrecision):
+    """The Neuron (neuronx-cc, `--auto-cast=none`) form of the policy: plain matmuls, which XLA lowers to TensorE
+    matmuls with bf16 operands accumulating in fp32 PSUM.
+
+    - attention: the explicit form. K/V heads repeated per query group (a gather XLA folds into the matmul's
+      operand load; SDPA's `enable_gqa` has no Neuron lowering); the scores come out of the bf16 matmul rounded
+      to bf16 (torch-xla gives a bf16 x bf16 matmul a bf16 result: relative 2^-9, like the logits on CPU) and
+      are made fp32 for the mask and the softmax; the probabilities are rounded to bf16 for probs @ v, as on CPU.
+      fp32 and float64 models compute everything in their own dtype, as on CPU.
+    - lm_head and operands: as `TorchPrecision` (a model-dtype GEMM whose result is made fp32; no fp32 copy of
+      the weight).
+    """
+
+    name = "neuron"
+
+    @staticmethod
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Same contract as `TorchPrecision.attention`."""
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = upcast(q @ k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v

@@ -9,34 +9,41 @@ row-parallel layer takes them as they are); row-parallel layers all-reduce (in f
 
 - embedding: ParallelEmbedding split by vocabulary, its rank read from a tensor (`use_spmd_rank`: the
   `embed_tokens.rank_util.rank` weight, arange(t) split by rank), so that one traced graph serves every rank;
-- lm_head: a ColumnParallelLinear whose logits are computed in fp32 (as `TorchLayers`' head: the host samples from
+- lm_head: a ColumnParallelLinear whose logits come out in fp32 (as `TorchLayers`' head: the host samples from
   fp32 logits), gathered across ranks along the vocabulary, the vocabulary padding cut off.
+
+The precision policy's Neuron form (`modeling.precision.NeuronPrecision`, SDK-free and tested on CPU) gives the
+attention core, the lm_head's matmul and the operand casts.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
+
+from ..modeling.precision import NeuronPrecision
 
 
 class VocabGatheringHead(ColumnParallelLinear):
     """lm_head over this rank's vocabulary rows: fp32 logits, gathered whole, the padding cut off."""
 
-    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, padded_vocab_size: int, vocab_size: int, dtype: torch.dtype, precision):
         super().__init__(hidden_size, padded_vocab_size, bias=False, gather_output=False, dtype=dtype)
-        self.vocab_size = vocab_size
+        self.vocab_size, self.precision = vocab_size, precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
-        logits = F.linear(x.to(acc), self.weight.to(acc))
+        # Model-dtype operands, fp32 logits, no fp32 copy of the weight per call (the precision policy).
+        logits = self.precision.logits(x, self.weight)
         logits = gather_from_tensor_model_parallel_region(logits, process_group=self.tensor_parallel_group)
         return logits[..., : self.vocab_size]
 
 
 class NxDLayers:
     """The model's layer factory on Neuron (the interface of `modeling.parallel.TorchLayers`)."""
+
+    # What every mixer asks for the forms of its bf16-operand / fp32-accumulator matmuls (modeling/precision.py).
+    precision = NeuronPrecision()
 
     def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch"):
         # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches
@@ -59,4 +66,4 @@ class NxDLayers:
         )
 
     def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int):
-        return VocabGatheringHead(hidden_size, vocab_per_rank * self.tp_degree, vocab_size, self.dtype)
+        return VocabGatheringHead(hidden_size, vocab_per_rank * self.tp_degree, vocab_size, self.dtype, self.precision)
