@@ -136,9 +136,11 @@ def test_bf16_compiled_export_holds_fp32_gates_too(tmp_path):
         model.close()
 
 
-def test_casting_the_model_keeps_the_rotary_frequencies_exact():
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, torch.float64])
+def test_casting_the_model_keeps_the_rotary_frequencies_exact(cast):
     """A bf16 export casts the whole decoder (`.to(torch.bfloat16)`); the rotary frequencies must stay fp32 and
-    exact, or odd positions above 256 would rotate as even ones."""
+    exact, or odd positions above 256 would rotate as even ones. Any cast, widening ones included, leaves the two
+    tables (fp32, float64) as built."""
     from optimum_qwen35.config import Qwen35Config
     from optimum_qwen35.modeling.decoder import Qwen35Decoder
 
@@ -147,7 +149,26 @@ def test_casting_the_model_keeps_the_rotary_frequencies_exact():
     config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
     positions = torch.tensor([[0, 255, 257, 301, 4095]])
     want = Qwen35Decoder(config).rotary(positions, torch.bfloat16)
-    cast = Qwen35Decoder(config).to(torch.bfloat16)
+    built = Qwen35Decoder(config).rotary
+    cast = Qwen35Decoder(config).to(cast)
     assert cast.rotary.inv_freq.dtype == torch.float32 and cast.rotary.inv_freq64.dtype == torch.float64
+    assert torch.equal(cast.rotary.inv_freq, built.inv_freq) and torch.equal(cast.rotary.inv_freq64, built.inv_freq64)
     for a, b in zip(cast.rotary(positions, torch.bfloat16), want):
         assert torch.equal(a, b)
+
+
+def test_to_model_dtype_keeps_the_gate_parameters_in_the_accumulation_dtype():
+    """`to_model_dtype` (the cpu export's cast): every parameter in the model dtype, except A_log and dt_bias, which
+    keep fp32 (float64 in a float64 model) and their exact values."""
+    from optimum_qwen35.modeling.precision import FP32_PARAMETERS, to_model_dtype
+
+    decoder = load_decoder(FIXTURES / "tiny-nv2x")
+    before = {name: p.detach().clone() for name, p in decoder.named_parameters()}
+    for dtype, accumulation in ((torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        to_model_dtype(decoder, dtype)
+        for name, param in decoder.named_parameters():
+            gate = name.endswith(FP32_PARAMETERS)
+            assert param.dtype == (accumulation if gate else dtype), name
+            want = before[name].to(param.dtype) if gate else before[name].to(torch.bfloat16).to(param.dtype)
+            assert torch.equal(param, want), name
+        assert sum(name.endswith(FP32_PARAMETERS) for name, _ in decoder.named_parameters()) > 0

@@ -143,3 +143,52 @@ def test_byte_count_that_disagrees_with_the_shape(ckpt, tmp_path):
     name = next(n for n in reader.names() if reader._keys[n] == key)
     with pytest.raises(CheckpointError, match=rf"tensor {key} has {end - start} bytes, {numel * 2} expected"):
         reader.get(name)
+
+
+def test_export_folder_describes_itself_and_reports_progress(ckpt, tmp_path, capsys):
+    """What an export holds besides the weights: the manifest (exactly), each rank file's safetensors metadata, the
+    source's config and side files unchanged, and a progress bar counting the source's bytes."""
+    import shutil
+
+    from tqdm import tqdm
+
+    from optimum_qwen35.checkpoint.shard import MANIFEST_FORMAT, MANIFEST_VERSION, reader_nbytes
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    (src / "special_tokens_map.json").write_text('{"eos_token": "<|im_end|>"}')
+    out = save_sharded(src, None, 2, tmp_path / "out", progress=True)
+
+    config = Qwen35Config.from_pretrained(src)
+    manifest = json.loads((out / MANIFEST).read_text())
+    files = [{"rank": r, "file": rank_file(r), "bytes": (out / rank_file(r)).stat().st_size} for r in range(2)]
+    assert manifest == {
+        "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "tp_degree": 2, "dtype": ["F32"],
+        "tie_word_embeddings": config.tie_word_embeddings, "source": str(src), "files": files,
+    }
+    for r in range(2):
+        with safe_open(out / rank_file(r), "pt") as f:
+            assert f.metadata() == {"format": "pt", "tp_degree": "2", "rank": str(r)}
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+
+    reader = CheckpointReader(src)
+    total = sum(reader_nbytes(reader, name) for name in reader.names())
+    size = tqdm.format_sizeof(total, divisor=1024)
+    err = capsys.readouterr().err
+    assert "shard TP=2: 100%" in err and f"{size}/{size}" in err and "B/s" in err, err[-300:]
+
+
+def test_convert_and_shard_yields_owned_contiguous_copies_in_the_requested_dtype(ckpt):
+    """Each yielded shard owns exactly its bytes (it keeps no source tensor alive), is contiguous, and is the shard in
+    the requested dtype (the DeltaNet gate parameters stay fp32)."""
+    reader, config = CheckpointReader(ckpt), Qwen35Config.from_pretrained(ckpt)
+    fp32 = dict(convert_and_shard(reader, config, 2, 1))
+    for name, shard in convert_and_shard(reader, config, 2, 1, dtype=torch.bfloat16):
+        kept_fp32 = name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))
+        assert shard.dtype == (torch.float32 if kept_fp32 else torch.bfloat16), name
+        assert shard.is_contiguous() and shard.untyped_storage().nbytes() == shard.numel() * shard.element_size(), name
+        assert torch.equal(shard, fp32[name].to(shard.dtype)), name
+    for name, shard in fp32.items():
+        assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size(), name

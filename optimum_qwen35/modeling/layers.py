@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
     Used for the layer norms, the final norm and the attention q/k norms.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """DeltaNet output norm, per value head: w * rmsnorm(x), then * silu(z). Plain w, not 1 + w."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps

@@ -47,11 +47,13 @@ FP32_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias")
 
 
 def to_model_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`module.to(dtype)`, except the FP32_PARAMETERS, which go to the accumulation dtype."""
+    """`module.to(dtype)`, except the FP32_PARAMETERS, which go to the accumulation dtype with their values (taken
+    before the cast, so a bf16 model's fp32 gates are not bf16-rounded)."""
+    gates = {name: p.data.to(accumulation_dtype(dtype)) for name, p in module.named_parameters() if name.endswith(FP32_PARAMETERS)}
     module.to(dtype)
     for name, param in module.named_parameters():
-        if name.endswith(FP32_PARAMETERS):
-            param.data = param.data.to(accumulation_dtype(dtype))
+        if name in gates:
+            param.data = gates[name]
     return module
 
 

@@ -104,7 +104,3 @@ def state_specs(
 
 def allocate_state(specs: list[StateSpec], device: torch.device | str = "cpu") -> list[torch.Tensor]:
     return [torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs]
-
-
-def state_bytes_per_slot(specs: list[StateSpec]) -> int:
-    return sum(torch.Size(s.shape[1:]).numel() * s.dtype.itemsize for s in specs)
