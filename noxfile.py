@@ -54,6 +54,7 @@ MUTATION_TESTS = [
     "tests/test_collectives.py",
     "tests/test_checkpoint_errors.py",
     "tests/test_bad_input.py",
+    "tests/test_graphs.py",
 ]
 # Within those: not the slow tests, not the fixtures' own check, not the bf16 cpu export (17 s; the in-memory bf16 model
 # tests check the same policy), and the model against the oracle on one layout (tiny-nv3x: GQA in both mixers,

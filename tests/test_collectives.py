@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimum_qwen35.modeling.parallel import RowParallelLinear, VocabParallelEmbedding, all_gather_last_dim, all_reduce
+from optimum_qwen35.modeling.parallel import TorchLayers, all_gather_last_dim, all_reduce
 
 WORLD = 2
 
@@ -20,22 +20,27 @@ def rank_input(rank: int) -> torch.Tensor:
     return torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) + 100 * rank
 
 
+@torch.no_grad()  # as the runtime runs the model
 def run_collectives(rank: int, store: str):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         group = dist.group.WORLD.group_name
         gathered = all_gather_last_dim(rank_input(rank), WORLD, group)
         reduced = all_reduce(rank_input(rank), group)
+        # The layers as the model gets them from its factory (the process group given as the default WORLD).
+        layers = TorchLayers(tp_degree=WORLD, rank=rank)
         # An embedding of 6 ids split 3 per rank: each rank looks up the ids it owns, the sum gives every row.
-        embedding = VocabParallelEmbedding(3, 2, rank=rank, group_name=group, tp_degree=WORLD)
-        with torch.no_grad():
-            embedding.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(3, 2) + 6 * rank)
+        embedding = layers.embedding(3, 2)
+        embedding.weight.copy_(torch.arange(6, dtype=torch.float32).reshape(3, 2) + 6 * rank)
         looked_up = embedding(torch.tensor([[0, 5, 3, 2]]))
-        linear = RowParallelLinear(2, 1, group_name=group, tp_degree=WORLD)
-        with torch.no_grad():
-            linear.weight.fill_(rank + 1.0)
+        linear = layers.row_linear(2, 1)
+        linear.weight.fill_(rank + 1.0)
         summed = linear(torch.ones(1, 2))
-        return gathered, reduced, looked_up, summed
+        # A vocabulary of 3 over 2 ranks (2 rows each, the last one padding): logits gathered, the padding cut off.
+        head = layers.lm_head(2, 2, 3)
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]) * (rank + 1))
+        logits = head(torch.tensor([[[3.0, 5.0]]]))
+        return gathered, reduced, looked_up, summed, logits
     finally:
         dist.destroy_process_group()
 
@@ -50,7 +55,7 @@ def test_collectives_across_two_ranks(tmp_path):
     peer = multiprocessing.get_context("spawn").Process(target=_rank1, args=(store,))
     peer.start()
     try:
-        gathered, reduced, looked_up, summed = run_collectives(0, store)
+        gathered, reduced, looked_up, summed, logits = run_collectives(0, store)
     finally:
         peer.join(timeout=120)
     assert peer.exitcode == 0
@@ -59,3 +64,4 @@ def test_collectives_across_two_ranks(tmp_path):
     table = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     assert torch.equal(looked_up, table[[0, 5, 3, 2]][None])
     assert torch.equal(summed, torch.tensor([[2.0 * 1 + 2.0 * 2]]))
+    assert logits.dtype == torch.float32 and torch.equal(logits, torch.tensor([[[3.0, 5.0, 6.0]]]))

@@ -152,12 +152,12 @@ def test_export_folder_describes_itself_and_reports_progress(ckpt, tmp_path, cap
 
     from tqdm import tqdm
 
-    from optimum_qwen35.checkpoint.shard import MANIFEST_FORMAT, MANIFEST_VERSION, reader_nbytes
+    from optimum_qwen35.checkpoint.shard import MANIFEST_FORMAT, MANIFEST_VERSION
 
     src = tmp_path / "src"
     shutil.copytree(ckpt, src)
     (src / "special_tokens_map.json").write_text('{"eos_token": "<|im_end|>"}')
-    out = save_sharded(src, None, 2, tmp_path / "out", progress=True)
+    out = save_sharded(src, None, 2, tmp_path / "out")  # progress is on by default
 
     config = Qwen35Config.from_pretrained(src)
     manifest = json.loads((out / MANIFEST).read_text())
@@ -173,8 +173,9 @@ def test_export_folder_describes_itself_and_reports_progress(ckpt, tmp_path, cap
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes(), name
 
-    reader = CheckpointReader(src)
-    total = sum(reader_nbytes(reader, name) for name in reader.names())
+    with safe_open(src / "model.safetensors", "pt") as f:  # the decoder's fp32 tensors, counted from the file itself
+        decoder_keys = [k for k in f.keys() if k.startswith("model.language_model.") or k == "lm_head.weight"]
+        total = sum(4 * torch.Size(f.get_slice(k).get_shape()).numel() for k in decoder_keys)
     size = tqdm.format_sizeof(total, divisor=1024)
     err = capsys.readouterr().err
     assert "shard TP=2: 100%" in err and f"{size}/{size}" in err and "B/s" in err, err[-300:]
@@ -192,3 +193,84 @@ def test_convert_and_shard_yields_owned_contiguous_copies_in_the_requested_dtype
         assert torch.equal(shard, fp32[name].to(shard.dtype)), name
     for name, shard in fp32.items():
         assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size(), name
+
+
+def _rewrite(out, rank, tensors):
+    """Replace a rank file of an export and fix its byte count in the manifest (so only the content is wrong)."""
+    save_file(tensors, out / rank_file(rank), metadata={"format": "pt"})
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["files"][rank]["bytes"] = (out / rank_file(rank)).stat().st_size
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_loading_an_export_checks_rank_manifest_and_tensors(ckpt, tmp_path):
+    """load_sharded refuses, each with its own message: a rank outside the export, a manifest of another format or
+    version (or not an object), a rank file missing a tensor or holding one of the wrong shape (named)."""
+    from optimum_qwen35.checkpoint.shard import load_sharded
+    from optimum_qwen35.errors import UsageError
+
+    out = save_sharded(ckpt, None, 2, tmp_path / "out", progress=False)
+    for rank in (-1, 2):
+        with pytest.raises(UsageError, match=r"outside 0\.\.1"):
+            load_sharded(out, rank)
+    good = (out / MANIFEST).read_text()
+    for change in ({"format": "other"}, {"version": 99}):
+        (out / MANIFEST).write_text(json.dumps({**json.loads(good), **change}))
+        with pytest.raises(CheckpointError, match="is not a optimum-qwen35-tp-shards v1 manifest"):
+            load_sharded(out, 0)
+    (out / MANIFEST).write_text("[]")
+    with pytest.raises(CheckpointError, match="is not a optimum-qwen35-tp-shards v1 manifest"):
+        load_sharded(out, 0)
+    (out / MANIFEST).write_text(good)
+
+    tensors = load_file(out / rank_file(1))
+    del tensors["norm.weight"]
+    tensors["layers.0.mlp.up_proj.weight"] = tensors["layers.0.mlp.up_proj.weight"][:-1].clone()
+    _rewrite(out, 1, tensors)
+    with pytest.raises(CheckpointError) as err:
+        load_sharded(out, 1)
+    assert "missing ['norm.weight'], unexpected [], wrong shape ['layers.0.mlp.up_proj.weight']" in str(err.value)
+
+
+def test_streaming_writer_header_checks_and_abort(tmp_path):
+    """The writer's header is 8-byte aligned (as safetensors writes it), it refuses a tensor whose name, dtype or
+    shape differs from the header's, and abort() removes the partial file, even after a commit elsewhere."""
+    from optimum_qwen35.checkpoint.shard import StreamingSafetensorsWriter
+
+    entries = [("a", torch.float32, (2, 3)), ("b", torch.bfloat16, (5,))]
+    writer = StreamingSafetensorsWriter(tmp_path / "x.safetensors", entries, {"k": "v"})
+    for bad in (("a", torch.zeros(2, 3, dtype=torch.float64)), ("a", torch.zeros(3, 2)), ("b", torch.zeros(2, 3))):
+        with pytest.raises(Exception):
+            writer.write(*bad)
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+
+    writer = StreamingSafetensorsWriter(tmp_path / "x.safetensors", entries, {"k": "v"})
+    writer.write("a", torch.arange(6.0).reshape(2, 3))
+    writer.write("b", torch.ones(5, dtype=torch.bfloat16))
+    writer.commit()
+    writer.abort()  # after a commit (an error in another rank's file): nothing to remove, no error
+    raw = (tmp_path / "x.safetensors").read_bytes()
+    header_length = int.from_bytes(raw[:8], "little")
+    assert header_length % 8 == 0
+    loaded = load_file(tmp_path / "x.safetensors")
+    assert torch.equal(loaded["a"], torch.arange(6.0).reshape(2, 3)) and loaded["b"].dtype == torch.bfloat16
+    with safe_open(tmp_path / "x.safetensors", "pt") as f:
+        assert f.metadata() == {"k": "v"}
+
+
+def test_export_errors_name_the_command_and_the_source(ckpt, tmp_path):
+    from optimum_qwen35.errors import UsageError
+
+    with pytest.raises(UsageError, match="^shard needs a model"):
+        save_sharded(None, None, 1, tmp_path / "out")
+    src = tmp_path / "nan"
+    import shutil
+
+    shutil.copytree(ckpt, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.language_model.norm.weight"][0] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        save_sharded(src, None, 2, tmp_path / "out", progress=False)
+    assert str(src) in str(err.value) and "norm.weight (1 NaN" in str(err.value)

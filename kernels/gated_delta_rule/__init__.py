@@ -13,5 +13,4 @@ from .reference import (  # noqa: F401
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_step,
     invert_unit_lower,
-    solve_unit_lower,
 )

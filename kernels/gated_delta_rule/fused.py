@@ -57,7 +57,7 @@ def _write_slots(state, rows, seq_ids):
     static graphs: the model's slot write (`modeling.state.Slots.write`)."""
     from ...modeling.state import Slots
 
-    Slots(seq_ids, state.shape[0]).write(state, rows)
+    Slots(seq_ids).write(state, rows)
 
 
 # ------------------------------------------------------------------------------------------------------ references

@@ -171,18 +171,6 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor
     return X.reshape(M, C, C)
 
 
-def solve_unit_lower(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """X with (I + A) X = B, for strictly lower-triangular A [..., C, C], by row-by-row forward substitution.
-
-    The plain solver (C - 1 dependent steps), kept as the reference the blocked `invert_unit_lower` is
-    tested against.
-    """
-    X = B.clone()
-    for i in range(1, A.shape[-1]):
-        X[..., i : i + 1, :] = B[..., i : i + 1, :] - A[..., i : i + 1, :i] @ X[..., :i, :]
-    return X
-
-
 def recurrent_gated_delta_rule_step(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -92,7 +92,7 @@ class Qwen35Decoder(nn.Module):
     def context_encoding(
         self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None
     ):
-        slots = Slots(seq_ids, state[0].shape[0])
+        slots = Slots(seq_ids)
         lengths = attention_mask.to(torch.int64).sum(-1)
         starts = position_ids[:, 0].to(torch.int64)
         key_length = key_length or input_ids.shape[1]
@@ -112,7 +112,7 @@ class Qwen35Decoder(nn.Module):
         return (logits, *new_state)
 
     def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None):
-        slots = Slots(seq_ids, state[0].shape[0])
+        slots = Slots(seq_ids)
         key_length = key_length or self._max_length(state)
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)

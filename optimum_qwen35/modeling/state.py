@@ -32,9 +32,8 @@ from .parallel import ShardedDims
 class Slots:
     """Which slot each batch row reads and writes, computed once per graph call (static shapes)."""
 
-    def __init__(self, seq_ids: torch.Tensor, num_slots: int):
+    def __init__(self, seq_ids: torch.Tensor):
         seq_ids = seq_ids.to(torch.int64)
-        self.num_slots = num_slots
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         active = seq_ids >= 0
