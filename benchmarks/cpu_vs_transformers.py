@@ -18,7 +18,8 @@ Each is the best of --repeat runs, the two sides alternating (the machine may be
 ratios mean much). The greedy
 tokens of both sides are compared row by row. With --long, the same at batch 1 after a --long-token prompt, and
 the peak RSS of a process during that prefill (each side in its own fresh process, the high-water mark reset
-after loading; weights and our preallocated state included). Prints tables in the format of the seed's
+after loading; weights and each side's cache included: transformers' grows with the prompt, ours is allocated for
+max_length = prompt + decode before the prefill; the output says how large each is). Prints tables in the format of the seed's
 benchmark (Batch Size, TTFT (ms), Throughput (tok/s)) with ratios; asserts nothing.
 """
 
@@ -173,11 +174,16 @@ def peak_rss_child(args) -> None:
         f.write("5")  # resets VmHWM (Linux >= 4.0)
     with torch.no_grad():
         if args.rss_child == "transformers":
-            model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            cache = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
+            # Its cache grows with the sequence: K/V of the prompt's positions, conv and recurrent states.
+            held = [v for layer in cache.layers for a in vars(layer).values() for v in (a.values() if isinstance(a, dict) else [a])]
+            state = [t for t in held if isinstance(t, torch.Tensor)]  # K/V tensors; conv/recurrent states in dicts
         else:
             model.prefill(prompt.tolist(), [0])
+            state = model.state  # preallocated for max_length = prompt + decode
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-    print(json.dumps({"peak_mib": int(status["VmHWM"].split()[0]) / 1024, "now_mib": int(status["VmRSS"].split()[0]) / 1024}))
+    print(json.dumps({"peak_mib": int(status["VmHWM"].split()[0]) / 1024, "now_mib": int(status["VmRSS"].split()[0]) / 1024,
+                      "state_mib": sum(t.numel() * t.element_size() for t in state) / 2**20}))
 
 
 def peak_rss(folder, side, dtype, args) -> dict:
@@ -236,6 +242,11 @@ def main() -> None:
                 print(f"peak RSS during the {args.long}-token prefill ({name}, fresh processes): transformers "
                       f"{hf_rss['peak_mib']:.0f} MiB, ours {our_rss['peak_mib']:.0f} MiB "
                       f"({our_rss['peak_mib'] / hf_rss['peak_mib']:.2f}x)", flush=True)
+                print(f"  each includes its weights and its state after the prefill: transformers' cache "
+                      f"{hf_rss['state_mib']:.0f} MiB (grown to the prompt's {args.long} positions), ours "
+                      f"{our_rss['state_mib']:.0f} MiB (preallocated for max_length {args.long + args.decode}, "
+                      f"one slot); RSS after the prefill: transformers {hf_rss['now_mib']:.0f} MiB, "
+                      f"ours {our_rss['now_mib']:.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":

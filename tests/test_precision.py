@@ -54,15 +54,16 @@ def test_bf16_logits_are_fp32():
     assert model.decode([4], [3], [0]).dtype == torch.float32
 
 
+@pytest.mark.parametrize("queries", [3, 1])  # 3 != the 4 query heads; one query: the decode case (bmm form)
 @pytest.mark.parametrize("form", [TorchPrecision, NeuronPrecision], ids=["torch", "neuron"])
-def test_attention_core_matches_the_explicit_form(form):
-    """The policy's attention (SDPA on CPU; explicit on Neuron) against the explicit matmul form in float64, with
-    GQA and a mask; in bf16 within the rounding of its operands, scores and probabilities."""
+def test_attention_core_matches_the_explicit_form(form, queries):
+    """The policy's attention (SDPA on CPU, bmm for one query; explicit on Neuron) against the explicit matmul form
+    in float64, with GQA and a mask; in bf16 within the rounding of its operands, scores and probabilities."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 3, 16, generator=g, dtype=torch.float64)  # 4 query heads over 2 KV heads, 3 queries
+    q = torch.randn(2, 4, queries, 16, generator=g, dtype=torch.float64)
     k = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
     v = torch.randn(2, 2, 7, 16, generator=g, dtype=torch.float64)
-    mask = torch.rand(2, 1, 3, 7, generator=g) > 0.5
+    mask = torch.rand(2, 1, queries, 7, generator=g) > 0.5
     mask[..., 0] = True
     scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
     want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v.repeat_interleave(2, 1)

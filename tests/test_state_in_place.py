@@ -66,6 +66,27 @@ def test_a_batch_mixing_fresh_and_continued_prompts(decoder):
     torch.testing.assert_close(out[1, :50], one_shot(decoder, b)[0], rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("token_block", [64, 192])  # whole chunks; 192 leaves a shorter last block
+def test_token_blocks_change_nothing(token_block):
+    """A block longer than the backend's token block runs through each layer in token blocks (DecoderLayer): the
+    logits and every state as in one go, with a continued row, a fresh row ending mid-block and an idle slot."""
+    a, b = random_prompt(300, 8), random_prompt(170, 9)
+    runs = []
+    for block in (None, token_block):
+        decoder = load_decoder(FIXTURES / "tiny-nv3x")
+        for layer in decoder.layers:
+            layer.token_block = block
+        model = Qwen35ForCausalLM(decoder, batch_size=3, max_length=512, buckets=[64, 512])
+        model.prefill([a[:37]], [2])
+        out = model.prefill([a[37:], b], [2, 0], all_logits=True, starts=[37, 0])  # one 512-token block
+        runs.append((out, model.state))
+    (whole, whole_state), (blocked, blocked_state) = runs
+    torch.testing.assert_close(blocked[0, :263], whole[0, :263], rtol=0, atol=ATOL)
+    torch.testing.assert_close(blocked[1, :170], whole[1, :170], rtol=0, atol=ATOL)
+    for x, y in zip(blocked_state, whole_state):
+        torch.testing.assert_close(x, y, rtol=0, atol=ATOL)
+
+
 def test_decode_attends_only_to_its_cache_bucket(decoder):
     """A decode step through the smallest covering cache bucket equals one through the whole cache."""
     prompt = random_prompt(40, 4)

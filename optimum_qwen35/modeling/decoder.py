@@ -40,6 +40,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, dims.intermediate_size, layers)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.token_block = layers.token_block  # the backend's (modeling/parallel.py TorchLayers)
 
     def _norm(self, norm: RMSNorm, h: torch.Tensor) -> torch.Tensor:
         """The residual stream is fp32; what enters a linear layer is in the weights' dtype."""
@@ -50,6 +51,24 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self._norm(self.post_attention_layernorm, h))
 
     def context_encoding(self, h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b):
+        T = h.shape[1]
+        if self.token_block is None or T <= self.token_block:
+            return self._context_block(h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b)
+        # A long block runs as consecutive token blocks, each continuing its slots from the previous one (chunked
+        # prefill inside the layer: K/V written to the cache, conv and recurrent states carried in place), so that
+        # the projections, the delta rule's intermediates and the MLP hold one token block at a time. Same math:
+        # a token block is whole delta-rule chunks, attention still reads `key_length` cached positions.
+        outputs = []
+        for start in range(0, T, self.token_block):
+            end = min(start + self.token_block, T)
+            out, state_a, state_b = self._context_block(
+                h[:, start:end], cos[:, :, start:end], sin[:, :, start:end], position_ids[:, start:end],
+                starts + start, (lengths - start).clamp(0, end - start), key_length, slots, state_a, state_b,
+            )
+            outputs.append(out)
+        return torch.cat(outputs, dim=1), state_a, state_b
+
+    def _context_block(self, h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b):
         x = self._norm(self.input_layernorm, h)
         if self.is_attention:
             mixed, state_a, state_b = self.self_attn.context_encoding(

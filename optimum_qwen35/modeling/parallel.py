@@ -147,6 +147,10 @@ class TorchLayers:
     # The precision policy of these layers' backend (modeling/precision.py): the model asks it for the forms of
     # its bf16-operand / fp32-accumulator matmuls.
     precision = TorchPrecision()
+    # Context encoding runs the layers over at most this many tokens at a time (DecoderLayer.context_encoding):
+    # on CPU, the activations of a 4096-token prompt at once (projections, the delta rule's per-chunk tensors, the
+    # MLP) would outweigh the KV cache. A multiple of the delta rule's chunk size. None: the whole block at once.
+    token_block = 1024
 
     def __init__(self, tp_degree: int = 1, rank: int = 0, group=None, kernel_backend: str | None = None):
         if group is None and tp_degree > 1:

@@ -44,6 +44,8 @@ class NxDLayers:
 
     # What every mixer asks for the forms of its bf16-operand / fp32-accumulator matmuls (modeling/precision.py).
     precision = NeuronPrecision()
+    # Context encoding in one block (`TorchLayers.token_block` bounds CPU memory; neuronx-cc plans the graph's own).
+    token_block = None
 
     def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch"):
         # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches

@@ -101,6 +101,16 @@ def default_buckets(max_length: int, smallest: int = DEFAULT_BUCKET_MIN) -> list
     return buckets + [max_length]
 
 
+def default_key_buckets(max_length: int, smallest: int = DEFAULT_BUCKET_MIN) -> list[int]:
+    """Decode cache lengths: powers of two from `smallest`, the midpoints between them, and max_length. A step then
+    attends over at most 1.5x the positions it needs (2x with powers of two alone: at position 4096 of an 8192
+    cache, the whole cache); each bucket is one more token graph, which costs nothing on CPU."""
+    buckets = []
+    for b in default_buckets(max_length, smallest)[:-1]:
+        buckets += [b, b + b // 2]
+    return sorted(b for b in buckets if b < max_length) + [max_length]
+
+
 class Qwen35ForCausalLM:
     """Greedy generation and teacher-forced logits on CPU through the static-shape graphs."""
 
@@ -118,7 +128,7 @@ class Qwen35ForCausalLM:
                 "Qwen35ForCausalLM.from_pretrained(path, ...)"
             )
         self._set_shapes(decoder.config, batch_size, max_length, buckets)
-        self.key_buckets = default_buckets(self.max_length)
+        self.key_buckets = default_key_buckets(self.max_length)
         self.decoder, self.trace = decoder, trace
         self.state_specs = decoder.state_specs(batch_size, max_length)
         self.state = allocate_state(self.state_specs)
