@@ -243,7 +243,7 @@ def test_streaming_writer_header_checks_and_abort(tmp_path):
         with pytest.raises(Exception):
             writer.write(*bad)
     writer.abort()
-    assert list(tmp_path.iterdir()) == []
+    assert writer.file.closed and list(tmp_path.iterdir()) == []  # the descriptor released, the partial file gone
 
     writer = StreamingSafetensorsWriter(tmp_path / "x.safetensors", entries, {"k": "v"})
     writer.write("a", torch.arange(6.0).reshape(2, 3))
