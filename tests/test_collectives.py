@@ -26,6 +26,7 @@ def run_collectives(rank: int, store: str):
     try:
         group = dist.group.WORLD.group_name
         gathered = all_gather_last_dim(rank_input(rank), WORLD, group)
+        gathered_2d = all_gather_last_dim(rank_input(rank)[0], WORLD, group)  # any rank of tensor, not only 3-D
         reduced = all_reduce(rank_input(rank), group)
         # The layers as the model gets them from its factory (the process group given as the default WORLD).
         layers = TorchLayers(tp_degree=WORLD, rank=rank)
@@ -40,7 +41,7 @@ def run_collectives(rank: int, store: str):
         head = layers.lm_head(2, 2, 3)
         head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]) * (rank + 1))
         logits = head(torch.tensor([[[3.0, 5.0]]]))
-        return gathered, reduced, looked_up, summed, logits
+        return gathered, gathered_2d, reduced, looked_up, summed, logits
     finally:
         dist.destroy_process_group()
 
@@ -55,11 +56,12 @@ def test_collectives_across_two_ranks(tmp_path):
     peer = multiprocessing.get_context("spawn").Process(target=_rank1, args=(store,))
     peer.start()
     try:
-        gathered, reduced, looked_up, summed, logits = run_collectives(0, store)
+        gathered, gathered_2d, reduced, looked_up, summed, logits = run_collectives(0, store)
     finally:
         peer.join(timeout=120)
     assert peer.exitcode == 0
     assert torch.equal(gathered, torch.cat([rank_input(0), rank_input(1)], dim=-1))
+    assert torch.equal(gathered_2d, torch.cat([rank_input(0)[0], rank_input(1)[0]], dim=-1))
     assert torch.equal(reduced, rank_input(0) + rank_input(1))
     table = torch.arange(12, dtype=torch.float32).reshape(6, 2)
     assert torch.equal(looked_up, table[[0, 5, 3, 2]][None])

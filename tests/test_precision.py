@@ -101,6 +101,23 @@ def test_padded_vocabulary_is_never_selected(monkeypatch):
         assert logits.argmax(-1).lt(vocab).all()
 
 
+def test_the_decoders_head_stops_at_the_real_vocabulary(monkeypatch):
+    """The decoder gives its lm_head the real vocabulary size: at TP = 2 with an odd vocabulary the gathered logits
+    (here rank 0's twice, standing in for the gather) are cut to it."""
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.modeling.decoder import Qwen35Decoder
+
+    import dataclasses
+
+    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-nv3x")
+    config = dataclasses.replace(config, vocab_size=2 * (config.vocab_size // 2) + 1)
+    monkeypatch.setattr(parallel, "all_gather_last_dim", lambda y, t, g: torch.cat([y] * t, dim=-1))
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(config, 2, TorchLayers(2, 0, group="fake"))
+    assert decoder.lm_head.weight.shape[0] == (config.vocab_size + 1) // 2
+    assert decoder.lm_head(torch.empty(1, 1, config.hidden_size, device="meta")).shape[-1] == config.vocab_size
+
+
 def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
     """A_log and dt_bias are held in fp32 whatever the model dtype: loaded from a checkpoint, and from a bf16
     per-rank export (save_sharded with dtype) loaded back."""

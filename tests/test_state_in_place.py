@@ -87,6 +87,25 @@ def test_token_blocks_change_nothing(token_block):
         torch.testing.assert_close(x, y, rtol=0, atol=ATOL)
 
 
+def test_the_factorys_token_block_reaches_every_layer():
+    """The layer factory's token block is what each layer uses: a 150-token prompt (padded to the 256-token bucket)
+    over 64-token blocks runs the DeltaNet prefill four times per DeltaNet layer (counted by the kernel dispatch),
+    a 64-token one once."""
+    from optimum_qwen35 import kernels
+    from optimum_qwen35.modeling.parallel import TorchLayers
+
+    class SmallBlocks(TorchLayers):
+        token_block = 64
+
+    decoder = load_decoder(FIXTURES / "tiny-nv3x", layers=SmallBlocks())
+    deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
+    model = Qwen35ForCausalLM(decoder, batch_size=1, max_length=256, buckets=[64, 256])
+    for length, blocks in ((150, 4), (64, 1)):
+        before = kernels.calls[("torch", "deltanet_prefill")]
+        model.prefill([random_prompt(length, 5)], [0])
+        assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
+
+
 def test_decode_attends_only_to_its_cache_bucket(decoder):
     """A decode step through the smallest covering cache bucket equals one through the whole cache."""
     prompt = random_prompt(40, 4)
