@@ -54,7 +54,7 @@ def test_bf16_logits_are_fp32():
     assert model.decode([4], [3], [0]).dtype == torch.float32
 
 
-@pytest.mark.parametrize("queries", [3, 1])  # 3 != the 4 query heads; one query: the decode case (bmm form)
+@pytest.mark.parametrize("queries", [3, 2, 1])  # 3 != the 4 query heads; one query: the decode case (bmm form)
 @pytest.mark.parametrize("form", [TorchPrecision, NeuronPrecision], ids=["torch", "neuron"])
 def test_attention_core_matches_the_explicit_form(form, queries):
     """The policy's attention (SDPA on CPU, bmm for one query; explicit on Neuron) against the explicit matmul form
@@ -173,6 +173,28 @@ def test_casting_the_model_keeps_the_rotary_frequencies_exact(cast):
     assert torch.equal(cast.rotary.inv_freq, built.inv_freq) and torch.equal(cast.rotary.inv_freq64, built.inv_freq64)
     for a, b in zip(cast.rotary(positions, torch.bfloat16), want):
         assert torch.equal(a, b)
+
+
+def test_rotary_tables_and_state_dtypes_follow_the_policy():
+    """RoPE tables in fp32 for fp32 and bf16 models (float64 for float64), from the fp32 frequencies as transformers
+    computes them; the state in the model dtype (K/V, conv) except the recurrent state, fp32 always."""
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.modeling.decoder import Qwen35Decoder
+
+    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-nv3x")
+    decoder = Qwen35Decoder(config)
+    positions = torch.tensor([[0, 1, 300, 4095]])
+    for dtype, table in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)):
+        cos, sin = decoder.rotary(positions, dtype)
+        assert cos.dtype == sin.dtype == table
+        inv_freq = decoder.rotary.inv_freq64 if table == torch.float64 else decoder.rotary.inv_freq
+        angles = positions.to(table)[..., None] * inv_freq
+        assert torch.equal(cos[:, 0], torch.cat([angles, angles], -1).cos())
+    for dtype in (torch.float32, torch.bfloat16):
+        specs = Qwen35Decoder(config).to(dtype).state_specs(2, 64)
+        for spec in specs:
+            want = torch.float32 if spec.name.endswith("recurrent_state") else dtype
+            assert spec.dtype == want, spec.name
 
 
 def test_to_model_dtype_keeps_the_gate_parameters_in_the_accumulation_dtype():

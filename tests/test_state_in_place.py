@@ -87,6 +87,23 @@ def test_token_blocks_change_nothing(token_block):
         torch.testing.assert_close(x, y, rtol=0, atol=ATOL)
 
 
+def test_query_blocks_of_a_long_block_in_one_go():
+    """Without token blocks (the Neuron layers trace a context block whole), attention runs a 1500-token block as two
+    1024-query blocks: the logits equal those of the token-blocked CPU run."""
+    from optimum_qwen35.modeling.parallel import TorchLayers
+
+    class WholeBlocks(TorchLayers):
+        token_block = None
+
+    prompt = random_prompt(1500, 6)
+    out = []
+    for layers in (None, WholeBlocks()):
+        model = Qwen35ForCausalLM(load_decoder(FIXTURES / "tiny-nv3x", layers=layers), batch_size=1, max_length=1536,
+                                  buckets=[1536])
+        out.append(model.prefill([prompt], [0], all_logits=True)[0, :1500])
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=ATOL)
+
+
 def test_the_factorys_token_block_reaches_every_layer():
     """The layer factory's token block is what each layer uses: a 150-token prompt (padded to the 256-token bucket)
     over 64-token blocks runs the DeltaNet prefill four times per DeltaNet layer (counted by the kernel dispatch),

@@ -32,10 +32,8 @@ from .precision import TorchPrecision
 class ShardedDims:
     """Per-rank sizes of every sharded dimension, for a config and a tensor-parallel degree."""
 
-    tp_degree: int
     num_heads: int
-    num_kv_heads: int
-    kv_replication: int  # how many ranks hold a copy of each KV head (1 unless KV heads < tp_degree)
+    num_kv_heads: int  # 1 when KV heads < tp_degree: each rank holds a copy of one (checkpoint/shard.py)
     linear_num_key_heads: int
     linear_num_value_heads: int
     linear_conv_dim: int
@@ -46,14 +44,11 @@ class ShardedDims:
     def from_config(cls, config: Qwen35Config, tp_degree: int = 1) -> "ShardedDims":
         config.check_tp_degree(tp_degree)
         t = tp_degree
-        kv_replication = max(1, t // config.num_key_value_heads)
         nk = config.linear_num_key_heads // t
         nv = config.linear_num_value_heads // t
         return cls(
-            tp_degree=t,
             num_heads=config.num_attention_heads // t,
             num_kv_heads=max(1, config.num_key_value_heads // t),
-            kv_replication=kv_replication,
             linear_num_key_heads=nk,
             linear_num_value_heads=nv,
             linear_conv_dim=2 * nk * config.linear_key_head_dim + nv * config.linear_value_head_dim,
