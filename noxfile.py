@@ -56,13 +56,17 @@ MUTATION_TESTS = [
     "tests/test_bad_input.py",
     "tests/test_graphs.py",
     "tests/kernels/test_nki_neuron_graph.py",
+    "tests/test_neuron_backend.py",
 ]
 # Within those: not the slow tests, not the fixtures' own check, not the bf16 cpu export (17 s; the in-memory bf16 model
 # tests check the same policy), and the model against the oracle on one layout (tiny-nv3x: GQA in both mixers,
 # nv = 3 nk, dk != dv, untied); the other layouts run in CI. The TP-equivalence tests are left out (each run spawns
 # every rank: ~10 s a mutant); test_collectives.py runs the collectives with rank 0 in the test's own process, where
-# mutmut sees what it calls. The NKI wiring test runs on its two layouts (each model built with a per-model backend).
-MUTATION_SELECT = "(not recorded_greedy and not tiny-2b and not tiny-nv2x and not compiled_export) or test_nki_neuron_graph"
+# mutmut sees what it calls. The NKI wiring and Neuron-backend tests run on their two layouts.
+MUTATION_SELECT = (
+    "(not recorded_greedy and not tiny-2b and not tiny-nv2x and not compiled_export) or test_nki_neuron_graph"
+    " or test_neuron_backend"
+)
 
 
 @nox.session
