@@ -241,3 +241,10 @@ def test_deltanet_layer_at_4096_tokens_traces_to_few_ops():
     ops = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
     print(f"\n4096-token DeltaNet layer: {len(ops)} aten ops")
     assert len(ops) < 800, len(ops)
+
+
+@pytest.mark.parametrize("size", [48, 96, 40])
+def test_blocked_inverse_refuses_a_size_it_cannot_split(size):
+    """The blocked inverse needs C = b x 2^k (b = 16): other sizes are refused, not silently mis-merged."""
+    with pytest.raises(ValueError):
+        invert_unit_lower(torch.zeros(1, size, size), 16)

@@ -175,6 +175,19 @@ def test_casting_the_model_keeps_the_rotary_frequencies_exact(cast):
         assert torch.equal(a, b)
 
 
+def test_norms_compute_in_fp32_and_round_once():
+    """A bf16 activation through RMSNorm: normalised and scaled in fp32, rounded to bf16 once at the end."""
+    from optimum_qwen35.modeling.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64, generator=g).bfloat16()
+    x = (torch.randn(4, 64, generator=g) * 3).bfloat16()
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.float())).bfloat16()
+    assert torch.equal(norm(x), want)
+
+
 def test_rotary_tables_and_state_dtypes_follow_the_policy():
     """RoPE tables in fp32 for fp32 and bf16 models (float64 for float64), from the fp32 frequencies as transformers
     computes them; the state in the model dtype (K/V, conv) except the recurrent state, fp32 always."""
