@@ -43,7 +43,7 @@ class GatedDeltaNet(nn.Module):
         self.precision = layers.precision  # modeling/precision.py
         # Which kernel backend answers this mixer's kernel calls: the factory's choice (the Neuron builder names
         # "nki" there), or None for the process-wide one (`kernels.set_backend`).
-        self.kernel_backend = getattr(layers, "kernel_backend", None)
+        self.kernel_backend = layers.kernel_backend
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
