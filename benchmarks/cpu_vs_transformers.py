@@ -7,7 +7,8 @@ Needs transformers >= 5 (the `reference` nox environment). Builds a random Qwen3
 1024, 8 layers in the 3:1 pattern, vocab 32k: about 200M parameters), saves it in the real on-disk format and
 loads it in both implementations, in each dtype. Then, for each batch size, the same random prompts (all of
 --prompt tokens) go through both sides' greedy generation of --decode tokens (transformers: `generate`, with its
-cache; ours: `Qwen35ForCausalLM.generate` with a static batch of that size), timed through each side's streamer:
+cache; ours: `Qwen35ForCausalLM.generate` with a static batch of that size, its linears prepacked for that batch size
+as `from_pretrained` does), timed through each side's streamer:
 
 - TTFT: from the call to the first new token of every row (prefill of the whole batch + its argmax);
 - Throughput: new tokens per second after the first (batch x (decode - 1) / time from first to last token),
@@ -115,7 +116,8 @@ def run_ours(decoder, prompts, decode):
     from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
 
     B, T = prompts.shape
-    model = Qwen35ForCausalLM(decoder, batch_size=B, max_length=T + decode, buckets=[T])
+    # Packed as `Qwen35ForCausalLM.from_pretrained` packs (done before the clock starts, like transformers' load).
+    model = Qwen35ForCausalLM(decoder, batch_size=B, max_length=T + decode, buckets=[T], pack_weights=True)
     clock = _Clock()
     clock.start = _now()
     out = model.generate(prompts.tolist(), max_new_tokens=decode, streamer=lambda step, tokens: clock.token())
@@ -169,7 +171,8 @@ def peak_rss_child(args) -> None:
     if args.rss_child == "ours":
         from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
 
-        model = Qwen35ForCausalLM(model, batch_size=1, max_length=args.long + args.decode, buckets=[args.long])
+        model = Qwen35ForCausalLM(model, batch_size=1, max_length=args.long + args.decode, buckets=[args.long],
+                                  pack_weights=True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (Linux >= 4.0)
     with torch.no_grad():

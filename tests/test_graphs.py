@@ -28,7 +28,9 @@ def tensor_ranks(graph):
 
 @pytest.mark.parametrize("layout", ["tiny-2b", "tiny-nv3x"])
 def test_traced_graphs_have_no_tensor_above_rank_4(layout):
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=2, max_length=256, buckets=[128, 256])
+    # The graphs as Neuron traces them: plain linears (prepacked ones are the CPU runtime's form).
+    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=2, max_length=256, buckets=[128, 256],
+                                              pack_weights=False)
     for kind, length, module in [
         ("context", 128, ContextEncodingGraph(model.decoder)),
         ("context", 128, ContextEncodingGraph(model.decoder, all_logits=True)),
@@ -145,7 +147,9 @@ def test_slots_must_be_distinct_and_in_range():
 def test_graphs_export_without_data_dependent_control_flow():
     """torch.export fails on any Python branch on tensor values inside the graphs (a static-shape check
     stronger than tracing): both graphs must export, and the exported programs must match eager."""
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-nv3x", batch_size=2, max_length=128, buckets=[64, 128])
+    # The graphs as Neuron traces them: plain linears (prepacked ones are the CPU runtime's form).
+    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-nv3x", batch_size=2, max_length=128, buckets=[64, 128],
+                                              pack_weights=False)
     for kind, length, module in [
         ("context", 64, ContextEncodingGraph(model.decoder)),
         ("token", 1, TokenGenerationGraph(model.decoder)),

@@ -27,7 +27,7 @@ from ..checkpoint.convert import check_finite
 from ..config import Qwen35Config
 from ..errors import CheckpointError, UsageError
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
-from ..modeling.parallel import TorchLayers
+from ..modeling.parallel import TorchLayers, pack_linears
 from ..modeling.state import allocate_state
 
 DEFAULT_BUCKET_MIN = 64
@@ -121,7 +121,10 @@ class Qwen35ForCausalLM:
         max_length: int = 1024,
         buckets: Sequence[int] | None = None,
         trace: bool = False,
+        pack_weights: bool = False,
     ):
+        """`pack_weights` prepacks the decoder's linears for oneDNN's CPU GEMM at this batch size
+        (`modeling.parallel.Linear.pack`; the decoder is changed in place, its `state_dict` is not; not with `trace`)."""
         if not isinstance(decoder, Qwen35Decoder):
             raise UsageError(
                 f"Qwen35ForCausalLM takes a loaded decoder, got {type(decoder).__name__}; to load a folder use "
@@ -130,6 +133,8 @@ class Qwen35ForCausalLM:
         self._set_shapes(decoder.config, batch_size, max_length, buckets)
         self.key_buckets = default_key_buckets(self.max_length)
         self.decoder, self.trace = decoder, trace
+        if pack_weights and not trace:  # a traced graph would hold the packed weights as constants
+            pack_linears(decoder, batch_size)
         self.state_specs = decoder.state_specs(batch_size, max_length)
         self.state = allocate_state(self.state_specs)
         self._graphs: dict[tuple, torch.nn.Module] = {}
@@ -157,11 +162,13 @@ class Qwen35ForCausalLM:
         dtype: torch.dtype | str = torch.float32,
         buckets: Sequence[int] | None = None,
         trace: bool = False,
+        pack_weights: bool = True,
     ) -> "Qwen35ForCausalLM":
-        """Load a checkpoint folder (or a TP = 1 export); sizes are checked before any weight is read."""
+        """Load a checkpoint folder (or a TP = 1 export); sizes are checked before any weight is read. The decoder's
+        linears are prepacked for the CPU GEMM unless `pack_weights=False` (see `__init__`)."""
         validation.positive_int(batch_size, "batch_size")
         validation.positive_int(max_length, "max_length")
-        return cls(load_decoder(path, dtype), batch_size, max_length, buckets, trace)
+        return cls(load_decoder(path, dtype), batch_size, max_length, buckets, trace, pack_weights)
 
     # ------------------------------------------------------------------ graphs
     def _graph(self, kind: str, length: int, all_logits: bool = False, key_length: int | None = None):

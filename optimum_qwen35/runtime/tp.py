@@ -59,7 +59,8 @@ def greedy_run(
     longest = max(len(p) for p in prompts)
     decode_steps = max_new_tokens - 1
     max_length = max_length or longest + max_new_tokens
-    model = Qwen35ForCausalLM(decoder, batch_size=len(prompts), max_length=max_length, buckets=default_buckets(max_length))
+    model = Qwen35ForCausalLM(decoder, batch_size=len(prompts), max_length=max_length, buckets=default_buckets(max_length),
+                              pack_weights=True)
     slots = list(range(len(prompts)))
     with torch.no_grad():
         all_logits = _widen(model.prefill(prompts, slots, all_logits=True))
