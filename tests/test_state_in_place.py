@@ -66,7 +66,7 @@ def test_a_batch_mixing_fresh_and_continued_prompts(decoder):
     torch.testing.assert_close(out[1, :50], one_shot(decoder, b)[0], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("token_block", [64, 192])  # whole chunks; 192 leaves a shorter last block
+@pytest.mark.parametrize("token_block", [3 * 64, 3 * 192])  # rows for 3 slots: 64 and 192 tokens (a shorter last block)
 def test_token_blocks_change_nothing(token_block):
     """A block longer than the backend's token block runs through each layer in token blocks (DecoderLayer): the
     logits and every state as in one go, with a continued row, a fresh row ending mid-block and an idle slot."""
@@ -121,6 +121,26 @@ def test_the_factorys_token_block_reaches_every_layer():
         before = kernels.calls[("torch", "deltanet_prefill")]
         model.prefill([random_prompt(length, 5)], [0])
         assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
+
+
+@pytest.mark.parametrize("batch, blocks", [(1, 1), (2, 2), (4, 4), (8, 4)])
+def test_token_blocks_hold_a_number_of_rows(batch, blocks):
+    """The factory's token block counts rows (batch x tokens): 256 rows run a 256-token bucket in one block at
+    batch 1, two 128-token blocks at batch 2, four 64-token ones at batch 4, and never less than one delta-rule
+    chunk (64 tokens) per block: four at batch 8 too (counted by the kernel dispatch)."""
+    from optimum_qwen35 import kernels
+    from optimum_qwen35.modeling.parallel import TorchLayers
+
+    class Rows256(TorchLayers):
+        token_block = 256
+
+    decoder = load_decoder(FIXTURES / "tiny-nv3x", layers=Rows256())
+    assert [decoder.layers[0].block_tokens(b) for b in (1, 2, 3, 4, 5, 8)] == [256, 128, 64, 64, 64, 64]
+    deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
+    model = Qwen35ForCausalLM(decoder, batch_size=batch, max_length=256, buckets=[256])
+    before = kernels.calls[("torch", "deltanet_prefill")]
+    model.prefill([random_prompt(200, 5)], [0])
+    assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
 
 
 def test_decode_attends_only_to_its_cache_bucket(decoder):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import FULL_ATTENTION, Qwen35Config
+from ..kernels.gated_delta_rule import CHUNK_SIZE
 from .attention import GatedAttention
 from .deltanet import GatedDeltaNet
 from .layers import MLP, RMSNorm, RotaryEmbedding, upcast
@@ -50,17 +51,25 @@ class DecoderLayer(nn.Module):
         h = residual + mixed
         return h + self.mlp(self._norm(self.post_attention_layernorm, h))
 
+    def block_tokens(self, batch: int) -> int | None:
+        """Tokens per token block for `batch` rows: `token_block` rows (batch x tokens) in all, in whole delta-rule
+        chunks, at least one. None: the whole block at once."""
+        if self.token_block is None:
+            return None
+        return max(CHUNK_SIZE, self.token_block // batch // CHUNK_SIZE * CHUNK_SIZE)
+
     def context_encoding(self, h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b):
-        T = h.shape[1]
-        if self.token_block is None or T <= self.token_block:
+        B, T = h.shape[:2]
+        block = self.block_tokens(B)
+        if block is None or T <= block:
             return self._context_block(h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b)
         # A long block runs as consecutive token blocks, each continuing its slots from the previous one (chunked
         # prefill inside the layer: K/V written to the cache, conv and recurrent states carried in place), so that
         # the projections, the delta rule's intermediates and the MLP hold one token block at a time. Same math:
         # a token block is whole delta-rule chunks, attention still reads `key_length` cached positions.
         outputs = []
-        for start in range(0, T, self.token_block):
-            end = min(start + self.token_block, T)
+        for start in range(0, T, block):
+            end = min(start + block, T)
             out, state_a, state_b = self._context_block(
                 h[:, start:end], cos[:, :, start:end], sin[:, :, start:end], position_ids[:, start:end],
                 starts + start, (lengths - start).clamp(0, end - start), key_length, slots, state_a, state_b,
