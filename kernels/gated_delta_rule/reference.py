@@ -179,19 +179,23 @@ def recurrent_gated_delta_rule_step(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step (T = 1). Shapes as in the module docstring with T = 1. Returns (o, new_state)."""
+    """One decode step (T = 1). Shapes as in the module docstring with T = 1. Returns (o, new_state).
+
+    Written so that the [dk, dv] states are read and written as few times as possible (a decode step is bound by
+    them at batch > 1): the decayed state is the one new [B, nv, dk, dv] tensor, S^T k and S^T q are batched
+    vector-matrix products over it, and the rank-1 update is accumulated into it in place."""
     out_dtype = v.dtype
     dtype = _compute_dtype(q, k, v, g, beta, state)
-    nv = v.shape[1]
-    q = expand_key_heads(q, nv)[:, :, 0].to(dtype)  # [B, nv, dk]
-    k = expand_key_heads(k, nv)[:, :, 0].to(dtype)
-    v = v[:, :, 0].to(dtype)  # [B, nv, dv]
-    S = state.to(dtype) * g.to(dtype).exp()[..., None]  # g [B, nv, 1] -> [B, nv, 1, 1]
-    memory = (S * k[..., None]).sum(-2)  # S^T k: [B, nv, dv]
-    delta = (v - memory) * beta.to(dtype)
-    S = S + k[..., None] * delta[:, :, None, :]
-    o = (S * q[..., None]).sum(-2)
-    return o[:, :, None].to(out_dtype), S
+    B, nv, _, dv = v.shape
+    dk = q.shape[-1]
+    q = expand_key_heads(q, nv).to(dtype)  # [B, nv, 1, dk]
+    k = expand_key_heads(k, nv).to(dtype)
+    S = state.to(dtype) * g.to(dtype).exp()[..., None]  # g [B, nv, 1] -> [B, nv, 1, 1]: a new tensor
+    memory = k @ S  # S^T k: [B, nv, 1, dv]
+    delta = (v.to(dtype) - memory) * beta.to(dtype)[..., None]
+    S.view(B * nv, dk, dv).baddbmm_(k.reshape(B * nv, dk, 1), delta.view(B * nv, 1, dv))  # S += k delta^T
+    o = q @ S  # S^T q: [B, nv, 1, dv]
+    return o.to(out_dtype), S
 
 
 def recurrent_gated_delta_rule(

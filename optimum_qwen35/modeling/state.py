@@ -48,10 +48,14 @@ class Slots:
         return state.index_select(0, self.read)
 
     def write(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """In place: the slot of each active row b becomes rows[b]; every other slot is left as it is."""
-        new = rows.to(state.dtype).index_select(0, self.writer)
-        new = torch.where(self.any_active, new, state.index_select(0, self.slot))
-        return state.index_copy_(0, self.slot, new)
+        """In place: the slot of each active row b becomes rows[b]; every other slot is left as it is.
+
+        With no active row every row writes slot 0 (`slot`), which is then given back its value from before: one
+        row is kept and selected, not all of them (a decode step's slot states are most of what it moves)."""
+        slot_0 = state[:1].clone()
+        state.index_copy_(0, self.slot, rows.to(state.dtype).index_select(0, self.writer))
+        state[:1] = torch.where(self.any_active, state[:1], slot_0)
+        return state
 
     def write_positions(self, cache: torch.Tensor, new: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
         """In place: cache [slots, H, S, D] gets new [B, H, T, D] (T <= S) at positions starts[b] + t of each active
