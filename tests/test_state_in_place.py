@@ -214,3 +214,20 @@ def test_token_graph_writes_caches_in_place_and_copies_none(decoder):
         while node.op == "call_function" and node.target.overloadpacket.__name__.endswith("_"):  # in-place op: its first arg is the target
             node = node.args[0]
         assert node is placeholder, f"{spec.name} is not updated in place"
+
+
+@pytest.mark.parametrize("seq_ids", [[-1, -1, -1], [-1, 2, -1], [0, -1, 3], [3, 1, 0], [2, -1, 1]])
+def test_slot_write_touches_only_the_active_rows_slots(seq_ids):
+    """`Slots.write` on its own: each active row's slot gets that row, every other slot (slot 0 included, which an
+    idle batch writes and restores) keeps its value exactly."""
+    from optimum_qwen35.modeling.state import Slots
+
+    g = torch.Generator().manual_seed(0)
+    state = torch.randn(4, 3, 5, generator=g)
+    rows = torch.randn(len(seq_ids), 3, 5, generator=g, dtype=torch.float64)
+    expected = state.clone()
+    for row, slot in enumerate(seq_ids):
+        if slot >= 0:
+            expected[slot] = rows[row].float()
+    out = Slots(torch.tensor(seq_ids, dtype=torch.int32)).write(state, rows)
+    assert out is state and torch.equal(state, expected)

@@ -16,7 +16,7 @@ sequences than rows): it reads slot 0, and writes nothing.
 Every write is one `index_copy_` / `index_put_` with as many indices as batch rows. So that a static graph
 needs no branch on which rows are active, an inactive row repeats the write of the first active row (same
 place, same value: duplicates agree, so the write is well defined), and when no row is active every row
-writes back what it read.
+writes slot 0 (what they all read), which is then given back its value from before.
 """
 
 from __future__ import annotations
