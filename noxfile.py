@@ -51,6 +51,7 @@ MUTATION_TESTS = [
     "tests/test_shard_export.py",
     "tests/test_state_in_place.py",
     "tests/test_precision.py",
+    "tests/test_packed_linear.py",
     "tests/test_collectives.py",
     "tests/test_checkpoint_errors.py",
     "tests/test_bad_input.py",
