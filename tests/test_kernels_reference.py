@@ -248,3 +248,27 @@ def test_blocked_inverse_refuses_a_size_it_cannot_split(size):
     """The blocked inverse needs C = b x 2^k (b = 16): other sizes are refused, not silently mis-merged."""
     with pytest.raises(ValueError):
         invert_unit_lower(torch.zeros(1, size, size), 16)
+
+
+def test_decode_step_is_the_delta_rule_on_any_state_layout():
+    """The step (batched products, in-place rank-1 update) against the rule written out, float64, GQA 2x, on a
+    transposed (non-contiguous) state, which it must not modify."""
+    from optimum_qwen35.kernels.gated_delta_rule.reference import recurrent_gated_delta_rule_step
+
+    B, nk, nv, dk, dv = 2, 2, 4, 8, 6
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, nk, 1, dk, generator=g, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, nk, 1, dk, generator=g, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, nv, 1, dv, generator=g, dtype=torch.float64)
+    gate = -torch.rand(B, nv, 1, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, nv, 1, generator=g, dtype=torch.float64)
+    state = torch.randn(B, nv, dv, dk, generator=g, dtype=torch.float64).transpose(-1, -2)
+    before = state.clone()
+    o, new_state = recurrent_gated_delta_rule_step(q, k, v, gate, beta, state)
+    kh, qh = k.repeat_interleave(nv // nk, 1)[:, :, 0], q.repeat_interleave(nv // nk, 1)[:, :, 0]
+    S = state * gate.exp()[..., None]
+    delta = (v[:, :, 0] - torch.einsum("bhk,bhkv->bhv", kh, S)) * beta
+    S = S + kh[..., None] * delta[:, :, None, :]
+    torch.testing.assert_close(new_state, S, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o[:, :, 0], torch.einsum("bhk,bhkv->bhv", qh, S), rtol=1e-12, atol=1e-12)
+    assert o.shape == (B, nv, 1, dv) and torch.equal(state, before)

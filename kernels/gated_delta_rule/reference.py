@@ -190,7 +190,8 @@ def recurrent_gated_delta_rule_step(
     dk = q.shape[-1]
     q = expand_key_heads(q, nv).to(dtype)  # [B, nv, 1, dk]
     k = expand_key_heads(k, nv).to(dtype)
-    S = state.to(dtype) * g.to(dtype).exp()[..., None]  # g [B, nv, 1] -> [B, nv, 1, 1]: a new tensor
+    # g [B, nv, 1] -> [B, nv, 1, 1]; a new tensor, contiguous for the in-place update through a view below
+    S = (state.to(dtype) * g.to(dtype).exp()[..., None]).contiguous()
     memory = k @ S  # S^T k: [B, nv, 1, dv]
     delta = (v.to(dtype) - memory) * beta.to(dtype)[..., None]
     S.view(B * nv, dk, dv).baddbmm_(k.reshape(B * nv, dk, 1), delta.view(B * nv, 1, dv))  # S += k delta^T
