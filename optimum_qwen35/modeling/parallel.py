@@ -92,14 +92,14 @@ class Linear(nn.Linear):
     copy); `state_dict` still gives the plain one.
     """
 
+    packed_for: int | None = None  # the batch size the weight is packed for
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     @property
     def packed(self) -> bool:
         return self.weight.is_mkldnn
-
-    packed_for: int | None = None  # the batch size the weight is packed for
 
     def pack(self, batch_size: int) -> None:
         """Re-block the weight for calls of about `batch_size` rows (`can_pack(weight.dtype)` must hold)."""
@@ -110,7 +110,7 @@ class Linear(nn.Linear):
         self.packed_for = batch_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
+        if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)
 

@@ -21,7 +21,8 @@ into operands — and applies `upcast` for what always runs in fp32. A Neuron la
   two bmm over the grouped heads with fp32 q and K, faster there than SDPA's CPU kernel;
 - lm_head: a bf16 GEMM (fp32 accumulation inside) whose result is then made fp32, instead of an fp32
   copy of the whole embedding-sized weight per call (most of a bf16 decode step at a 248k vocabulary).
-  The logits are rounded once to bf16 (relative 2^-9) before becoming fp32.
+  The logits are rounded once to bf16 (relative 2^-9) before becoming fp32. A head prepacked for CPU inference
+  (`parallel.Linear.pack`) runs this same form itself, from its re-blocked weight.
 fp32 and float64 models compute everything in their own dtype (no cast at all).
 """
 
