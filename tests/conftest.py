@@ -20,6 +20,21 @@ def has_reference_transformers() -> bool:
     return True
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--deep",
+        action="store_true",
+        default=False,
+        help="run the property-based scenario tests with many more examples (before a release; see docs/testing.md)",
+    )
+
+
+@pytest.fixture(scope="session")
+def deep(request) -> bool:
+    """True under `pytest --deep`: the scenario tests draw many more examples (tests/test_scenarios.py)."""
+    return bool(request.config.getoption("--deep"))
+
+
 def pytest_collection_modifyitems(config, items):
     if has_reference_transformers():
         return
