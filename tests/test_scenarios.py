@@ -66,9 +66,10 @@ def edges(shape: str) -> list[int]:
 
 
 @st.composite
-def position_near_an_edge(draw, shape: str, low: int, high: int) -> int:
-    """A position in [low, high]: mostly an edge or one off it, sometimes anywhere."""
-    near = sorted({e + d for e in edges(shape) for d in (-1, 0, 1)} & set(range(low, high + 1)))
+def position_near_an_edge(draw, shape: str | list[int], low: int, high: int) -> int:
+    """A position in [low, high]: mostly an edge (of a shape of SHAPES, or given) or one off it, sometimes anywhere."""
+    near = sorted({e + d for e in (edges(shape) if isinstance(shape, str) else shape) for d in (-1, 0, 1)})
+    near = [p for p in near if low <= p <= high]
     if near and draw(st.integers(0, 3)):
         return draw(st.sampled_from(near))
     return draw(st.integers(low, high))

@@ -24,25 +24,28 @@ BATCH_SIZE = 2
 
 @pytest.fixture(scope="session")
 def export_dir(tmp_path_factory):
-    """export_dir(layout, tp, dtype="float32", batch_size=BATCH_SIZE) -> the folder of a saved export (cached)."""
+    """export_dir(layout, tp, dtype="float32", batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH) -> the folder
+    of a saved export (cached)."""
     from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
 
     root = tmp_path_factory.mktemp("exports")
     cache: dict[tuple, Path] = {}
 
-    def get(layout: str, tp: int, dtype: str = "float32", batch_size: int = BATCH_SIZE) -> Path:
-        key = (layout, tp, dtype, batch_size)
+    def get(
+        layout: str, tp: int, dtype: str = "float32", batch_size: int = BATCH_SIZE, sequence_length: int = SEQUENCE_LENGTH
+    ) -> Path:
+        key = (layout, tp, dtype, batch_size, sequence_length)
         if key not in cache:
             neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
                 FIXTURES / layout,
                 batch_size=batch_size,
-                sequence_length=SEQUENCE_LENGTH,
+                sequence_length=sequence_length,
                 tensor_parallel_size=tp,
                 dtype=dtype,
                 target="cpu",
             )
             model = Qwen35NeuronModelForCausalLM.export(FIXTURES / layout, neuron_config)
-            folder = root / f"{layout}-tp{tp}-{dtype}-b{batch_size}"
+            folder = root / f"{layout}-tp{tp}-{dtype}-b{batch_size}-s{sequence_length}"
             model.save_pretrained(folder)
             cache[key] = folder
         return cache[key]
