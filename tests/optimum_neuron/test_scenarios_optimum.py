@@ -31,7 +31,7 @@ from ..conftest import FIXTURES  # noqa: E402
 from ..test_scenarios import ATOL, SEED, Scenario, check_against_oracle, position_near_an_edge  # noqa: E402
 
 LAYOUT, BATCH_SIZE, SEQUENCE_LENGTH = "tiny-nv3x", 2, 256
-EDGES = [1, 2, 3, 4, 64, 96, 128, 192, 256]  # conv width, DeltaNet chunks, context and key buckets (128, 256)
+EDGES = [1, 2, 3, 4, 64, 128, 192, 256]  # conv width, DeltaNet chunks (64, 192), context and key buckets (128, 256)
 EXAMPLES, DEEP_EXAMPLES = 12, 300
 GENERATE_EXAMPLES, DEEP_GENERATE_EXAMPLES = 6, 150
 
