@@ -136,3 +136,21 @@ def test_continuous_batching_slots(model):
             out[s].append(t)
     assert out[1] == ref["gen_tokens_0"].tolist()[:7]
     assert out[0] == ref["gen_tokens_1"].tolist()[:5]
+
+
+def test_temperature_and_top_k_reach_the_sampler(model):
+    """generate()'s options reach the sampler (tests/test_sampling.py checks the sampler's distributions): under one
+    seed, temperatures 0.3, 1 and 3 draw three different sequences, and top_k=1 draws the greedy one whatever the
+    temperature."""
+    ids = torch.tensor([load_reference("tiny-2b")["gen_prompt_0"].tolist()])
+    runs = {}
+    for temperature in (0.3, 1.0, 3.0):
+        torch.manual_seed(7)
+        runs[temperature] = model.generate(
+            ids, max_new_tokens=24, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=None
+        )[0].tolist()
+    assert len({tuple(r) for r in runs.values()}) == 3, "the temperature did not change the draws"
+    greedy = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    torch.manual_seed(7)
+    top1 = model.generate(ids, max_new_tokens=24, do_sample=True, temperature=3.0, top_k=1, eos_token_id=None)
+    assert torch.equal(top1, greedy)
