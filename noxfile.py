@@ -122,3 +122,12 @@ def mutation(session):
             threads["OPTIMUM_QWEN35_ORACLE_CACHE"] = str(Path.cwd() / "oracle-cache")  # the oracle does not mutate
             session.run("nice", "-n", "10", "mutmut", "run", "--max-children", "2", *session.posargs, env=threads, external=True)
             session.run("mutmut", "results")
+
+
+@nox.session
+def mutation_boundaries(session):
+    """Boundary mutants (`<`/`<=`, `n` -> `n - 1` / `n + 1`) of the runtime's bucket, chunk and slot arithmetic, which
+    mutmut has no operator for, scored separately (tests/mutation_boundaries.py; not run by CI; ~30 min on 2 cores).
+    `nox -s mutation_boundaries -- --list` lists them, `-- 3 17` runs only those."""
+    session.install(TORCH, "-e", ".[tests]")
+    session.run("nice", "-n", "10", "python", "tests/mutation_boundaries.py", *session.posargs, external=True)
