@@ -69,7 +69,7 @@ def edges(shape: str) -> list[int]:
 def position_near_an_edge(draw, shape: str | list[int], low: int, high: int) -> int:
     """A position in [low, high]: mostly an edge (of a shape of SHAPES, or given) or one off it, sometimes anywhere."""
     near = sorted({e + d for e in (edges(shape) if isinstance(shape, str) else shape) for d in (-1, 0, 1)})
-    near = [p for p in near if low <= p <= high]
+    near = [p for p in near if low <= p <= high] + [high]  # the limit (max_length, or what leaves room) is an edge too
     if near and draw(st.integers(0, 3)):
         return draw(st.sampled_from(near))
     return draw(st.integers(low, high))
@@ -111,9 +111,9 @@ def scenarios(draw, layouts) -> Scenario:
         else:
             rows = []
             for slot in draw(st.lists(st.integers(0, batch_size - 1), min_size=1, max_size=batch_size, unique=True)):
-                can_continue = lengths[slot] is not None and lengths[slot] < max_length - 1
+                can_continue = lengths[slot] is not None and lengths[slot] < max_length
                 start = lengths[slot] if can_continue and draw(st.booleans()) else 0
-                end = draw(position_near_an_edge(shape, start + 1, max_length - 1))  # room for the last decode
+                end = draw(position_near_an_edge(shape, start + 1, max_length))  # max_length: no room for a decode
                 rows.append((slot, start, end - start))
                 lengths[slot] = end
             ops.append(("prefill", rows, draw(st.booleans())))
@@ -259,3 +259,17 @@ def test_generate_with_several_eos_ids_follows_the_oracle(decoders, weights, dee
             assert got == tokens[: cut + 1], f"eos {eos}: got {got}, want {tokens[: cut + 1]}"
 
     check()
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES) + ["consecutive buckets"])
+def test_each_block_runs_in_the_smallest_bucket_that_holds_it(decoders, shape):
+    """The bucket choices themselves: the smallest context bucket holding a block (a longer block: the largest, which
+    prefill splits it to), the smallest key bucket holding positions 0 .. n - 1. The scenario tests see a wrong
+    choice that loses tokens; this sees one that only wastes work (a 64-token block run in the 128 bucket)."""
+    batch_size, max_length, buckets = SHAPES.get(shape, (1, 64, [16, 17, 48]))
+    model = Qwen35ForCausalLM(decoders["tiny-nv3x"], batch_size, max_length, buckets)
+    for length in range(1, max_length + 40):
+        want = min([b for b in model.buckets if b >= length] or [model.buckets[-1]])
+        assert model.bucket_for(length) == want, (length, model.buckets)
+    for length in range(1, max_length + 1):
+        assert model.key_bucket_for(length) == min(b for b in model.key_buckets if b >= length), (length, model.key_buckets)

@@ -72,7 +72,7 @@ def slot_scenarios(draw) -> Scenario:
         else:  # the compiled context graphs start fresh sequences only
             rows = []
             for slot in draw(st.lists(st.integers(0, BATCH_SIZE - 1), min_size=1, max_size=BATCH_SIZE, unique=True)):
-                lengths[slot] = draw(position_near_an_edge(EDGES, 1, SEQUENCE_LENGTH - 1))
+                lengths[slot] = draw(position_near_an_edge(EDGES, 1, SEQUENCE_LENGTH))  # 256: the whole export
                 rows.append((slot, 0, lengths[slot]))
             ops.append(("prefill", rows, False))
     live = [s for s in range(BATCH_SIZE) if lengths[s] is not None and lengths[s] < SEQUENCE_LENGTH]
