@@ -273,3 +273,14 @@ def test_each_block_runs_in_the_smallest_bucket_that_holds_it(decoders, shape):
         assert model.bucket_for(length) == want, (length, model.buckets)
     for length in range(1, max_length + 1):
         assert model.key_bucket_for(length) == min(b for b in model.key_buckets if b >= length), (length, model.key_buckets)
+
+
+def test_default_buckets():
+    """The default sizes docs/model.md gives: context buckets are powers of two from 64 and max_length; key buckets add
+    the midpoints (at most 1.5x the positions a decode step needs); none repeated, none past max_length."""
+    assert default_buckets(1000) == [64, 128, 256, 512, 1000]
+    assert default_buckets(1024) == [64, 128, 256, 512, 1024]
+    assert default_buckets(64) == [64] and default_buckets(40) == [40]
+    assert default_key_buckets(1000) == [64, 96, 128, 192, 256, 384, 512, 768, 1000]
+    assert default_key_buckets(768) == [64, 96, 128, 192, 256, 384, 512, 768]
+    assert default_key_buckets(96) == [64, 96]
