@@ -266,7 +266,7 @@ def test_each_block_runs_in_the_smallest_bucket_that_holds_it(decoders, shape):
     """The bucket choices themselves: the smallest context bucket holding a block (a longer block: the largest, which
     prefill splits it to), the smallest key bucket holding positions 0 .. n - 1. The scenario tests see a wrong
     choice that loses tokens; this sees one that only wastes work (a 64-token block run in the 128 bucket)."""
-    batch_size, max_length, buckets = SHAPES.get(shape, (1, 64, [16, 17, 48]))
+    batch_size, max_length, buckets = SHAPES.get(shape, (1, 64, [16, 17, 47, 48]))
     model = Qwen35ForCausalLM(decoders["tiny-nv3x"], batch_size, max_length, buckets)
     for length in range(1, max_length + 40):
         want = min([b for b in model.buckets if b >= length] or [model.buckets[-1]])
