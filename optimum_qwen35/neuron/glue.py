@@ -10,7 +10,7 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
 - the traced forward itself (`step`): context encoding when more than one token comes in, token generation for one;
 - optimum-neuron's input conventions: prompts right-padded to the context length with position 1
   (`decoder_wrappers.py` L115-124), hence `context_attention_mask`; a 1-token prompt served by the
-  token-generation graph at position 0 (`modeling_decoder.py` L380), hence `reset_fresh_slots`;
+  token-generation graph at position 0 (`modeling_decoder.py` L380), which the decoder reads as a fresh row;
 - `restore_state_dtypes`, `restore_fp32_parameters`: optimum-neuron casts every floating tensor of the module to the
   model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the gate parameters
   (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
@@ -101,41 +101,20 @@ def pad_context_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, leng
     )
 
 
-def reset_fresh_slots(
-    layout: StateLayout, held: Sequence[torch.Tensor], seq_ids: torch.Tensor, position_ids: torch.Tensor
-) -> list[torch.Tensor]:
-    """Zero the DeltaNet states of the slots whose row is at position 0 (a sequence starting in token generation).
-
-    optimum-neuron runs a 1-token prompt through the token-generation graph; the slot may hold a finished
-    sequence's states. The K/V need no reset: attention at position 0 reads only position 0, which this step
-    writes. Inactive rows (seq_id -1) reset nothing. Returns the held list with the reset tensors replaced.
-    """
-    slots = held[0].shape[0]
-    fresh = (position_ids[:, 0] == 0) & (seq_ids >= 0)  # [B]
-    hit = ((seq_ids.to(torch.int64)[None, :] == torch.arange(slots, device=seq_ids.device)[:, None]) & fresh[None, :]).any(1)
-    out = []
-    for j, tensor in enumerate(held):
-        if layout.is_kv(j):
-            out.append(tensor)
-        else:
-            keep = ~hit.view(-1, *([1] * (tensor.dim() - 1)))
-            out.append(torch.where(keep, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device)))
-    return out
-
-
 def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, position_ids, seq_ids) -> list[torch.Tensor]:
     """The traced forward: `[logits [B, 1, vocab] fp32, *held state updated]`.
 
     More than one token: context encoding of right-padded rows (the attention mask comes from the positions);
-    one token: token generation, after resetting the slots that start at position 0. Which branch is traced is
-    fixed by the example input's shape (one graph each), as in optimum-neuron's `_is_context_encoding`.
+    one token: token generation (a row at position 0 starts its sequence from zero DeltaNet states: optimum-neuron
+    serves a 1-token prompt this way). Which branch is traced is fixed by the example input's shape (one graph
+    each), as in optimum-neuron's `_is_context_encoding`. The held state is returned updated (functionally under
+    `NxDLayers`, so that every state output is a new value aliased to its input).
     """
     input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
     if input_ids.shape[-1] > 1:
         mask = context_attention_mask(position_ids)
         out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held))
     else:
-        held = reset_fresh_slots(layout, held, seq_ids, position_ids)
         out = decoder.token_generation(input_ids, position_ids, seq_ids, *layout.to_decoder(held))
     logits, state = out[0], list(out[1:])
     return [logits.float()[:, None, :], *layout.to_held(state)]
