@@ -218,20 +218,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         dtype,
         **kwargs,  # optimum-neuron main adds prefill_chunk_size
     ):
-        from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
-
-        return NxDNeuronConfig(
-            checkpoint_id=checkpoint_id,
-            checkpoint_revision=checkpoint_revision,
-            batch_size=batch_size,
-            sequence_length=sequence_length,
-            tp_degree=tensor_parallel_size,
-            torch_dtype=dtype,
-            target=nc.normalize_target(instance_type),
-            continuous_batching=batch_size > 1,
-            # Tokens are chosen on the host, from fp32 logits (greedy or transformers' warpers).
-            on_device_sampling=False,
-            speculation_length=0,
+        return nc.nxd_neuron_config(
+            checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype
         )
 
     # ------------------------------------------------------------------ export

@@ -49,6 +49,25 @@ def normalize_dtype(dtype) -> torch.dtype:
     return parsed
 
 
+def nxd_neuron_config(checkpoint_id, checkpoint_revision, target, batch_size, sequence_length, tp_degree, dtype):
+    """The `NxDNeuronConfig` of a Qwen3.5 export, for any target (the cpu one and the Neuron ones alike)."""
+    from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
+
+    return NxDNeuronConfig(
+        checkpoint_id=checkpoint_id,
+        checkpoint_revision=checkpoint_revision,
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        tp_degree=tp_degree,
+        torch_dtype=dtype,
+        target=normalize_target(target),
+        continuous_batching=batch_size > 1,
+        # Tokens are chosen on the host, from fp32 logits (greedy or transformers' warpers).
+        on_device_sampling=False,
+        speculation_length=0,
+    )
+
+
 def neuronxcc_version() -> str | None:
     """The installed neuronx-cc version, or None without the Neuron SDK."""
     try:

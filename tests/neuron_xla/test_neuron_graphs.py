@@ -129,3 +129,106 @@ def test_xla_run_in_bf16_keeps_the_recurrent_state_fp32():
     print(f"\nbf16 XLA run: max |logit - transformers fp32| {errors.max():.3f}, mean {errors.mean():.4f}")
     assert errors.max() <= BF16_ATOL
     assert float(errors.mean()) <= float(ref["hf_bf16_mae_3"]), "mean bf16 error above transformers' own bf16 on this prompt"
+
+
+# ---------------------------------------------------------------------------------------------- padded batches
+class TracedGraph:
+    """What a wrapper calls: the traced model's forward for one graph (here the XLA run), logits [B, 1, vocab]."""
+
+    def __init__(self, run: XlaGraphs, key: str):
+        self.run, self.key = run, key
+
+    def __call__(self, input_ids, position_ids, seq_ids, sampling_params):
+        return self.run(self.key, input_ids, position_ids, seq_ids)[:, None]
+
+
+@pytest.mark.parametrize("wrapper", ["qwen35", "optimum-neuron"])
+def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
+    """Sequence A decodes in slot 0; B joins slot 1 and decodes beside it; one step runs A alone (B left out: the
+    wrapper pads the batch to its compiled size); then B goes on, then A leaves and B runs alone. B's logits must
+    stay transformers' at every position. optimum-neuron's own wrapper fills the padding row with slot 1, so the
+    step rewrites B's DeltaNet and conv states with A's token: shown to break B, which is why this project's
+    wrapper pads with seq_id -1."""
+    from optimum.neuron.models.inference.backend.modules.decoder.decoder_wrappers import (
+        TOKEN_GENERATION_MODEL_TAG,
+        NxDDecoderWrapperForCausalLM,
+    )
+    from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder import NxDModelForCausalLM
+
+    from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
+
+    from .graphs import export_config
+
+    layout = "tiny-nv2x"
+    ref = load_reference(layout)
+    cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
+    (a, a_logits), (b, b_logits) = cases[130], cases[63]
+    nc = neuron_config(layout, "trn2")
+    cls = Qwen35DecoderWrapper if wrapper == "qwen35" else NxDDecoderWrapperForCausalLM
+    with traced_parallel_state(1):
+        run = XlaGraphs(build_graphs(layout, nc, load_weights=True))
+        tkg = cls(export_config(layout, nc), NxDModelForCausalLM._create_token_generation_config(nc),
+                  TracedGraph(run, TOKENS), TOKEN_GENERATION_MODEL_TAG)
+
+        def step(rows):  # rows: [(slot, token, position)] -> logits [len(rows), vocab]
+            slots, ids, positions = zip(*rows)
+            return tkg(column(ids), column(positions), torch.tensor(slots, dtype=torch.int32), torch.zeros(len(rows), 3))[:, 0]
+
+        run(CONTEXT, *context_inputs(a[:50]), [0])
+        run(CONTEXT, *context_inputs(b[:20]), [1])
+        got = step([(0, a[50], 50), (1, b[20], 20)])
+        torch.testing.assert_close(got[1], b_logits[20], rtol=0, atol=LOGIT_ATOL)
+        got = step([(0, a[51], 51)])  # B left out: the wrapper pads the batch
+        torch.testing.assert_close(got[0], a_logits[51], rtol=0, atol=LOGIT_ATOL)
+        errors = []
+        for i in range(4):  # B goes on beside A, then alone (A has left)
+            rows = [(1, b[21 + i], 21 + i)] + ([(0, a[52 + i], 52 + i)] if i < 2 else [])
+            errors.append((step(rows)[0] - b_logits[21 + i]).abs().max().item())
+    print(f"\n{wrapper} wrapper: B's logits after it was left out of a step, max |error| {max(errors):.2e}")
+    if wrapper == "qwen35":
+        assert max(errors) <= LOGIT_ATOL
+    else:
+        assert max(errors) > 100 * LOGIT_ATOL  # its padding row rewrote B's states
+
+
+# ---------------------------------------------------------------------------------------------- optimum-neuron's loop
+class TracedModel:
+    """The loaded `model.pt` as optimum-neuron's model classes call it: one callable that routes each call to the
+    graph whose input shapes it has (as neuronx-distributed's runtime does, `spmd.py` L156), here the XLA run."""
+
+    def __init__(self, run: XlaGraphs):
+        self.run = run
+
+    def __call__(self, input_ids, position_ids, seq_ids, sampling_params):
+        key = CONTEXT if input_ids.shape[-1] > 1 else TOKENS
+        return self.run(key, input_ids, position_ids, seq_ids)[:, None]
+
+
+def test_optimum_neurons_generate_drives_the_graphs():
+    """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) built around the two
+    graphs, and optimum-neuron's own `generate` (NxDGenerationMixin: right padding, context encoding row by row
+    into the slots, token generation of the batch): greedy tokens of two prompts of different lengths equal
+    transformers'."""
+    from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
+
+    from .graphs import export_config, model_class
+
+    layout = "tiny-nv3x"
+    ref = load_reference(layout)
+    prompts = [ref["gen_prompt_0"].tolist(), ref["gen_prompt_1"].tolist()]
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    nc = neuron_config(layout, "trn2")
+    cls = model_class()
+    config = export_config(layout, nc)
+    with traced_parallel_state(1):
+        run = XlaGraphs(build_graphs(layout, nc, load_weights=True))
+        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+        assert isinstance(model.token_generation_model, Qwen35DecoderWrapper)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    for j, prompt in enumerate(prompts):
+        tokens, expected = out[j, width:].tolist(), ref[f"gen_tokens_{j}"][:16].tolist()
+        if tokens != expected:
+            step = next(i for i, (x, y) in enumerate(zip(tokens, expected)) if x != y)
+            assert float(ref[f"gen_margin_{j}"][step]) < TIE_MARGIN, f"prompt {j}: greedy tokens part at step {step}"
