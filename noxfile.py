@@ -56,6 +56,9 @@ def neuron(session):
     session.install("torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
                     # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
                     "boto3", "scipy", "tenacity")
+    # The start-up file a regular install places in site-packages (an editable one does not): optimum-cli's export
+    # child interpreter registers Qwen3.5 through it.
+    session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
     session.install("--no-deps", "tests/neuron_sdk_standin")
     # Built from a writable copy (the source folder is read-only); the version optimum-neuron 0.4.5 pins.
     with tempfile.TemporaryDirectory() as build:
