@@ -65,16 +65,15 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv
     B, C = mixed_qkv.shape
     _, nv, dk, dv = recurrent_state.shape
     nk = (C - nv * dv) // (2 * dk)
-    mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, slots.gather_initial(conv_state))
+    conv_rows, state_rows = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
+    mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, conv_rows)
     q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
     q = l2norm(_upcast(q.reshape(B, nk, 1, dk))) * dk**-0.5
     k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
     v = _upcast(v.reshape(B, nv, 1, dv))
     g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
-    o, new_state = recurrent_gated_delta_rule_step(
-        q, k, v, g[:, :, None], beta[:, :, None], slots.gather_initial(recurrent_state)
-    )
-    return o[:, :, 0], slots.write(conv_state, new_conv), slots.write(recurrent_state, new_state)
+    o, new_state = recurrent_gated_delta_rule_step(q, k, v, g[:, :, None], beta[:, :, None], state_rows)
+    return o[:, :, 0], slots.write(conv_state, new_conv, conv_rows), slots.write(recurrent_state, new_state, state_rows)
 
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths):
@@ -85,10 +84,9 @@ def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, s
     k = l2norm(_upcast(k))
     v = _upcast(v)
     g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
-    o, final = chunk_gated_delta_rule(
-        q, k, v, g.transpose(1, 2), beta.transpose(1, 2), slots.gather_initial(recurrent_state), lengths
-    )
-    return o, slots.write(recurrent_state, final)
+    initial = slots.gather_initial(recurrent_state)
+    o, final = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial, lengths)
+    return o, slots.write(recurrent_state, final, initial)
 
 
 # ------------------------------------------------------------------------------------------------------ NKI versions

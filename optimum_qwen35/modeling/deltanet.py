@@ -65,16 +65,16 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, hidden] right-padded, lengths [B]. A fresh row (`slots.fresh`: it starts at position 0) starts
         from zero conv and recurrent states; another continues its slot from the slot's states. Returns the output
         and the states with the active rows' slots updated (`slots.write`)."""
+        initial_conv = slots.gather_initial(conv_state)
         mixed, new_conv = kernels.causal_conv1d(
-            self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, slots.gather_initial(conv_state), lengths,
-            backend=self.kernel_backend,
+            self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths, backend=self.kernel_backend
         )
         q, k, v = self._raw_heads(mixed.transpose(1, 2))
         o, recurrent_state = kernels.deltanet_prefill(
             q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
             recurrent_state, slots, lengths, backend=self.kernel_backend,
         )
-        return self._output(o, x), slots.write(conv_state, new_conv), recurrent_state
+        return self._output(o, x), slots.write(conv_state, new_conv, initial_conv), recurrent_state
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
         """x [B, 1, hidden]: one step from each slot's states (zero states for a fresh row) -> the output and the

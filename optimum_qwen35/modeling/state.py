@@ -48,9 +48,9 @@ class Slots:
         seq_ids = seq_ids.to(torch.int64)
         self.in_place = in_place
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
-        self.fresh = fresh
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         active = seq_ids >= 0
+        self.fresh = None if fresh is None else fresh & active  # an inactive row reads its slot 0 as it is
         self.any_active = active.any()
         rows = torch.arange(seq_ids.shape[0], device=seq_ids.device)
         # The row whose write each row makes: itself when active, else the first active row (row 0 if none).
@@ -68,16 +68,17 @@ class Slots:
             return rows
         return torch.where(self.fresh.view(-1, *([1] * (rows.dim() - 1))), torch.zeros_like(rows), rows)
 
-    def write(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def write(self, state: torch.Tensor, rows: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
         """The slot of each active row b becomes rows[b]; every other slot keeps its value. Returns the state:
         the same tensor, written in place, or (in_place=False) an updated copy, the input left as it was.
 
         With no active row every row writes slot 0 (`slot`), which keeps its value from before: in place, slot 0
         is saved and put back (one row, not a select over every row: a decode step's slot states are most of what
-        it moves); functionally, the rows written are slot 0's own."""
+        it moves); functionally, the rows written are slot 0's own: `initial` (the rows `gather_initial` read, which
+        are slot 0's then) when given, else read again."""
         rows = rows.to(state.dtype).index_select(0, self.writer)
         if not self.in_place:
-            unchanged = state.index_select(0, self.slot)
+            unchanged = (initial if initial is not None else self.gather(state)).to(state.dtype).index_select(0, self.writer)
             rows = torch.where(self.any_active.view(*([1] * rows.dim())), rows, unchanged)
             return state.index_copy(0, self.slot, rows)
         slot_0 = state[:1].clone()

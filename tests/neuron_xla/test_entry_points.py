@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from optimum_qwen35.testing.neuron_xla import export_config, model_class, neuron_config
+
 from ..conftest import FIXTURES
-from .graphs import export_config, model_class, neuron_config
 
 
 def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
@@ -52,9 +53,9 @@ def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypa
     from optimum.neuron.models.inference.backend.pretrained_model import NxDPreTrainedModel
 
     monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd"))
-    nc = neuron_config("tiny-2b", "trn2")
+    nc = neuron_config(FIXTURES / "tiny-2b", "trn2")
     cls = model_class()
-    builders = cls.create_graph_builders(export_config("tiny-2b", nc), nc)
+    builders = cls.create_graph_builders(export_config(FIXTURES / "tiny-2b", nc), nc)
     built = []
     for builder in builders.values():
         original = builder.get_model_instance

@@ -22,9 +22,11 @@ import pytest
 import torch
 
 from optimum_qwen35.neuron import glue
+from optimum_qwen35.testing.neuron_xla import (
+    CONTEXT, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, traced_parallel_state,
+)
 
-from ..conftest import LAYOUTS, load_reference, reference_prompts
-from .graphs import CONTEXT, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, traced_parallel_state
+from ..conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
 
 LOGIT_ATOL = 1e-4  # fp32, as tests/test_parity.py
 BF16_ATOL = 0.25  # bf16 weights and activations against transformers' fp32, as tests/test_neuron_backend.py
@@ -41,9 +43,10 @@ ALIAS_CASES = [
 
 @pytest.mark.parametrize(("target", "tp", "dtype"), ALIAS_CASES, ids=[f"{t}-tp{p}-{str(d)[6:]}" for t, p, d in ALIAS_CASES])
 def test_every_state_input_resolves_to_its_aliased_output(target, tp, dtype):
-    nc = neuron_config("tiny-nv3x", target, tp, dtype)
-    with traced_parallel_state(tp):
-        graphs = build_graphs("tiny-nv3x", nc)
+    nc = neuron_config(FIXTURES / "tiny-nv3x", target, tp, dtype)
+    assert nc.logical_nc_config == (2 if target == "trn2" else 1)
+    with traced_parallel_state(tp, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES / "tiny-nv3x", nc)
         for key, graph in graphs.items():
             held = graph.module.state_layout.held_specs
             lowered = lower(graph)
@@ -79,9 +82,9 @@ def test_xla_run_matches_transformers(layout):
     ref = load_reference(layout)
     cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
     long, short = cases[130], cases[63]
-    nc = neuron_config(layout, "trn2")
+    nc = neuron_config(FIXTURES / layout, "trn2")
     with traced_parallel_state(1):
-        run = XlaGraphs(build_graphs(layout, nc, load_weights=True))
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
         starts = {0: 80, 1: 40}
         for slot, (prompt, logits) in ((0, long), (1, short)):
             got = run(CONTEXT, *context_inputs(prompt[: starts[slot]]), [slot])
@@ -115,9 +118,9 @@ def test_xla_run_matches_transformers(layout):
 def test_xla_run_in_bf16_keeps_the_recurrent_state_fp32():
     ref = load_reference("tiny-2b")
     prompt, logits = next((p, torch.from_numpy(l)) for p, l in reference_prompts(ref) if len(p) == 63)
-    nc = neuron_config("tiny-2b", "trn2", dtype=torch.bfloat16)
+    nc = neuron_config(FIXTURES / "tiny-2b", "trn2", dtype=torch.bfloat16)
     with traced_parallel_state(1):
-        graphs = build_graphs("tiny-2b", nc, load_weights=True)
+        graphs = build_graphs(FIXTURES / "tiny-2b", nc, load_weights=True)
         run = XlaGraphs(graphs)
         got = [run(CONTEXT, *context_inputs(prompt[:40]), [0])[0]]
         for position in range(40, 63):
@@ -157,17 +160,17 @@ def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
 
     from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
 
-    from .graphs import export_config
+    from optimum_qwen35.testing.neuron_xla import export_config
 
     layout = "tiny-nv2x"
     ref = load_reference(layout)
     cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
     (a, a_logits), (b, b_logits) = cases[130], cases[63]
-    nc = neuron_config(layout, "trn2")
+    nc = neuron_config(FIXTURES / layout, "trn2")
     cls = Qwen35DecoderWrapper if wrapper == "qwen35" else NxDDecoderWrapperForCausalLM
     with traced_parallel_state(1):
-        run = XlaGraphs(build_graphs(layout, nc, load_weights=True))
-        tkg = cls(export_config(layout, nc), NxDModelForCausalLM._create_token_generation_config(nc),
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
+        tkg = cls(export_config(FIXTURES / layout, nc), NxDModelForCausalLM._create_token_generation_config(nc),
                   TracedGraph(run, TOKENS), TOKEN_GENERATION_MODEL_TAG)
 
         def step(rows):  # rows: [(slot, token, position)] -> logits [len(rows), vocab]
@@ -211,7 +214,7 @@ def test_optimum_neurons_generate_drives_the_graphs():
     transformers'."""
     from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
 
-    from .graphs import export_config, model_class
+    from optimum_qwen35.testing.neuron_xla import export_config, model_class
 
     layout = "tiny-nv3x"
     ref = load_reference(layout)
@@ -219,11 +222,11 @@ def test_optimum_neurons_generate_drives_the_graphs():
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    nc = neuron_config(layout, "trn2")
+    nc = neuron_config(FIXTURES / layout, "trn2")
     cls = model_class()
-    config = export_config(layout, nc)
+    config = export_config(FIXTURES / layout, nc)
     with traced_parallel_state(1):
-        run = XlaGraphs(build_graphs(layout, nc, load_weights=True))
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
         model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
         assert isinstance(model.token_generation_model, Qwen35DecoderWrapper)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
