@@ -23,7 +23,7 @@ import torch
 
 from optimum_qwen35.neuron import glue
 from optimum_qwen35.testing.neuron_xla import (
-    CONTEXT, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, traced_parallel_state,
+    CONTEXT, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, state_traffic, traced_parallel_state,
 )
 
 from ..conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
@@ -59,6 +59,12 @@ def test_every_state_input_resolves_to_its_aliased_output(target, tp, dtype):
             for spec in held:
                 param = dict(graph.module.named_parameters())[f"past_key_values.{held.index(spec)}"]
                 assert param.dtype == spec.dtype, spec.name
+            if key == CONTEXT:
+                # Context encoding (batch 1) writes one slot of each state: no whole-state rewrite in the graph.
+                traffic = state_traffic(lowered, graph)
+                for j, spec in enumerate(held):
+                    per_slot = torch.Size(spec.shape[1:]).numel() * spec.dtype.itemsize
+                    assert traffic[f"past_key_values.{j}"][1] == per_slot, spec.name
             print(f"\n{target} tp{tp} {dtype} {key}: {lowered.instruction_count} HLO instructions, {len(held)} aliases")
 
 
