@@ -80,16 +80,19 @@ def column(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)[:, None]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_xla_run_matches_transformers(layout):
+RUN_CASES = [(layout, "trn2") for layout in LAYOUTS] + [("tiny-nv3x", "trn1"), ("tiny-2b", "inf2")]
+
+
+@pytest.mark.parametrize(("layout", "target"), RUN_CASES, ids=[f"{l}-{t}" for l, t in RUN_CASES])
+def test_xla_run_matches_transformers(layout, target):
     """Two sequences prefilled into their slots (batch-1 context encoding, continuous batching), 23 teacher-forced
     token-generation steps of both, one of them leaving (an inactive row), then a new sequence joining its slot and
     16 greedy steps: logits at every position within 1e-4 of transformers', greedy tokens equal."""
     ref = load_reference(layout)
     cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
     long, short = cases[130], cases[63]
-    nc = neuron_config(FIXTURES / layout, "trn2")
-    with traced_parallel_state(1):
+    nc = neuron_config(FIXTURES / layout, target)
+    with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
         starts = {0: 80, 1: 40}
         for slot, (prompt, logits) in ((0, long), (1, short)):
@@ -118,14 +121,14 @@ def test_xla_run_matches_transformers(layout):
             if a != b:
                 assert float(ref["gen_margin_0"][step]) < TIE_MARGIN, f"greedy tokens part at step {step}: {a} vs {b}"
                 break
-    print(f"\n{layout}: XLA CPU run, max |logit - transformers| {worst:.2e} over 46 token-generation rows")
+    print(f"\n{layout} {target}: XLA CPU run, max |logit - transformers| {worst:.2e} over 46 token-generation rows")
 
 
 def test_xla_run_in_bf16_keeps_the_recurrent_state_fp32():
     ref = load_reference("tiny-2b")
     prompt, logits = next((p, torch.from_numpy(l)) for p, l in reference_prompts(ref) if len(p) == 63)
     nc = neuron_config(FIXTURES / "tiny-2b", "trn2", dtype=torch.bfloat16)
-    with traced_parallel_state(1):
+    with traced_parallel_state(1, nc.logical_nc_config):
         graphs = build_graphs(FIXTURES / "tiny-2b", nc, load_weights=True)
         run = XlaGraphs(graphs)
         got = [run(CONTEXT, *context_inputs(prompt[:40]), [0])[0]]
@@ -174,7 +177,7 @@ def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
     (a, a_logits), (b, b_logits) = cases[130], cases[63]
     nc = neuron_config(FIXTURES / layout, "trn2")
     cls = Qwen35DecoderWrapper if wrapper == "qwen35" else NxDDecoderWrapperForCausalLM
-    with traced_parallel_state(1):
+    with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
         tkg = cls(export_config(FIXTURES / layout, nc), NxDModelForCausalLM._create_token_generation_config(nc),
                   TracedGraph(run, TOKENS), TOKEN_GENERATION_MODEL_TAG)
@@ -231,7 +234,7 @@ def test_optimum_neurons_generate_drives_the_graphs():
     nc = neuron_config(FIXTURES / layout, "trn2")
     cls = model_class()
     config = export_config(FIXTURES / layout, nc)
-    with traced_parallel_state(1):
+    with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
         model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
         assert isinstance(model.token_generation_model, Qwen35DecoderWrapper)
