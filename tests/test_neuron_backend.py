@@ -451,3 +451,24 @@ def test_nxd_layers_define_everything_the_model_reads_from_its_layer_factory():
                         defined.add(name.attr)
     assert {"column_linear", "row_linear", "embedding", "lm_head", "precision", "kernel_backend"} <= read
     assert read <= defined, f"NxDLayers lacks {sorted(read - defined)}"
+
+
+def test_the_neuron_package_does_not_import_the_optimum_model_module():
+    """One import direction: `optimum/modeling.py` hands the Neuron targets to `neuron/model.py` (lazily); nothing in
+    `neuron/` imports `optimum/modeling.py` or `optimum/registration.py` back (it takes the neuron config builder
+    from `optimum/neuron_config.py`, which imports neither)."""
+    import ast
+    from pathlib import Path
+
+    import optimum_qwen35
+
+    package = Path(optimum_qwen35.__file__).parent
+    for path in [*sorted((package / "neuron").glob("*.py")), package / "optimum" / "neuron_config.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level == 1 and path.parent.name == "optimum":
+                module = f"optimum.{module}"  # a sibling of neuron_config.py
+            imported = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            assert not [m for m in imported if m.endswith(("optimum.modeling", "optimum.registration"))], (path.name, imported)

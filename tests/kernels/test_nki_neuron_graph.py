@@ -23,12 +23,19 @@ def nki_calls() -> dict[str, int]:
     return {entry: kernels.calls[("nki", entry)] for entry in ("deltanet_prefill", "deltanet_decode")}
 
 
+class FunctionalLayers(TorchLayers):
+    """State updates as the Neuron graphs make them (updated copies; `run` checks the inputs are left as they were)."""
+
+    state_in_place = False
+
+
+@pytest.mark.parametrize("layers", [TorchLayers, FunctionalLayers], ids=["in-place", "functional"])
 @pytest.mark.parametrize("layout_name", ["tiny-2b", "tiny-nv2x"])
-def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_name):
+def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_name, layers):
     assert kernels.get_backend() == "torch"
     path = FIXTURES / layout_name
-    with_nki = load_decoder(path, layers=TorchLayers(kernel_backend="nki"))
-    with_torch = load_decoder(path, layers=TorchLayers(kernel_backend="torch"))
+    with_nki = load_decoder(path, layers=layers(kernel_backend="nki"))
+    with_torch = load_decoder(path, layers=layers(kernel_backend="torch"))
     deltanet_layers = sum(not layer.is_attention for layer in with_nki.layers)
     layout = glue.StateLayout(with_nki.state_specs(2, 64))
     held_nki, held_torch = allocate(layout), allocate(layout)
