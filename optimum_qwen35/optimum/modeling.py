@@ -389,8 +389,12 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         return cls.export(model_id, neuron_config, token=token, revision=revision, load_weights=True)
 
     @classmethod
-    def _from_pretrained(cls, model_id, config, **expected):
+    def _from_pretrained(cls, model_id, config, revision=None, token=None, **expected):
+        """optimum-neuron's hook, also what `NeuronModelForCausalLM.from_pretrained` (the abstract class) calls
+        after its registry lookup: a Hub id or a folder that is not an export goes through `from_pretrained`."""
         folder = Path(model_id)
+        if not folder.is_dir() or not _is_export(folder):
+            return cls.from_pretrained(model_id, revision=revision, token=token, **expected)
         neuron_config = nc.load(folder)
         nc.check_expected(neuron_config, folder, **expected)
         if neuron_config.target != nc.CPU_TARGET:

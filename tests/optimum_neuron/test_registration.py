@@ -4,6 +4,7 @@ tests build the wheel and process its .pth the way site.py does)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -145,3 +146,78 @@ def test_readme_optimum_example_runs(export_dir, tmp_path):
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     namespace["model"].close()
+
+
+# ------------------------------------------------------------------ optimum-neuron's own entry point (issue 21, item 1)
+# `NeuronModelForCausalLM.from_pretrained` (the abstract class the user names) in a fresh process without the Neuron
+# SDK, after each of the three ways Qwen3.5 gets registered. It prints the class it returned and its greedy tokens.
+ABSTRACT_LOAD = """
+import importlib.util, json, sys, torch
+{register}
+from optimum.neuron import NeuronModelForCausalLM
+assert importlib.util.find_spec("neuronx_distributed") is None  # no Neuron SDK: the built-in NxD models cannot import
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[2], **json.loads(sys.argv[4]))
+prompt = json.loads(sys.argv[3])
+out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+print(json.dumps([type(model).__name__, out[0, len(prompt):].tolist()]))
+"""
+REGISTRATIONS = {
+    "regular install (.pth)": "import site; site.addsitedir(sys.argv[1])",
+    "editable install (import optimum_qwen35)": "import optimum_qwen35",
+    "vLLM plugin": (
+        "from importlib.metadata import entry_points\n"
+        "[e.load()() for e in entry_points(group='vllm.general_plugins') if e.name == 'optimum_qwen35']"
+    ),
+}
+
+
+@pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
+def test_abstract_neuron_model_class_loads_the_export_without_the_sdk(registration, startup_dir, export_dir):
+    from ..conftest import load_reference
+
+    ref = load_reference("tiny-2b")
+    code = ABSTRACT_LOAD.format(register=REGISTRATIONS[registration])
+    prompt = ref["gen_prompt_0"].tolist()
+    args = (str(startup_dir), str(export_dir("tiny-2b", 1)), json.dumps(prompt), "{}")
+    name, tokens = last_json_line(run_python(code, *args).stdout)
+    assert name == "Qwen35NeuronModelForCausalLM"
+    assert tokens == ref["gen_tokens_0"].tolist()[:8]
+
+
+def test_abstract_neuron_model_class_loads_a_hub_export_and_checks_expectations(startup_dir, export_dir, hub_server, tmp_path):
+    """A Hub id (the loopback stand-in Hub, through HF_ENDPOINT) and the keyword checks of from_pretrained."""
+    from optimum_qwen35.hub import push_to_hub
+
+    from ..conftest import load_reference
+
+    ref = load_reference("tiny-2b")
+    push_to_hub(export_dir("tiny-2b", 1), "alice/tiny-export", token="hf_alice_write", endpoint=hub_server.url)
+    code = ABSTRACT_LOAD.format(register=REGISTRATIONS["regular install (.pth)"])
+    prompt = ref["gen_prompt_0"].tolist()
+    env = hub_server.client_env(tmp_path / "home")
+    args = [str(startup_dir), "alice/tiny-export", json.dumps(prompt), json.dumps({"batch_size": 2})]
+    name, tokens = last_json_line(run_python(code, *args, env=env).stdout)
+    assert (name, tokens) == ("Qwen35NeuronModelForCausalLM", ref["gen_tokens_0"].tolist()[:8])
+    args[-1] = json.dumps({"batch_size": 4})
+    with pytest.raises(AssertionError, match="IncompatibleExportError: .* exported for batch_size=2, not 4"):
+        run_python(code, *args, env=env)
+
+
+def test_dispatch_leaves_other_model_types_to_optimum_neuron():
+    """Only the two Qwen3.5 model types skip optimum-neuron's import of its built-in models; any other model type
+    still goes through optimum-neuron's own lookup (which, without the SDK, fails as it always did)."""
+    code = """
+import json, optimum_qwen35
+from optimum.neuron.models import auto_model
+import optimum.neuron  # the hook registers here
+found = {t: auto_model.has_neuron_model_class(t, "text-generation", "inference") for t in ("qwen3_5", "qwen3_5_text")}
+try:
+    auto_model.has_neuron_model_class("llama", "text-generation", "inference")
+    llama = "answered"
+except ModuleNotFoundError as error:
+    llama = error.name
+print(json.dumps([found, llama, auto_model.has_neuron_model_class.__wrapped__.__module__]))
+"""
+    found, llama, original = last_json_line(run_python(code).stdout)
+    assert found == {"qwen3_5": True, "qwen3_5_text": True}
+    assert llama == "neuronx_distributed" and original == "optimum.neuron.models.auto_model"
