@@ -436,8 +436,62 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         tokens, positions = input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist()
         return self.runtime.decode(tokens, positions, [int(s) for s in seq_ids])
 
-    def forward(self, *args, **kwargs):
-        raise UsageError("call generate(), or prefill()/decode() for slot-level control")
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """Teacher-forced logits at every position, as transformers' `model(input_ids, attention_mask).logits`.
+
+        Returns a transformers `CausalLMOutput`: `logits` [batch, length, vocab] fp32 (zeros where
+        `attention_mask` is 0; left or right padding), and with `labels` the mean next-token cross-entropy `loss`
+        (labels shifted inside, -100 ignored, as transformers does). Runs the per-position logits graphs of the
+        export, in waves of the compiled batch size, each row fresh from position 0 (no cache is read); the
+        slots it borrows get their state back, so sequences running through prefill()/decode() are not disturbed.
+        Inputs longer than the compiled sequence length are refused."""
+        from transformers.modeling_outputs import CausalLMOutput  # noqa: PLC0415
+
+        from .generation import _token_lists  # noqa: PLC0415
+
+        refused = sorted(
+            k for k, v in kwargs.items()
+            if k not in ("use_cache", "position_ids", "token_type_ids") and v not in (None, False)
+        )
+        if refused:
+            raise UsageError(
+                f"forward() does not take {refused}: it returns the logits of every position of input_ids "
+                "(use generate(), or prefill()/decode() for a cache)"
+            )
+        if input_ids is None:
+            raise UsageError("forward() needs input_ids, a 2-D integer tensor [batch, length]")
+        prompts = _token_lists(input_ids, attention_mask)
+        positions = None
+        if kwargs.get("position_ids") is not None:
+            positions = kwargs["position_ids"]
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            expected = (mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long()
+            if positions.shape != input_ids.shape or not torch.equal(positions.long() * mask.long(), expected):
+                raise UsageError("position_ids must count each row's real tokens from 0 (forward() scores whole sequences)")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
+            raise UsageError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
+        rows = self.runtime.logits(prompts)
+        logits = torch.zeros(*input_ids.shape, rows[0].shape[-1] if rows else self.config.vocab_size)
+        for row, values in enumerate(rows):
+            if attention_mask is None:
+                logits[row, : values.shape[0]] = values
+            else:
+                logits[row, attention_mask[row].bool()] = values
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(), ignore_index=-100
+            )
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     def reset(self) -> None:
         """Nothing to clear: a prefill replaces its slots' state whole."""
