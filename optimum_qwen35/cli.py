@@ -244,6 +244,10 @@ def _fail(error: BaseException | str, status: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="optimum-qwen35", description="Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="show what other libraries print (optimum-neuron's device probe, the Hub client's retries)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
@@ -342,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_cache_lookup)
 
     args = parser.parse_args(argv)
+    if args.verbose:
+        import os
+
+        from .quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     try:
         return args.func(args)
     except Qwen35Error as error:

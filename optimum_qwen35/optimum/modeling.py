@@ -39,8 +39,12 @@ import weakref
 from pathlib import Path
 
 import torch
-from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
 from transformers import AutoConfig, GenerationConfig
+
+from ..quiet import optimum_neuron_import
+
+with optimum_neuron_import():  # no device-probe error or trn1-override warning on a machine without Neuron
+    from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
 
 from ..config import Qwen35Config
 from ..errors import ExportError, IncompatibleExportError, ModelNotFoundError, UsageError
