@@ -35,6 +35,10 @@ def startup_dir(tmp_path_factory):
     with zipfile.ZipFile(wheel) as archive:
         assert "optimum_qwen35.pth" in archive.namelist(), "the wheel does not carry its start-up file"
         (site / "optimum_qwen35.pth").write_bytes(archive.read("optimum_qwen35.pth"))
+        register = "optimum/commands/register/register_optimum_qwen35.py"
+        assert register in archive.namelist(), "the wheel does not carry its optimum-cli command"
+        (site / register).parent.mkdir(parents=True)
+        (site / register).write_bytes(archive.read(register))
     return site
 
 
@@ -221,3 +225,26 @@ print(json.dumps([found, llama, auto_model.has_neuron_model_class.__wrapped__.__
     found, llama, original = last_json_line(run_python(code).stdout)
     assert found == {"qwen3_5": True, "qwen3_5_text": True}
     assert llama == "neuronx_distributed" and original == "optimum.neuron.models.auto_model"
+
+
+def test_optimum_cli_export_neuron_without_the_sdk_says_what_to_run(startup_dir, tmp_path):
+    """optimum-cli registers `export neuron` only with the Neuron SDK; the installed register file makes it say why it
+    cannot run and print the optimum-qwen35 command for this machine, which then exports (exit 0)."""
+    import os
+    import shlex
+
+    optimum_cli = Path(sys.executable).with_name("optimum-cli")
+    args = ["export", "neuron", "--model", str(ROOT / "tests" / "fixtures" / "tiny-2b"), "--batch_size", "1",
+            "--sequence_length", "128", "--num_cores", "2", "--auto_cast_type", "fp32", str(tmp_path / "out")]
+    bare = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 2 and "unrecognized arguments: neuron" in bare.stderr  # what users got before
+    env = {**os.environ, "PYTHONPATH": str(startup_dir)}  # site-packages as a regular install leaves it
+    hooked = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert hooked.returncode == 2 and not (tmp_path / "out").exists()
+    last = hooked.stderr.strip().splitlines()[-1]
+    assert last.startswith("optimum-cli export neuron: error: the Neuron SDK (torch-neuronx, neuronx-distributed) is not")
+    command = shlex.split(last.split("on this machine export Qwen3.5 for the cpu target: ")[1])
+    assert command[:2] == ["optimum-qwen35", "export"] and "--num_cores" not in command
+    exported = subprocess.run([sys.executable, "-m", "optimum_qwen35", *command[1:]], capture_output=True, text=True, timeout=600)
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "neuron_config.json").is_file()
