@@ -115,11 +115,15 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
-    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+    from .errors import ExportError
+    from .optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
 
+    # Everything is checked before the first graph is compiled: the destination, the arguments, the source.
     out = Path(args.out)
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UsageError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
+    try:
+        check_save_directory(out, args.overwrite, source=args.model)
+    except ExportError as error:
+        raise UsageError(str(error).replace("overwrite=True (--overwrite)", "--overwrite")) from error
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
         args.model,
         revision=args.revision,

@@ -307,14 +307,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         target = Path(save_directory).absolute()
         if target == self.folder.absolute():
             return
-        if target.exists() and not target.is_dir():
-            raise ExportError(f"{target} is a file: choose a folder to save the model to")
-        if target.is_dir() and any(target.iterdir()):
-            if not overwrite:
-                what = "an exported model" if _is_export(target) else "other files"
-                raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
-            if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
-                raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
+        check_save_directory(target, overwrite)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
         try:
@@ -519,6 +512,23 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         else:
             folder, repo_id = kwargs.pop("save_directory", self.folder), kwargs.pop("repository_id", kwargs.pop("repo_id", None))
         return hub.push_to_hub(folder, repo_id, **kwargs)
+
+
+def check_save_directory(save_directory, overwrite: bool = False, source=None) -> None:
+    """Whether an export may be saved to `save_directory` (what `save_pretrained` checks, and the command line
+    before anything is compiled): not a file, not the source checkpoint, empty unless `overwrite`, and never a
+    folder holding a model checkpoint."""
+    target = Path(save_directory).absolute()
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target} is a file: choose a folder to save the model to")
+    if source is not None and Path(source).is_dir() and Path(source).absolute() == target:
+        raise ExportError(f"{target} is the source checkpoint: choose another folder for the export")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            what = "an exported model" if _is_export(target) else "other files"
+            raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
+        if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
+            raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
 
 
 def _export_config(config, model_id, dtype):

@@ -84,6 +84,29 @@ def test_decode_that_would_leave_a_gap_in_the_cache(export):
     assert [first, token] == expected[:2]
 
 
+def test_export_checks_its_destination_before_compiling(tmp_path):
+    """Each refused destination: exit status 2, one line, before the first graph is compiled (no progress bar), and
+    nothing written."""
+    from optimum_qwen35.testing import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep me")
+    cases = [
+        (source, ["--overwrite"], "is the source checkpoint"),
+        (a_file, [], "is a file: choose a folder"),
+        (tmp_path / "other-ckpt", ["--overwrite"], "holds a model checkpoint: it is never overwritten"),
+    ]
+    shutil.copytree(source, tmp_path / "other-ckpt")
+    before = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    for out, extra, words in cases:
+        result = cli("export", "--model", source, "--sequence_length", 128, "--target", "cpu", *extra, out)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+        assert "compile" not in result.stderr
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == before
+    assert a_file.read_text() == "keep me"
+
+
 # ------------------------------------------------------------------------------------------------ quiet by default
 NEURON_NOISE = ("No major for neuron device", "override the platform target to trn1")
 
