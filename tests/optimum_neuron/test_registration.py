@@ -131,27 +131,6 @@ def test_text_config_without_dtype_gets_one(tmp_path):
     assert str(AutoConfig.from_pretrained(folder).get_text_config().dtype) == "torch.bfloat16"
 
 
-def test_readme_optimum_example_runs(export_dir, tmp_path):
-    """The README's optimum-neuron section: its export command, then its Python block, as written."""
-    import re
-
-    from optimum_qwen35.cli import main
-    from optimum_qwen35.testing import build_tiny_checkpoint
-
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Use it through optimum-neuron") :]
-    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").split()
-    assert command[:3] == ["python", "-m", "optimum_qwen35"]
-    build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
-    args = [str(tmp_path / "ckpt") if a == "path/to/checkpoint" else str(tmp_path / "exported") if a == "exported/" else a for a in command[3:]]
-    args[args.index("--sequence_length") + 1] = "128"  # one context bucket, to keep the test short
-    assert main(args) == 0
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace('"exported/"', repr(str(tmp_path / "exported")))
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    namespace["model"].close()
-
-
 # ------------------------------------------------------------------ optimum-neuron's own entry point (issue 21, item 1)
 # `NeuronModelForCausalLM.from_pretrained` (the abstract class the user names) in a fresh process without the Neuron
 # SDK, after each of the three ways Qwen3.5 gets registered. It prints the class it returned and its greedy tokens.
