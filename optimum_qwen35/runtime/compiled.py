@@ -141,7 +141,9 @@ def compile_graphs(
     logits_buckets = sorted(set(buckets if logits_buckets is None else logits_buckets))
     plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
     graphs = {}
-    for name, kind, length in tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress):
+    bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
+    for name, kind, length in bar:
+        bar.set_postfix_str(name)  # the graph being compiled now
         if kind in ("context", "logits"):
             graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
             inputs = example_inputs("context", batch_size, length, specs)
