@@ -227,3 +227,8 @@ def test_optimum_cli_export_neuron_without_the_sdk_says_what_to_run(startup_dir,
     exported = subprocess.run([sys.executable, "-m", "optimum_qwen35", *command[1:]], capture_output=True, text=True, timeout=600)
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "out" / "neuron_config.json").is_file()
+    # Progress per graph (each named as it compiles), and nothing else from other libraries.
+    assert "compile (cpu: torch.export)" in exported.stderr and "3/3" in exported.stderr
+    for name in ("context_encoding_128", "token_generation_128", "context_logits_128"):
+        assert name in exported.stderr
+    assert "No major for neuron device" not in exported.stderr and "UserWarning" not in exported.stderr
