@@ -257,7 +257,9 @@ def _chain(error: BaseException):
 def _is_connection_error(error: BaseException) -> bool:
     for e in _chain(error):
         name = type(e).__name__
-        if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ReadTimeout"):
+        # httpx (huggingface_hub 1.x+): a connection that drops mid-request is a RemoteProtocolError / ReadError.
+        dropped = ("RemoteProtocolError", "ReadError", "WriteError", "RemoteDisconnected")
+        if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ReadTimeout", *dropped):
             return True
         if "ConnectionError" in name or ("Timeout" in name and "Lock" not in name):
             return True
