@@ -123,6 +123,10 @@ def load(folder: str | os.PathLike):
         data = json.loads(path.read_text())
     except ValueError as error:
         raise IncompatibleExportError(f"{path} is not valid JSON ({error}); export the model again") from error
+    if not isinstance(data, dict):
+        raise IncompatibleExportError(
+            f"{path} holds a JSON {type(data).__name__}, not an object of neuron config fields; export the model again"
+        )
     key = data.pop("_serialized_key", None)
     if key != "NxDNeuronConfig":
         raise IncompatibleExportError(f"{path} holds a {key!r} config, not an NxDNeuronConfig: it is not a decoder export")
@@ -133,6 +137,7 @@ def load(folder: str | os.PathLike):
             f"install optimum-neuron=={exported_with} or export the model again"
         )
     compiler = data.pop("neuronxcc_version", None)
+    _check_fields(data, path)
     target = data.get("target")
     if target != CPU_TARGET and compiler != neuronxcc_version():
         raise IncompatibleExportError(
@@ -144,6 +149,28 @@ def load(folder: str | os.PathLike):
         return NxDNeuronConfig(**data)
     except TypeError as error:
         raise IncompatibleExportError(f"{path} has fields this optimum-neuron does not know ({error}); export the model again") from error
+
+
+def _check_fields(data: dict, path: Path) -> None:
+    """The fields this package reads, with the types optimum-neuron writes: a hand-edited or foreign file is refused
+    here with one line, not later with a message that cannot tell "2" from 2."""
+    target = data.get("target")
+    if target not in (CPU_TARGET, *sorted(set(NEURON_TARGETS.values()))):
+        raise IncompatibleExportError(
+            f"{path} names target {target!r}, which is not one of cpu, trn1, trn2: export the model again "
+            "(`--target cpu`, or a Neuron target on a Neuron instance)"
+        )
+    for name in ("batch_size", "sequence_length", "tp_degree"):
+        value = data.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise IncompatibleExportError(
+                f"{path}: {name} is {value!r} ({type(value).__name__}), not a positive integer: export the model again"
+            )
+    dtype = data.get("torch_dtype")
+    if dtype not in [str(d).removeprefix("torch.") for d in COMPILED_DTYPES]:
+        raise IncompatibleExportError(
+            f"{path}: torch_dtype is {dtype!r}, not one of float32, bfloat16: export the model again"
+        )
 
 
 def check_expected(neuron_config, folder, **expected) -> None:
