@@ -3,11 +3,21 @@
 Reference parity needs transformers >= 5 (it has `qwen3_5`), while optimum-neuron 0.4.x pins
 transformers ~= 4.57: the two cannot share one environment, so each gets its own session.
 `torch==2.13.0` is named explicitly: it is the local CPU build, a looser pin may pull a CUDA build.
+
+The third, `neuron`, is the Neuron targets' path as far as a machine without the Neuron SDK goes: torch 2.8 and
+torch-xla 2.8 (what Neuron SDK 2.26 pins; PyPI has torch 2.8 only as a CUDA build, about 6 GB with its nvidia
+wheels), optimum-neuron 0.4.5, neuronx-distributed 0.15 built from its open source in ../shared/upstream (PyPI has
+a placeholder), and import stand-ins for the SDK's closed modules (tests/neuron_sdk_standin).
 """
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum"]
+nox.options.sessions = ["reference", "optimum", "neuron"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -30,6 +40,35 @@ def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK)."""
     session.install(TORCH, "-e", ".[tests,optimum]")
     _pytest(session, "-m", "not reference")
+
+
+# neuronx-distributed 0.15's source (tag v2.26.0), an unchanged copy kept beside the repository (see its README).
+NXD_SOURCE = os.environ.get(
+    "OPTIMUM_QWEN35_NXD_SOURCE", str(Path(__file__).parent.parent / "shared" / "upstream" / "neuronx-distributed-2.26.0")
+)
+
+
+@nox.session
+def neuron(session):
+    """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
+    if not Path(NXD_SOURCE, "src", "neuronx_distributed").is_dir():
+        session.error(f"neuronx-distributed's source not found at {NXD_SOURCE} (set OPTIMUM_QWEN35_NXD_SOURCE)")
+    session.install("torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
+                    # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
+                    "boto3", "scipy", "tenacity")
+    # The start-up file a regular install places in site-packages (an editable one does not): optimum-cli's export
+    # child interpreter registers Qwen3.5 through it.
+    session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
+    session.install("--no-deps", "tests/neuron_sdk_standin")
+    # Built from a writable copy (the source folder is read-only); the version optimum-neuron 0.4.5 pins.
+    with tempfile.TemporaryDirectory() as build:
+        shutil.copytree(NXD_SOURCE, build, dirs_exist_ok=True)
+        for folder, _, files in os.walk(build):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        session.install("--no-deps", build, env={"VERSION_PATCH": "22404", "SUFFIX": "v2.26.0"})
+    _pytest(session, "tests/neuron_xla")
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing

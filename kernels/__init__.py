@@ -34,7 +34,7 @@ _BACKENDS: dict[str, dict[str, Callable]] = {
         "recurrent_gated_delta_rule_step": _gdr.recurrent_gated_delta_rule_step,
         "causal_conv1d": _conv.causal_conv1d,
         "causal_conv1d_step": _conv.causal_conv1d_step,
-        # The fused seams (raw projections in, slot states updated in place); see gated_delta_rule/fused.py.
+        # The fused seams (raw projections in; output and updated slot states out); see gated_delta_rule/fused.py.
         "deltanet_prefill": _fused.deltanet_prefill_reference,
         "deltanet_decode": _fused.deltanet_decode_reference,
     }
@@ -87,18 +87,18 @@ def causal_conv1d_step(x, weight, state, *, backend=None):
     return _implementation("causal_conv1d_step", backend)(x, weight, state)
 
 
-def deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, *, backend=None):
-    """Normalise q/k, gates from the raw a/b, chunked rule from each slot's state; the final state in place."""
+def deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, *, backend=None):
+    """Normalise q/k, gates from the raw a/b, chunked rule from each slot's state -> (o, recurrent_state)."""
     return _implementation("deltanet_prefill", backend)(
-        q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths
+        q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths
     )
 
 
-def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids, *,
+def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots, *,
                     backend=None):
-    """One token per row from raw projections: conv step, norms, gates, delta-rule step; slot states in place."""
+    """One token per row from raw projections: conv step, norms, gates, delta-rule step -> (o, conv, recurrent)."""
     return _implementation("deltanet_decode", backend)(
-        mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids
+        mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots
     )
 
 

@@ -115,11 +115,15 @@ def cmd_generate(args) -> int:
 def cmd_export(args) -> int:
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
-    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+    from .errors import ExportError
+    from .optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
 
+    # Everything is checked before the first graph is compiled: the destination, the arguments, the source.
     out = Path(args.out)
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise UsageError(f"{out} is not empty: choose an empty folder or pass --overwrite to replace it")
+    try:
+        check_save_directory(out, args.overwrite, source=args.model)
+    except ExportError as error:
+        raise UsageError(str(error).replace("overwrite=True (--overwrite)", "--overwrite")) from error
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
         args.model,
         revision=args.revision,
@@ -244,6 +248,10 @@ def _fail(error: BaseException | str, status: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="optimum-qwen35", description="Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    parser.add_argument(
+        "--verbose", action="store_true",
+        help="show what other libraries print (optimum-neuron's device probe, the Hub client's retries)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="chat with an embedded tiny random checkpoint (no network, no Neuron)")
@@ -342,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_cache_lookup)
 
     args = parser.parse_args(argv)
+    if args.verbose:
+        import os
+
+        from .quiet import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     try:
         return args.func(args)
     except Qwen35Error as error:

@@ -77,7 +77,6 @@ EXPORT_PATTERNS = [
 ]
 # Never pushed: local metadata folders (the Hugging Face local_dir cache, git, editor files).
 _SKIP_PARTS = {".git", ".cache", "__pycache__"}
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 
 # --------------------------------------------------------------------------------------------- the folder
@@ -85,11 +84,14 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as e:
         raise IncompatibleExportError(f"{path} is not readable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise IncompatibleExportError(f"{path} holds a JSON {type(data).__name__}, not an object: export the model again")
+    return data
 
 
 def _neuron_config(folder: Path) -> dict:
@@ -255,7 +257,9 @@ def _chain(error: BaseException):
 def _is_connection_error(error: BaseException) -> bool:
     for e in _chain(error):
         name = type(e).__name__
-        if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ReadTimeout"):
+        # httpx (huggingface_hub 1.x+): a connection that drops mid-request is a RemoteProtocolError / ReadError.
+        dropped = ("RemoteProtocolError", "ReadError", "WriteError", "RemoteDisconnected")
+        if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ReadTimeout", *dropped):
             return True
         if "ConnectionError" in name or ("Timeout" in name and "Lock" not in name):
             return True
@@ -281,9 +285,12 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
     """Turn huggingface_hub's exceptions into one-line package errors saying what to do."""
     from huggingface_hub import errors as hf_errors
 
+    from .quiet import hub_retries
+
     where = f"{repo_id}" + (f" (revision {revision!r})" if revision and revision != "main" else "")
     try:
-        yield
+        with hub_retries():
+            yield
     except (HubError, IncompatibleExportError, CheckpointError, UsageError):
         raise
     except hf_errors.OfflineModeIsEnabled as e:
@@ -501,7 +508,8 @@ def _create_commit(api, repo_id: str, **kwargs) -> tuple[str, str]:
             raise
         sha = api.repo_info(repo_id, revision=kwargs.get("revision"), repo_type="model").sha
         return sha, _commit_url(api, repo_id, sha)
-    return info.oid, info.commit_url
+    # The URL on the endpoint pushed to (the server's own `commitUrl` may name another host).
+    return info.oid, _commit_url(api, repo_id, info.oid)
 
 
 def _commit_url(api, repo_id: str, sha: str) -> str:
@@ -519,9 +527,23 @@ def _default_message(nc: dict) -> str:
     return f"Upload optimum-qwen35 export ({_shape(nc)})"
 
 
+def _repo_id_problem(repo_id) -> str | None:
+    """Why `repo_id` breaks the Hub's naming rules (huggingface_hub's own validator), or None."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(repo_id, str) or not repo_id:
+        return "it is empty"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        return " ".join(str(e).split())
+    return None
+
+
 def _check_repo_id(repo_id: str) -> None:
-    if not _REPO_ID.match(repo_id or "") or ".." in repo_id:
-        raise UsageError(f"{repo_id!r} is not a Hub repository id (expected 'namespace/name')")
+    problem = _repo_id_problem(repo_id)
+    if problem:
+        raise UsageError(f"{repo_id!r} is not a valid Hub repository id: {problem} (expected 'namespace/name')")
 
 
 # ----------------------------------------------------------------------------------------------- load
@@ -557,8 +579,9 @@ def resolve_export(
         _neuron_config(path)
         return path
     name = str(repo_id_or_path)
-    if not _REPO_ID.match(name) or name.startswith((".", "/")):
-        raise ModelNotFoundError(f"{name} is neither a folder nor a Hub repository id")
+    problem = _repo_id_problem(name)
+    if problem:
+        raise ModelNotFoundError(f"{name} is neither a folder nor a valid Hub repository id ({problem})")
     offline = local_files_only or _offline()
     try:
         folder = _download_export(name, revision, token, endpoint, cache_dir, local_files_only, offline)
@@ -632,8 +655,9 @@ def download_checkpoint(
     """A Hub model (a source checkpoint to export) in the Hugging Face cache; one-line errors as above."""
     from huggingface_hub import snapshot_download
 
-    if not _REPO_ID.match(repo_id) or repo_id.startswith((".", "/")):
-        raise ModelNotFoundError(f"{repo_id} is neither a local folder nor a Hub repository id (owner/name)")
+    problem = _repo_id_problem(repo_id)
+    if problem:
+        raise ModelNotFoundError(f"{repo_id} is neither a local folder nor a valid Hub repository id ({problem})")
     with _hub_errors("download", repo_id, endpoint, revision, token):
         return Path(snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, allow_patterns=allow_patterns))
 
@@ -687,10 +711,13 @@ def resolve_source_checkpoint(
 
 
 def _optimum_neuron():
+    from .quiet import optimum_neuron_import
+
     try:
-        from optimum.neuron.cache import hub_cache
-        from optimum.neuron.cache.entries.single_model import SingleModelCacheEntry
-        from optimum.neuron.version import __version__ as on_version
+        with optimum_neuron_import():
+            from optimum.neuron.cache import hub_cache
+            from optimum.neuron.cache.entries.single_model import SingleModelCacheEntry
+            from optimum.neuron.version import __version__ as on_version
     except ImportError as e:
         raise MissingDependencyError(
             f"the compile-cache registry needs optimum-neuron 0.4.5 ({e}); install it with"
@@ -794,6 +821,9 @@ def sync_registry(
     `model_id`, `config`: see `registry_entry`."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
+    for repo in (cache_repo, model_id):
+        if repo is not None:
+            _check_repo_id(repo)
     entry = registry_entry(folder, model_id=model_id, config=config)
     nc = _neuron_config(Path(folder))
     if cache_repo is None:
@@ -896,6 +926,9 @@ def lookup_registry(
     """optimum-neuron's `select_hub_cached_entries` for `model_id`: the neuron configs registered for it.
 
     optimum-neuron reads the endpoint and token from the environment (HF_ENDPOINT, HF_TOKEN), not arguments."""
+    _check_repo_id(model_id)
+    if cache_repo is not None:
+        _check_repo_id(cache_repo)
     hub_cache, _, _ = _optimum_neuron()
     from .config import register_transformers_configs
 

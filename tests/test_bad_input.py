@@ -373,3 +373,20 @@ def test_cli_as_a_process_prints_one_line(tmp_path):
         assert_one_line(proc.stderr, message)
         assert proc.stdout == ""
         assert time.perf_counter() - start < 30
+
+
+def test_a_step_that_would_leave_a_gap_in_the_cache_is_refused(ckpt):
+    """prefill(starts=) and decode() past a slot's next position are refused before any graph runs; the next
+    position itself is accepted, and a refused call leaves the slot as it was (the same logits follow)."""
+    model = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=32)
+    model.prefill([[1, 2, 3]], [0])
+    with pytest.raises(UsageError, match=r"^prefill at position 5 in slot 0 would leave a gap in the cache: the slot holds positions 0..2; the next position is 3$"):
+        model.prefill([[4]], [0], starts=[5])
+    with pytest.raises(UsageError, match=r"^decode at position 4 in slot 0 would leave a gap .* the next position is 3$"):
+        model.decode([4], [4], [0])
+    with pytest.raises(UsageError, match=r"in slot 1 would leave a gap in the cache: the slot holds no sequence \(prefill it first\)"):
+        model.decode([4], [1], [1])
+    continued = model.prefill([[4]], [0], starts=[3])
+    fresh = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=32)
+    torch.testing.assert_close(continued, fresh.prefill([[1, 2, 3, 4]], [0]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(model.decode([5], [4], [0]), fresh.decode([5], [4], [0]), rtol=0, atol=1e-5)

@@ -485,3 +485,63 @@ def test_the_registry_without_optimum_neuron_is_a_one_line_error(export, capsys)
     assert main(["cache", "sync", str(export), "--cache-repo", "alice/cache"]) == 1
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "optimum-qwen35[optimum]" in lines[0]
+
+
+# ------------------------------------------------------------------------- bad input at the Hub commands (issue 21)
+def without_progress_bars(stderr: str) -> list[str]:
+    """The lines of stderr that are not tqdm's upload progress bars (redrawn in place on a terminal)."""
+    import re
+
+    stderr = stderr.replace("optimum-qwen35: error:", "\noptimum-qwen35: error:")  # may follow a bar on its line
+    lines = [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line).strip() for line in stderr.replace("\r", "\n").splitlines()]
+    return [line for line in lines if line and "%|" not in line]
+
+
+BAD_REPO_IDS = ["alice/na--me", "alice/name-", "alice/model.git", "alice/" + "n" * 97]
+
+
+@pytest.mark.parametrize("repo_id", BAD_REPO_IDS, ids=["double-dash", "trailing-dash", "dot-git", "97-chars"])
+def test_repo_ids_against_the_hub_naming_rules_are_usage_errors(hub_server, export, repo_id, capsys):
+    """Valid characters, names the Hub refuses: huggingface_hub's own validator answers before any request, with one
+    line and exit status 2 (push, cache lookup); pull and export take a folder or an id: not found, exit 1."""
+    url = hub_server.url
+    for args, status in (
+        (["push", str(export), repo_id, "--token", WRITE, "--endpoint", url], 2),
+        (["cache", "lookup", repo_id], 2),
+        (["pull", repo_id, "--endpoint", url], 1),
+    ):
+        assert main(args) == status, args
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and "a valid Hub repository id" in lines[0] and "HFValidationError" not in lines[0], lines
+    assert hub_server.requests == [], "a refused repo id reached the Hub"
+
+
+def test_push_prints_the_commit_url_of_the_endpoint_it_pushed_to(hub_server, export, capsys):
+    """The Hub answers a commit with its public URL whatever endpoint the client used; the command prints the one
+    on the endpoint pushed to (HF_ENDPOINT or --endpoint)."""
+    hub_server.commit_url_base = "https://huggingface.co"
+    assert main(["push", str(export), "alice/url", "--token", WRITE, "--endpoint", hub_server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"{hub_server.url}/alice/url/commit/" in out and "huggingface.co" not in out
+
+
+def test_a_push_whose_connection_drops_prints_one_line(hub_server, export, capsys, caplog, monkeypatch):
+    """Every LFS upload loses its connection: huggingface_hub retries it (its waits are skipped here) and the command
+    prints its one line, none of the client's per-retry warnings; the repo gets no commit. --verbose shows them."""
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setattr(_http.time, "sleep", lambda seconds: None)
+    hub_server.drop_uploads = True
+    args = ["push", str(export), "alice/dropped", "--token", WRITE, "--endpoint", hub_server.url]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    lines = without_progress_bars(err)
+    assert len(lines) == 1 and "cannot push to alice/dropped" in lines[0], repr(err[-3000:])
+    uploads = [r for r in hub_server.requests if r[1].startswith("/__lfs_upload__")]
+    assert len(uploads) > 1, "the client did not retry: this test checks nothing"
+    retries = [r for r in caplog.records if "Retrying in" in r.getMessage() or "thrown while requesting" in r.getMessage()]
+    assert retries == []
+    assert len(hub_server.commits("alice/dropped", "main")) == 1  # the repo's initial commit only
+    monkeypatch.setenv("OPTIMUM_QWEN35_VERBOSE", "1")
+    assert main(args) == 1
+    assert any("Retrying in" in r.getMessage() for r in caplog.records)

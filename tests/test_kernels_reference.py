@@ -234,8 +234,8 @@ def test_deltanet_layer_at_4096_tokens_traces_to_few_ops():
         )
 
     def layer(x, lengths, seq_ids, conv_state, recurrent_state):
-        starts = torch.zeros_like(lengths)  # a fresh prompt
-        return mixer.context_encoding(x, starts, lengths, Slots(seq_ids), conv_state, recurrent_state)
+        fresh = torch.ones_like(lengths, dtype=torch.bool)  # a fresh prompt
+        return mixer.context_encoding(x, lengths, Slots(seq_ids, fresh), conv_state, recurrent_state)
 
     graph = make_fx(layer)(*inputs).graph
     ops = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]

@@ -209,20 +209,29 @@ def test_state_dtypes_restored_after_optimum_neurons_load_cast():
         glue.restore_state_dtypes(list(module.past_key_values)[1:], layout.held_specs)
 
 
-def test_reset_fresh_slots_zeroes_only_the_deltanet_states_of_rows_at_position_zero():
-    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
-    layout = glue.StateLayout(state_specs(config, ShardedDims.from_config(config, 1), 4, 16, torch.float32))
-    held = [torch.rand(s.shape) + 1 for s in layout.held_specs]
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "functional"])
+def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place):
+    """A row at position 0 (optimum-neuron's 1-token prompt in the token-generation graph) starts from zero
+    DeltaNet states whatever its slot held; a write changes only the active rows' slots; a functional write leaves
+    its input as it was and returns a new tensor."""
+    from optimum_qwen35.modeling.state import Slots
+
+    state = torch.rand(4, 3, 5) + 1
     seq_ids = torch.tensor([2, 0, -1], dtype=torch.int32)  # slot 2 starts, slot 0 continues, an inactive row
-    positions = torch.tensor([[0], [7], [0]], dtype=torch.int32)
-    out = glue.reset_fresh_slots(layout, held, seq_ids, positions)
-    for j, (before, after) in enumerate(zip(held, out)):
-        if layout.is_kv(j):
-            assert after is before
-            continue
-        assert torch.equal(after[2], torch.zeros_like(after[2]))
-        for slot in (0, 1, 3):
-            assert torch.equal(after[slot], before[slot])
+    slots = Slots(seq_ids, fresh=torch.tensor([True, False, True]), in_place=in_place)
+    initial = slots.gather_initial(state)
+    assert torch.equal(initial[0], torch.zeros(3, 5)) and torch.equal(initial[1], state[0])
+    before = state.clone()
+    out = slots.write(state, initial + 7)
+    assert (out is state) == in_place
+    if not in_place:
+        assert torch.equal(state, before)
+    assert torch.equal(out[2], torch.full((3, 5), 7.0)) and torch.equal(out[0], before[0] + 7)
+    assert torch.equal(out[1], before[1]) and torch.equal(out[3], before[3])
+    # No active row: nothing changes (every row writes slot 0 with slot 0's own value).
+    idle = Slots(torch.tensor([-1, -1], dtype=torch.int32), in_place=in_place)
+    out = idle.write(before.clone(), torch.zeros(2, 3, 5))
+    assert torch.equal(out, before)
 
 
 # ------------------------------------------------------------------------------------------ input conventions
@@ -259,7 +268,10 @@ def context_batch(prompts: list[list[int]], length: int):
 
 
 def run(decoder, layout, held, ids, positions, seq_ids):
+    given = None if decoder.state_in_place else [h.clone() for h in held]
     out = glue.step(decoder, layout, held, ids, positions, torch.tensor(seq_ids, dtype=torch.int32))
+    if given is not None:  # functional updates: the inputs are left as they were
+        assert all(torch.equal(h, g) for h, g in zip(held, given))
     assert len(out) == 1 + len(held)
     logits, new = out[0], out[1:]
     assert logits.dtype == torch.float32 and logits.shape == (ids.shape[0], 1, decoder.config.vocab_size)
@@ -273,9 +285,11 @@ def tokens(ids: list[int]) -> torch.Tensor:
 
 
 class NeuronFormLayers(TorchLayers):
-    """The CPU layers with the precision policy in the form `NxDLayers` supplies (explicit attention core)."""
+    """The CPU layers with the precision policy and the state updates of `NxDLayers` (explicit attention core,
+    functional state updates)."""
 
     precision = NeuronPrecision()
+    state_in_place = False
 
 
 @pytest.mark.parametrize("layers", [None, NeuronFormLayers()], ids=["torch-precision", "neuron-precision"])
@@ -437,3 +451,24 @@ def test_nxd_layers_define_everything_the_model_reads_from_its_layer_factory():
                         defined.add(name.attr)
     assert {"column_linear", "row_linear", "embedding", "lm_head", "precision", "kernel_backend"} <= read
     assert read <= defined, f"NxDLayers lacks {sorted(read - defined)}"
+
+
+def test_the_neuron_package_does_not_import_the_optimum_model_module():
+    """One import direction: `optimum/modeling.py` hands the Neuron targets to `neuron/model.py` (lazily); nothing in
+    `neuron/` imports `optimum/modeling.py` or `optimum/registration.py` back (it takes the neuron config builder
+    from `optimum/neuron_config.py`, which imports neither)."""
+    import ast
+    from pathlib import Path
+
+    import optimum_qwen35
+
+    package = Path(optimum_qwen35.__file__).parent
+    for path in [*sorted((package / "neuron").glob("*.py")), package / "optimum" / "neuron_config.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level == 1 and path.parent.name == "optimum":
+                module = f"optimum.{module}"  # a sibling of neuron_config.py
+            imported = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            assert not [m for m in imported if m.endswith(("optimum.modeling", "optimum.registration"))], (path.name, imported)

@@ -54,13 +54,13 @@ class GatedAttention(nn.Module):
     def context_encoding(self, x, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache):
         """x [B, T, hidden] right-padded at positions position_ids [B, T] (row b: starts[b] .. + lengths[b] - 1).
 
-        Writes the block's K/V into each active row's slot (in place), then attends over the slot's first
+        Writes the block's K/V into each active row's slot (`slots.write_positions`), then attends over the slot's first
         `key_length` cached positions: the block itself for a fresh prompt (start 0), the cached prefix and the
         block for a continued one. Positions past a query's own are masked, stale cache rows included."""
         B, T, _ = x.shape
         q, k, v, gate = self._project(x, cos, sin)
-        slots.write_positions(k_cache, k, starts, lengths)
-        slots.write_positions(v_cache, v, starts, lengths)
+        k_cache = slots.write_positions(k_cache, k, starts, lengths)
+        v_cache = slots.write_positions(v_cache, v, starts, lengths)
         keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
         cached = torch.arange(key_length, device=x.device)
         # Queries in blocks, so that long prompts never hold a [T, key_length] score matrix per head.
@@ -73,12 +73,12 @@ class GatedAttention(nn.Module):
         return out, k_cache, v_cache
 
     def token_generation(self, x, cos, sin, position_ids, key_length, slots, k_cache, v_cache):
-        """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there (in place), attend over the first
+        """x [B, 1, hidden] at positions position_ids [B, 1]: write K/V there, attend over the first
         `key_length` cached positions (a decode bucket covering every active position), those <= its own."""
         q, k, v, gate = self._project(x, cos, sin)
         one = torch.ones_like(position_ids[:, 0])
-        slots.write_positions(k_cache, k, position_ids[:, 0], one)
-        slots.write_positions(v_cache, v, position_ids[:, 0], one)
+        k_cache = slots.write_positions(k_cache, k, position_ids[:, 0], one)
+        v_cache = slots.write_positions(v_cache, v, position_ids[:, 0], one)
         keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
         visible = (torch.arange(key_length, device=x.device)[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
         out = self._attend(q, keys, values, visible, gate)

@@ -1,8 +1,10 @@
 """The Qwen3.5 text decoder: embeddings, the layer stack by `layer_types`, the final norm and lm_head.
 
 It has two entry points, written the way Neuron traces them (static shapes, no data-dependent Python
-control flow, no tensor of rank above 4). Both update the state tensors in place (only what they write:
-see `state.py`) and return them after the logits, the same tensor objects, in the order they came.
+control flow, no tensor of rank above 4). Both return the state tensors after the logits, in the order they came,
+with only what they write changed (`state.py`): the same tensor objects written in place where the layer factory
+says so (`state_in_place`: the CPU runtime), updated copies otherwise (the Neuron graphs, whose state outputs are
+aliased to their inputs).
 
 - `context_encoding(input_ids, attention_mask, position_ids, seq_ids, *state)`: right-padded prompt blocks
   [B, T] (T is the bucket length) for the slots `seq_ids` (-1: an inactive row that writes nothing). A row
@@ -12,7 +14,8 @@ see `state.py`) and return them after the logits, the same tensor objects, in th
   by default, which serves fresh prompts). Returns the logits of each block's last real token [B, vocab] (or
   of every position [B, T, vocab] with `all_logits=True`), then the state.
 - `token_generation(input_ids, position_ids, seq_ids, *state)`: one token per sequence [B, 1] at position
-  position_ids [B, 1]; attention reads the first `key_length` cached positions (a decode bucket covering
+  position_ids [B, 1] (a row at position 0 starts a new sequence from zero DeltaNet states: optimum-neuron
+  serves a 1-token prompt this way); attention reads the first `key_length` cached positions (a decode bucket covering
   every active position; the whole cache by default). Returns the next-token logits [B, vocab], then the state.
 """
 
@@ -70,9 +73,11 @@ class DecoderLayer(nn.Module):
         outputs = []
         for start in range(0, T, block):
             end = min(start + block, T)
+            # Only the first token block can start a sequence; the next ones continue what it wrote.
+            block_slots = slots if start == 0 else Slots(slots.seq_ids, torch.zeros_like(slots.fresh), slots.in_place)
             out, state_a, state_b = self._context_block(
                 h[:, start:end], cos[:, :, start:end], sin[:, :, start:end], position_ids[:, start:end],
-                starts + start, (lengths - start).clamp(0, end - start), key_length, slots, state_a, state_b,
+                starts + start, (lengths - start).clamp(0, end - start), key_length, block_slots, state_a, state_b,
             )
             outputs.append(out)
         return torch.cat(outputs, dim=1), state_a, state_b
@@ -84,7 +89,7 @@ class DecoderLayer(nn.Module):
                 x, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b
             )
         else:
-            mixed, state_a, state_b = self.linear_attn.context_encoding(x, starts, lengths, slots, state_a, state_b)
+            mixed, state_a, state_b = self.linear_attn.context_encoding(x, lengths, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
 
     def token_generation(self, h, cos, sin, position_ids, key_length, slots, state_a, state_b):
@@ -113,6 +118,8 @@ class Qwen35Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        # In place on CPU (a decode step moves only what it writes), updated copies in the Neuron graphs.
+        self.state_in_place = layers.state_in_place
 
     def state_specs(self, slots: int, max_length: int) -> list[StateSpec]:
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
@@ -120,9 +127,9 @@ class Qwen35Decoder(nn.Module):
     def context_encoding(
         self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None
     ):
-        slots = Slots(seq_ids)
         lengths = attention_mask.to(torch.int64).sum(-1)
         starts = position_ids[:, 0].to(torch.int64)
+        slots = Slots(seq_ids, fresh=starts == 0, in_place=self.state_in_place)
         key_length = key_length or input_ids.shape[1]
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)
@@ -140,7 +147,7 @@ class Qwen35Decoder(nn.Module):
         return (logits, *new_state)
 
     def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None):
-        slots = Slots(seq_ids)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
         key_length = key_length or self._max_length(state)
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids, h.dtype)

@@ -4,7 +4,7 @@ x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = s
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
 delta rule -> per-head gated RMSNorm with z = in_proj_z x -> out_proj. The gates, the normalisation and the rule
 (and, in decode, the conv step) run behind the fused kernel seams `kernels.deltanet_prefill` /
-`kernels.deltanet_decode`, which take the raw projections and update the slot states in place.
+`kernels.deltanet_decode`, which take the raw projections and give back the output and the updated slot states.
 
 Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] (model dtype) and the
 recurrent state [slots, value_heads, dk, dv] (fp32).
@@ -61,30 +61,27 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, T, self.nv, self.dv).transpose(1, 2).contiguous()
         return q, k, v
 
-    def context_encoding(self, x, starts, lengths, slots, conv_state, recurrent_state):
-        """x [B, T, hidden] right-padded, lengths [B]. A row with starts[b] == 0 is a fresh sequence (zero initial
-        states); a row with starts[b] > 0 continues its slot from the slot's conv and recurrent states. The
-        slots' states are updated in place."""
-        fresh = (starts == 0)[:, None, None]
-        initial_conv = torch.where(fresh, torch.zeros((), dtype=conv_state.dtype), slots.gather(conv_state))
+    def context_encoding(self, x, lengths, slots, conv_state, recurrent_state):
+        """x [B, T, hidden] right-padded, lengths [B]. A fresh row (`slots.fresh`: it starts at position 0) starts
+        from zero conv and recurrent states; another continues its slot from the slot's states. Returns the output
+        and the states with the active rows' slots updated (`slots.write`)."""
+        initial_conv = slots.gather_initial(conv_state)
         mixed, new_conv = kernels.causal_conv1d(
             self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths, backend=self.kernel_backend
         )
         q, k, v = self._raw_heads(mixed.transpose(1, 2))
-        # Fresh sequences start from a zero recurrent state: reset their slots, which the seam then reads and updates.
-        slots.write(recurrent_state, torch.where(fresh[..., None], 0.0, slots.gather(recurrent_state)))
-        o = kernels.deltanet_prefill(
+        o, recurrent_state = kernels.deltanet_prefill(
             q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
-            recurrent_state, slots.seq_ids, lengths, backend=self.kernel_backend,
+            recurrent_state, slots, lengths, backend=self.kernel_backend,
         )
-        slots.write(conv_state, new_conv)
-        return self._output(o, x), conv_state, recurrent_state
+        return self._output(o, x), slots.write(conv_state, new_conv, initial_conv), recurrent_state
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
-        """x [B, 1, hidden]: one step from each slot's states, which the seam updates in place."""
-        o = kernels.deltanet_decode(
+        """x [B, 1, hidden]: one step from each slot's states (zero states for a fresh row) -> the output and the
+        updated states."""
+        o, conv_state, recurrent_state = kernels.deltanet_decode(
             self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
             self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,
-            recurrent_state, slots.seq_ids, backend=self.kernel_backend,
+            recurrent_state, slots, backend=self.kernel_backend,
         )
         return self._output(o[:, :, None], x), conv_state, recurrent_state

@@ -216,6 +216,9 @@ class TorchLayers:
     # of 4 x 512 tokens went from 7.3 to 5.1 s (1 thread) with 256-token blocks instead of one 2048-row block.
     # None: the whole block at once.
     token_block = 1024
+    # State updates in place (modeling/state.py): a decode step moves only the slots it writes. A graph whose state
+    # outputs are aliased to its inputs (the Neuron backend) needs updated copies instead: False.
+    state_in_place = True
 
     def __init__(self, tp_degree: int = 1, rank: int = 0, group=None, kernel_backend: str | None = None):
         if group is None and tp_degree > 1:

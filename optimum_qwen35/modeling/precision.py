@@ -104,11 +104,14 @@ class NeuronPrecision(TorchPrecision):
     """The Neuron (neuronx-cc, `--auto-cast=none`) form of the policy: plain matmuls, which XLA lowers to TensorE
     matmuls with bf16 operands accumulating in fp32 PSUM.
 
-    - attention: the explicit form. K/V heads repeated per query group (a gather XLA folds into the matmul's
-      operand load; SDPA's `enable_gqa` has no Neuron lowering); the scores come out of the bf16 matmul rounded
-      to bf16 (torch-xla gives a bf16 x bf16 matmul a bf16 result: relative 2^-9, like the logits on CPU) and
-      are made fp32 for the mask and the softmax; the probabilities are rounded to bf16 for probs @ v, as on CPU.
-      fp32 and float64 models compute everything in their own dtype, as on CPU.
+    - attention: the explicit form, as 3-D batched matmuls over (row, KV head): the query heads that share a KV
+      head are stacked along the query axis ([B * KV, G * Tq, hd]), so K and V are read once per KV head, never
+      copied per query head, and no matmul has a rank-4 operand (neuronx-cc fails on some rank-4 matmuls at
+      head_dim 256, NCC_INLA001, which NxDI avoids the same way; `benchmarks/neuron_graphs.py` lowers both forms).
+      SDPA's `enable_gqa` has no Neuron lowering. The scores come out of the bf16 matmul rounded to bf16 (torch-xla
+      gives a bf16 x bf16 matmul a bf16 result: relative 2^-9, like the logits on CPU) and are made fp32 for the
+      mask and the softmax; the probabilities are rounded to bf16 for probs @ v, as on CPU. fp32 and float64 models
+      compute everything in their own dtype, as on CPU.
     - lm_head and operands: as `TorchPrecision` (a model-dtype GEMM whose result is made fp32; no fp32 copy of
       the weight).
     """
@@ -118,8 +121,11 @@ class NeuronPrecision(TorchPrecision):
     @staticmethod
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Same contract as `TorchPrecision.attention`."""
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = upcast(q @ k.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+        B, H, Tq, hd = q.shape
+        KV, Tk = k.shape[1], k.shape[2]
+        # Query head h = kv * G + g reads KV head kv: a KV head's G query heads are contiguous in q.
+        q3 = q.reshape(B * KV, (H // KV) * Tq, hd)
+        scores = upcast(torch.bmm(q3, k.reshape(B * KV, Tk, hd).transpose(1, 2))) * scale  # [B * KV, G * Tq, Tk]
+        scores = scores.view(B, H, Tq, Tk).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B * KV, (H // KV) * Tq, Tk)
+        return torch.bmm(probs, v.reshape(B * KV, Tk, hd)).view(B, H, Tq, hd)

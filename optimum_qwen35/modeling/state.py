@@ -4,19 +4,28 @@
     DeltaNet layer       -> conv state      [slots, conv_channels_per_rank, kernel - 1]       model dtype
                             recurrent state [slots, value_heads_per_rank, dk, dv]              fp32
 
-Only the full-attention layers have a KV cache. Graphs update the state **in place** and return the same
-tensors (output i + 1 is input state i, which is how the Neuron backend aliases them): token generation writes
-one K/V row per active slot at its position and one conv/recurrent state per active slot; context encoding
-writes its prompt's positions and its slots' states. Nothing else is written: a decode step costs what it
-reads, not a copy of every cache.
+Only the full-attention layers have a KV cache. Graphs take the state in and give it back after the logits (output
+i + 1 is state i, which is how the Neuron backend aliases them): token generation writes one K/V row per active slot
+at its position and one conv/recurrent state per active slot; context encoding writes its prompt's positions and its
+slots' states. Nothing else changes.
+
+How a write happens is the backend's choice (`Slots(in_place=...)`, from the layer factory's `state_in_place`):
+- in place (the CPU runtime, `TorchLayers`): `index_copy_` / `index_put_` into the given tensors, which are returned;
+  a decode step costs what it reads, not a copy of every cache;
+- functional (the Neuron graphs, `NxDLayers`): `index_copy` / `index_put` return new tensors, the inputs are left as
+  they were. torch-xla's lowering finds a graph input by the tensor's data (`LoweringContext.tensor_parameter_id`),
+  and a tensor written in place is no longer an input there, so its alias to an output could not be resolved; a
+  functional update is an input that stays an input, and a scatter whose result is the aliased output, which the
+  compiler updates in the input's own buffer.
 
 `seq_ids[b]` names the slot of batch row b; -1 marks an inactive row (a static-batch graph run with fewer
-sequences than rows): it reads slot 0, and writes nothing.
+sequences than rows): it reads slot 0, and writes nothing. `fresh[b]` marks a row that starts a new sequence (its
+first position is 0): it reads zero DeltaNet states, whatever its slot held before.
 
-Every write is one `index_copy_` / `index_put_` with as many indices as batch rows. So that a static graph
+Every write is one `index_copy` / `index_put` with as many indices as batch rows. So that a static graph
 needs no branch on which rows are active, an inactive row repeats the write of the first active row (same
 place, same value: duplicates agree, so the write is well defined), and when no row is active every row
-writes slot 0 (what they all read), which is then given back its value from before.
+writes slot 0 (what they all read), which then keeps its value from before.
 """
 
 from __future__ import annotations
@@ -30,13 +39,18 @@ from .parallel import ShardedDims
 
 
 class Slots:
-    """Which slot each batch row reads and writes, computed once per graph call (static shapes)."""
+    """Which slot each batch row reads and writes, computed once per graph call (static shapes), and how it writes.
 
-    def __init__(self, seq_ids: torch.Tensor):
+    seq_ids [B] (-1: inactive row); fresh [B] bool or None: rows starting a sequence (zero initial DeltaNet states);
+    in_place: write into the given state tensors (True) or return updated copies (False)."""
+
+    def __init__(self, seq_ids: torch.Tensor, fresh: torch.Tensor | None = None, in_place: bool = True):
         seq_ids = seq_ids.to(torch.int64)
+        self.in_place = in_place
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         active = seq_ids >= 0
+        self.fresh = None if fresh is None else fresh & active  # an inactive row reads its slot 0 as it is
         self.any_active = active.any()
         rows = torch.arange(seq_ids.shape[0], device=seq_ids.device)
         # The row whose write each row makes: itself when active, else the first active row (row 0 if none).
@@ -47,19 +61,35 @@ class Slots:
         """[slots, ...] -> [B, ...]: each row's slot."""
         return state.index_select(0, self.read)
 
-    def write(self, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """In place: the slot of each active row b becomes rows[b]; every other slot is left as it is.
+    def gather_initial(self, state: torch.Tensor) -> torch.Tensor:
+        """[slots, ...] -> [B, ...]: each row's slot, zeros for fresh rows (a DeltaNet state to start from)."""
+        rows = self.gather(state)
+        if self.fresh is None:
+            return rows
+        return torch.where(self.fresh.view(-1, *([1] * (rows.dim() - 1))), torch.zeros_like(rows), rows)
 
-        With no active row every row writes slot 0 (`slot`), which is then given back its value from before: one
-        row is kept and selected, not all of them (a decode step's slot states are most of what it moves)."""
+    def write(self, state: torch.Tensor, rows: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
+        """The slot of each active row b becomes rows[b]; every other slot keeps its value. Returns the state:
+        the same tensor, written in place, or (in_place=False) an updated copy, the input left as it was.
+
+        With no active row every row writes slot 0 (`slot`), which keeps its value from before: in place, slot 0
+        is saved and put back (one row, not a select over every row: a decode step's slot states are most of what
+        it moves); functionally, the rows written are slot 0's own: `initial` (the rows `gather_initial` read, which
+        are slot 0's then) when given, else read again."""
+        rows = rows.to(state.dtype).index_select(0, self.writer)
+        if not self.in_place:
+            unchanged = (initial if initial is not None else self.gather(state)).to(state.dtype).index_select(0, self.writer)
+            rows = torch.where(self.any_active.view(*([1] * rows.dim())), rows, unchanged)
+            return state.index_copy(0, self.slot, rows)
         slot_0 = state[:1].clone()
-        state.index_copy_(0, self.slot, rows.to(state.dtype).index_select(0, self.writer))
+        state.index_copy_(0, self.slot, rows)
         state[:1] = torch.where(self.any_active, state[:1], slot_0)
         return state
 
     def write_positions(self, cache: torch.Tensor, new: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
-        """In place: cache [slots, H, S, D] gets new [B, H, T, D] (T <= S) at positions starts[b] + t of each active
-        row's slot, for t < lengths[b] (starts[b] + lengths[b] <= S); no other position is written.
+        """cache [slots, H, S, D] gets new [B, H, T, D] (T <= S) at positions starts[b] + t of each active row's slot,
+        for t < lengths[b] (starts[b] + lengths[b] <= S); no other position changes. Returns the cache (in place, or
+        an updated copy: see `write`).
 
         Each row writes the window of T positions [w, w + T) holding its block, w = min(start, S - T), keeping
         the old value at the window's positions outside the block: T rows per slot, always in range."""
@@ -77,7 +107,7 @@ class Slots:
             window.index_select(0, self.writer)[:, None, :],
         )  # broadcast to [B, H, T]
         values = torch.where(valid[:, None, :, None], moved.index_select(0, self.writer).to(cache.dtype), cache[index])
-        return cache.index_put_(index, values)
+        return cache.index_put_(index, values) if self.in_place else cache.index_put(index, values)
 
 
 @dataclass(frozen=True)

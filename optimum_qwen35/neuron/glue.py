@@ -10,14 +10,14 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
 - the traced forward itself (`step`): context encoding when more than one token comes in, token generation for one;
 - optimum-neuron's input conventions: prompts right-padded to the context length with position 1
   (`decoder_wrappers.py` L115-124), hence `context_attention_mask`; a 1-token prompt served by the
-  token-generation graph at position 0 (`modeling_decoder.py` L380), hence `reset_fresh_slots`;
+  token-generation graph at position 0 (`modeling_decoder.py` L380), which the decoder reads as a fresh row;
 - `restore_state_dtypes`, `restore_fp32_parameters`: optimum-neuron casts every floating tensor of the module to the
   model dtype when it builds it (`decoder_builders.py` L106-117), the recurrent state and the gate parameters
   (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
   frequencies survive that cast by themselves: `RotaryEmbedding._apply` rebuilds them);
 - `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off);
-- `kernel_backend`: which kernel backend the traced DeltaNet layers call (the NKI kernels where the real NKI is
-  importable).
+- `kernel_backend`: which kernel backend the traced DeltaNet layers call (the PyTorch references; the NKI kernels
+  are refused there until they return their states).
 """
 
 from __future__ import annotations
@@ -101,41 +101,20 @@ def pad_context_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, leng
     )
 
 
-def reset_fresh_slots(
-    layout: StateLayout, held: Sequence[torch.Tensor], seq_ids: torch.Tensor, position_ids: torch.Tensor
-) -> list[torch.Tensor]:
-    """Zero the DeltaNet states of the slots whose row is at position 0 (a sequence starting in token generation).
-
-    optimum-neuron runs a 1-token prompt through the token-generation graph; the slot may hold a finished
-    sequence's states. The K/V need no reset: attention at position 0 reads only position 0, which this step
-    writes. Inactive rows (seq_id -1) reset nothing. Returns the held list with the reset tensors replaced.
-    """
-    slots = held[0].shape[0]
-    fresh = (position_ids[:, 0] == 0) & (seq_ids >= 0)  # [B]
-    hit = ((seq_ids.to(torch.int64)[None, :] == torch.arange(slots, device=seq_ids.device)[:, None]) & fresh[None, :]).any(1)
-    out = []
-    for j, tensor in enumerate(held):
-        if layout.is_kv(j):
-            out.append(tensor)
-        else:
-            keep = ~hit.view(-1, *([1] * (tensor.dim() - 1)))
-            out.append(torch.where(keep, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device)))
-    return out
-
-
 def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, position_ids, seq_ids) -> list[torch.Tensor]:
     """The traced forward: `[logits [B, 1, vocab] fp32, *held state updated]`.
 
     More than one token: context encoding of right-padded rows (the attention mask comes from the positions);
-    one token: token generation, after resetting the slots that start at position 0. Which branch is traced is
-    fixed by the example input's shape (one graph each), as in optimum-neuron's `_is_context_encoding`.
+    one token: token generation (a row at position 0 starts its sequence from zero DeltaNet states: optimum-neuron
+    serves a 1-token prompt this way). Which branch is traced is fixed by the example input's shape (one graph
+    each), as in optimum-neuron's `_is_context_encoding`. The held state is returned updated (functionally under
+    `NxDLayers`, so that every state output is a new value aliased to its input).
     """
     input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
     if input_ids.shape[-1] > 1:
         mask = context_attention_mask(position_ids)
         out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held))
     else:
-        held = reset_fresh_slots(layout, held, seq_ids, position_ids)
         out = decoder.token_generation(input_ids, position_ids, seq_ids, *layout.to_decoder(held))
     logits, state = out[0], list(out[1:])
     return [logits.float()[:, None, :], *layout.to_held(state)]
@@ -179,26 +158,38 @@ def compiler_args(target: str | None, logical_nc_config: int) -> str:
     return " ".join(flags)
 
 
-def kernel_backend(requested: str | None = None) -> str:
-    """The kernel backend (`optimum_qwen35.kernels`) the traced module's DeltaNet layers call.
+# The targets NKI 0.3+ (the API the kernels are written in) compiles for.
+NKI_TARGETS = ("trn2",)
 
-    Default: "nki" when the real NKI package is importable (NKI >= 0.3, Neuron SDK 2.29+: `nki_import` then gives
-    it, and the kernels are `nki.jit` launches on the graph's torch-xla tensors), else "torch" (the PyTorch
-    references, traced op by op). The emulator is never a choice here: it runs NumPy on host memory, which a traced
-    graph cannot call. `requested` ("nki" or "torch") overrides the default; "nki" without the real NKI is refused.
+
+def kernel_backend(requested: str | None = None, target: str | None = None) -> str:
+    """The kernel backend (`optimum_qwen35.kernels`) the traced module's DeltaNet layers call on `target`.
+
+    "torch" (the PyTorch references, traced op by op into the graph) unless "nki" is requested, which is refused:
+    - on trn1 / inf2: NKI 0.3+, the API of the kernels, compiles for trn2 and later only;
+    - without the real NKI package (NKI >= 0.3, Neuron SDK 2.29+): the CPU emulator runs NumPy on host memory,
+      which a traced graph cannot call;
+    - and, for now, everywhere: the kernels write the states they are given in place and return only o, while an NKI
+      custom call in a traced graph has only its outputs as effects, so the new states would be lost (the graphs
+      alias each state output to its input: modeling/state.py).
     """
     from ..kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
 
     if requested not in (None, "nki", "torch"):
         raise ValueError(f"kernel backend {requested!r}: the Neuron graphs take 'nki' or 'torch'")
-    if requested == "nki" and USING_EMULATOR:
+    if requested != "nki":
+        return "torch"
+    if target not in NKI_TARGETS:
+        raise ValueError(f"kernel backend 'nki' on target {target!r}: the NKI kernels run on trn2 only; use 'torch'")
+    if USING_EMULATOR:
         raise ValueError(
             "kernel backend 'nki' in a Neuron graph needs the real NKI package (NKI >= 0.3, Neuron SDK 2.29+); "
             "`optimum_qwen35.kernels.nki_import` found only the CPU emulator"
         )
-    if requested is not None:
-        return requested
-    return "torch" if USING_EMULATOR else "nki"
+    raise ValueError(
+        "kernel backend 'nki' in a Neuron graph is not supported yet: the NKI kernels update the DeltaNet states in "
+        "place, and a graph needs them as outputs; use 'torch'"
+    )
 
 
 def check_neuron_config(neuron_config) -> None:

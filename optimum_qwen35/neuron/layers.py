@@ -46,6 +46,8 @@ class NxDLayers:
     precision = NeuronPrecision()
     # Context encoding in one block (`TorchLayers.token_block` bounds CPU memory; neuronx-cc plans the graph's own).
     token_block = None
+    # Functional state updates: each state output must be a new value aliased to its input (modeling/state.py).
+    state_in_place = False
 
     def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch"):
         # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches

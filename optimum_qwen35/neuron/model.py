@@ -23,12 +23,18 @@ from optimum.neuron.models.inference.backend.modules.decoder.decoder_builders im
     DecoderModelInstanceForCausalLM,
     NxDDecoderBuilderForCausalLM,
 )
+from optimum.neuron.models.inference.backend.modules.decoder.decoder_wrappers import (
+    CONTEXT_ENCODING_MODEL_TAG,
+    TOKEN_GENERATION_MODEL_TAG,
+    NxDDecoderWrapperForCausalLM,
+)
 from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder import NxDModelForCausalLM
 from optimum.neuron.models.inference.backend.pretrained_model import get_shards_path
 from safetensors.torch import save_file
 from torch import nn
 
 from ..modeling.decoder import Qwen35Decoder
+from ..optimum.neuron_config import nxd_neuron_config
 from . import glue
 from . import state_dict as weights
 from .layers import NxDLayers
@@ -42,15 +48,16 @@ def shard_file(checkpoint_dir: str, rank: int) -> str:
 class Qwen35NxDDecoderModel(Qwen35Decoder):
     """The traced module: the decoder over neuronx-distributed's layers, with its state held as parameters."""
 
-    # The DeltaNet layers' kernels (`glue.kernel_backend`): None picks the NKI kernels when the real NKI is
-    # importable, the PyTorch references otherwise; a subclass may pin "nki" or "torch". Carried by this model's
-    # layer factory, so that it does not change the process-wide backend of other models.
+    # The DeltaNet layers' kernels (`glue.kernel_backend`, by target): None or "torch" traces the PyTorch references;
+    # "nki" is refused there for now. Carried by this model's layer factory, so that it does not change the
+    # process-wide backend of other models.
     kernel_backend: str | None = None
 
     def __init__(self, config, neuron_config):
         glue.check_neuron_config(neuron_config)
         qwen_config = weights.qwen_config(config)
-        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, glue.kernel_backend(self.kernel_backend))
+        backend = glue.kernel_backend(self.kernel_backend, neuron_config.target)
+        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, backend)
         super().__init__(qwen_config, neuron_config.tp_degree, layers)
         if qwen_config.tie_word_embeddings:
             # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as
@@ -89,6 +96,29 @@ class Qwen35DecoderBuilder(NxDDecoderBuilderForCausalLM):
         )
 
 
+class Qwen35DecoderWrapper(NxDDecoderWrapperForCausalLM):
+    """optimum-neuron's decoder wrapper, with the rows it adds to fill the compiled batch naming no slot.
+
+    optimum-neuron pads a partial batch with copies of row 0 whose seq_ids are the slots no row names
+    (`decoder_wrappers.py` L66-79), which its KV cache can afford: such a row rewrites one cache position, which the
+    slot's sequence rewrites again before reading it. A DeltaNet state is the whole history of its sequence: a padding
+    row would replace it. Here padding rows get seq_id -1, which the graphs read as inactive (they write nothing);
+    and the rows are not sorted by slot, since the graphs read and write each row's own slot.
+    """
+
+    def _forward_with_pad(self, input_ids, position_ids, seq_ids, sampling_params):
+        rows, batch = seq_ids.shape[0], self.neuron_config.batch_size
+
+        def pad(tensor):  # copies of row 0: valid token ids and positions, never read back
+            return torch.cat([tensor, tensor[:1].expand(batch - rows, *tensor.shape[1:])])
+
+        seq_ids = torch.cat([seq_ids, seq_ids.new_full((batch - rows,), -1)])
+        return self._forward(pad(input_ids), pad(position_ids), seq_ids, pad(sampling_params))[:rows]
+
+    def _forward(self, input_ids, position_ids, seq_ids, sampling_params):
+        return self.model(input_ids, position_ids, seq_ids, sampling_params)
+
+
 class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     """Qwen3.5 on Neuron: what `Qwen35NeuronModelForCausalLM` returns for the trn1/inf2/trn2 targets."""
 
@@ -96,6 +126,13 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     _STATE_DICT_MODEL_PREFIX = weights.STATE_DICT_MODEL_PREFIX
     # optimum-neuron main's chunked prefill would cut a prompt into context-encoding calls at positions > 0.
     _supports_chunked_prefill = False
+
+    def __init__(self, config, neuron_config, traced_model, graph_builders):
+        super().__init__(config, neuron_config, traced_model, graph_builders)
+        # Padding rows that name no slot (Qwen35DecoderWrapper), in both graphs' wrappers.
+        for name, tag in (("context_encoding_model", CONTEXT_ENCODING_MODEL_TAG), ("token_generation_model", TOKEN_GENERATION_MODEL_TAG)):
+            wrapper = getattr(self, name)
+            setattr(self, name, Qwen35DecoderWrapper(config, wrapper.neuron_config, traced_model, tag))
 
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config, neuron_config) -> dict:
@@ -107,9 +144,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
 
     @classmethod
     def _get_neuron_config(cls, checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype, **kwargs):
-        from ..optimum.modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
-
-        return Qwen35NeuronModelForCausalLM._get_neuron_config(
+        return nxd_neuron_config(
             checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype
         )
 

@@ -17,6 +17,8 @@ import torch
 from ..errors import UsageError
 
 logger = logging.getLogger(__name__)
+# What only sampling reads (reset to transformers' defaults for a greedy call).
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def _token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
@@ -65,8 +67,21 @@ def _sampler(config):
 def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config."""
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
+    unused = {}
+    for key, value in kwargs.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+        else:
+            unused[key] = value
+    if not config.do_sample:
+        # Greedy: the sampling defaults of the saved config (Qwen3.5's temperature, top_k, top_p) do not apply, and
+        # transformers would warn that they "are not valid and may be ignored"; the caller's own still do.
+        defaults = type(config)()
+        for key in SAMPLING_FLAGS:
+            if key not in kwargs and hasattr(defaults, key):
+                setattr(config, key, getattr(defaults, key))
     try:
-        unused = config.update(**kwargs)
+        config.validate()
     except ValueError as error:  # GenerationConfig.validate: an invalid value
         raise UsageError(f"invalid generation option: {error}") from error
     unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "output_attentions")}

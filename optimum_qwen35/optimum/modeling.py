@@ -39,8 +39,12 @@ import weakref
 from pathlib import Path
 
 import torch
-from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
 from transformers import AutoConfig, GenerationConfig
+
+from ..quiet import optimum_neuron_import
+
+with optimum_neuron_import():  # no device-probe error or trn1-override warning on a machine without Neuron
+    from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
 
 from ..config import Qwen35Config
 from ..errors import ExportError, IncompatibleExportError, ModelNotFoundError, UsageError
@@ -218,20 +222,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         dtype,
         **kwargs,  # optimum-neuron main adds prefill_chunk_size
     ):
-        from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
-
-        return NxDNeuronConfig(
-            checkpoint_id=checkpoint_id,
-            checkpoint_revision=checkpoint_revision,
-            batch_size=batch_size,
-            sequence_length=sequence_length,
-            tp_degree=tensor_parallel_size,
-            torch_dtype=dtype,
-            target=nc.normalize_target(instance_type),
-            continuous_batching=batch_size > 1,
-            # Tokens are chosen on the host, from fp32 logits (greedy or transformers' warpers).
-            on_device_sampling=False,
-            speculation_length=0,
+        return nc.nxd_neuron_config(
+            checkpoint_id, checkpoint_revision, instance_type, batch_size, sequence_length, tensor_parallel_size, dtype
         )
 
     # ------------------------------------------------------------------ export
@@ -303,14 +295,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         target = Path(save_directory).absolute()
         if target == self.folder.absolute():
             return
-        if target.exists() and not target.is_dir():
-            raise ExportError(f"{target} is a file: choose a folder to save the model to")
-        if target.is_dir() and any(target.iterdir()):
-            if not overwrite:
-                what = "an exported model" if _is_export(target) else "other files"
-                raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
-            if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
-                raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
+        check_save_directory(target, overwrite)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
         try:
@@ -389,8 +374,12 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         return cls.export(model_id, neuron_config, token=token, revision=revision, load_weights=True)
 
     @classmethod
-    def _from_pretrained(cls, model_id, config, **expected):
+    def _from_pretrained(cls, model_id, config, revision=None, token=None, **expected):
+        """optimum-neuron's hook, also what `NeuronModelForCausalLM.from_pretrained` (the abstract class) calls
+        after its registry lookup: a Hub id or a folder that is not an export goes through `from_pretrained`."""
         folder = Path(model_id)
+        if not folder.is_dir() or not _is_export(folder):
+            return cls.from_pretrained(model_id, revision=revision, token=token, **expected)
         neuron_config = nc.load(folder)
         nc.check_expected(neuron_config, folder, **expected)
         if neuron_config.target != nc.CPU_TARGET:
@@ -432,8 +421,62 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         tokens, positions = input_ids.reshape(-1).tolist(), position_ids.reshape(-1).tolist()
         return self.runtime.decode(tokens, positions, [int(s) for s in seq_ids])
 
-    def forward(self, *args, **kwargs):
-        raise UsageError("call generate(), or prefill()/decode() for slot-level control")
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        """Teacher-forced logits at every position, as transformers' `model(input_ids, attention_mask).logits`.
+
+        Returns a transformers `CausalLMOutput`: `logits` [batch, length, vocab] fp32 (zeros where
+        `attention_mask` is 0; left or right padding), and with `labels` the mean next-token cross-entropy `loss`
+        (labels shifted inside, -100 ignored, as transformers does). Runs the per-position logits graphs of the
+        export, in waves of the compiled batch size, each row fresh from position 0 (no cache is read); the
+        slots it borrows get their state back, so sequences running through prefill()/decode() are not disturbed.
+        Inputs longer than the compiled sequence length are refused."""
+        from transformers.modeling_outputs import CausalLMOutput  # noqa: PLC0415
+
+        from .generation import _token_lists  # noqa: PLC0415
+
+        refused = sorted(
+            k for k, v in kwargs.items()
+            if k not in ("use_cache", "position_ids", "token_type_ids") and v not in (None, False)
+        )
+        if refused:
+            raise UsageError(
+                f"forward() does not take {refused}: it returns the logits of every position of input_ids "
+                "(use generate(), or prefill()/decode() for a cache)"
+            )
+        if input_ids is None:
+            raise UsageError("forward() needs input_ids, a 2-D integer tensor [batch, length]")
+        prompts = _token_lists(input_ids, attention_mask)
+        positions = None
+        if kwargs.get("position_ids") is not None:
+            positions = kwargs["position_ids"]
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            expected = (mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long()
+            if positions.shape != input_ids.shape or not torch.equal(positions.long() * mask.long(), expected):
+                raise UsageError("position_ids must count each row's real tokens from 0 (forward() scores whole sequences)")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
+            raise UsageError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
+        rows = self.runtime.logits(prompts)
+        logits = torch.zeros(*input_ids.shape, rows[0].shape[-1] if rows else self.config.vocab_size)
+        for row, values in enumerate(rows):
+            if attention_mask is None:
+                logits[row, : values.shape[0]] = values
+            else:
+                logits[row, attention_mask[row].bool()] = values
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(), ignore_index=-100
+            )
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     def reset(self) -> None:
         """Nothing to clear: a prefill replaces its slots' state whole."""
@@ -457,6 +500,23 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         else:
             folder, repo_id = kwargs.pop("save_directory", self.folder), kwargs.pop("repository_id", kwargs.pop("repo_id", None))
         return hub.push_to_hub(folder, repo_id, **kwargs)
+
+
+def check_save_directory(save_directory, overwrite: bool = False, source=None) -> None:
+    """Whether an export may be saved to `save_directory` (what `save_pretrained` checks, and the command line
+    before anything is compiled): not a file, not the source checkpoint, empty unless `overwrite`, and never a
+    folder holding a model checkpoint."""
+    target = Path(save_directory).absolute()
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target} is a file: choose a folder to save the model to")
+    if source is not None and Path(source).is_dir() and Path(source).absolute() == target:
+        raise ExportError(f"{target} is the source checkpoint: choose another folder for the export")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            what = "an exported model" if _is_export(target) else "other files"
+            raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
+        if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
+            raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
 
 
 def _export_config(config, model_id, dtype):

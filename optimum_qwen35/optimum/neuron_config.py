@@ -49,6 +49,25 @@ def normalize_dtype(dtype) -> torch.dtype:
     return parsed
 
 
+def nxd_neuron_config(checkpoint_id, checkpoint_revision, target, batch_size, sequence_length, tp_degree, dtype):
+    """The `NxDNeuronConfig` of a Qwen3.5 export, for any target (the cpu one and the Neuron ones alike)."""
+    from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
+
+    return NxDNeuronConfig(
+        checkpoint_id=checkpoint_id,
+        checkpoint_revision=checkpoint_revision,
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        tp_degree=tp_degree,
+        torch_dtype=dtype,
+        target=normalize_target(target),
+        continuous_batching=batch_size > 1,
+        # Tokens are chosen on the host, from fp32 logits (greedy or transformers' warpers).
+        on_device_sampling=False,
+        speculation_length=0,
+    )
+
+
 def neuronxcc_version() -> str | None:
     """The installed neuronx-cc version, or None without the Neuron SDK."""
     try:
@@ -104,6 +123,10 @@ def load(folder: str | os.PathLike):
         data = json.loads(path.read_text())
     except ValueError as error:
         raise IncompatibleExportError(f"{path} is not valid JSON ({error}); export the model again") from error
+    if not isinstance(data, dict):
+        raise IncompatibleExportError(
+            f"{path} holds a JSON {type(data).__name__}, not an object of neuron config fields; export the model again"
+        )
     key = data.pop("_serialized_key", None)
     if key != "NxDNeuronConfig":
         raise IncompatibleExportError(f"{path} holds a {key!r} config, not an NxDNeuronConfig: it is not a decoder export")
@@ -114,6 +137,7 @@ def load(folder: str | os.PathLike):
             f"install optimum-neuron=={exported_with} or export the model again"
         )
     compiler = data.pop("neuronxcc_version", None)
+    _check_fields(data, path)
     target = data.get("target")
     if target != CPU_TARGET and compiler != neuronxcc_version():
         raise IncompatibleExportError(
@@ -125,6 +149,28 @@ def load(folder: str | os.PathLike):
         return NxDNeuronConfig(**data)
     except TypeError as error:
         raise IncompatibleExportError(f"{path} has fields this optimum-neuron does not know ({error}); export the model again") from error
+
+
+def _check_fields(data: dict, path: Path) -> None:
+    """The fields this package reads, with the types optimum-neuron writes: a hand-edited or foreign file is refused
+    here with one line, not later with a message that cannot tell "2" from 2."""
+    target = data.get("target")
+    if target not in (CPU_TARGET, *sorted(set(NEURON_TARGETS.values()))):
+        raise IncompatibleExportError(
+            f"{path} names target {target!r}, which is not one of cpu, trn1, trn2: export the model again "
+            "(`--target cpu`, or a Neuron target on a Neuron instance)"
+        )
+    for name in ("batch_size", "sequence_length", "tp_degree"):
+        value = data.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise IncompatibleExportError(
+                f"{path}: {name} is {value!r} ({type(value).__name__}), not a positive integer: export the model again"
+            )
+    dtype = data.get("torch_dtype")
+    if dtype not in [str(d).removeprefix("torch.") for d in COMPILED_DTYPES]:
+        raise IncompatibleExportError(
+            f"{path}: torch_dtype is {dtype!r}, not one of float32, bfloat16: export the model again"
+        )
 
 
 def check_expected(neuron_config, folder, **expected) -> None:

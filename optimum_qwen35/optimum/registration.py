@@ -9,6 +9,12 @@
   (`optimum_qwen35/_startup.py`) makes every interpreter register when it imports `transformers` (configs
   only, transformers < 5) or `optimum.neuron` (the model class), and imports nothing before that.
 - vLLM runs `vllm.general_plugins` entry points in each of its processes: `vllm_plugin` below.
+- `NeuronModelForCausalLM.from_pretrained(folder)` (the abstract class) dispatches through
+  `auto_model.get_neuron_model_class`, whose `has_neuron_model_class` first imports every built-in NxD model
+  (`inference.auto_models`): that needs the Neuron SDK, although the registry already holds this package's class.
+  `_dispatch_qwen35_first` wraps `has_neuron_model_class` so that the two Qwen3.5 model types, while registered
+  to this package's class, are answered from the registry without that import; every other model type goes
+  through optimum-neuron's own function, unchanged.
 """
 
 from __future__ import annotations
@@ -49,12 +55,34 @@ def register_model_class(cls) -> None:
 
     for model_type in MODEL_TYPES:
         register_neuron_model(model_type, TASK, "inference")(cls)
+    _dispatch_qwen35_first()
     # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
     # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
     register_transformers()
     text_config = CONFIG_MAPPING["qwen3_5_text"]
     if text_config.__module__.startswith("optimum_qwen35."):
         AutoModelForCausalLM.register(text_config, cls, exist_ok=True)
+
+
+def _dispatch_qwen35_first() -> None:
+    """Let optimum-neuron's abstract classes find the Qwen3.5 class without importing the Neuron SDK (see the
+    module docstring). Idempotent; other model types keep optimum-neuron's own lookup."""
+    from optimum.neuron.models import auto_model  # noqa: PLC0415
+
+    original = auto_model.has_neuron_model_class
+    if getattr(original, "_optimum_qwen35", False):
+        return
+
+    def has_neuron_model_class(model_type, task, mode):
+        cls = auto_model._REGISTERED_NEURON_MODELS.get((model_type, task, mode))
+        if model_type in MODEL_TYPES and cls is not None and cls.__module__.startswith("optimum_qwen35."):
+            return True
+        return original(model_type, task, mode)
+
+    has_neuron_model_class._optimum_qwen35 = True
+    has_neuron_model_class.__wrapped__ = original
+    has_neuron_model_class.__doc__ = original.__doc__
+    auto_model.has_neuron_model_class = has_neuron_model_class
 
 
 def register() -> None:

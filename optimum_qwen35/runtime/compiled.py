@@ -4,6 +4,7 @@ An export for the cpu target holds, beside its configs and tokenizer:
 
     compiled/graphs.json                 what was compiled (sizes, buckets, dtype, weight and state order)
     compiled/context_encoding_<T>.pt2    one program per context-encoding bucket T
+    compiled/context_logits_<T>.pt2      the same, returning the logits of every position (for `forward`)
     compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.shard.save_sharded`)
 
@@ -26,6 +27,7 @@ stays on the device on Neuron.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import pickle
@@ -37,7 +39,8 @@ import torch
 from torch import nn
 
 from ..config import Qwen35Config
-from ..errors import IncompatibleExportError, Qwen35Error
+from .. import validation
+from ..errors import IncompatibleExportError, Qwen35Error, UsageError
 from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
 from ..modeling.parallel import TorchLayers
 from ..modeling.precision import to_model_dtype
@@ -55,6 +58,10 @@ GROUP_NAME = "0"
 
 def context_graph_name(length: int) -> str:
     return f"context_encoding_{length}"
+
+
+def logits_graph_name(length: int) -> str:
+    return f"context_logits_{length}"
 
 
 def token_graph_name(key_length: int) -> str:
@@ -109,9 +116,11 @@ def compile_graphs(
     out_dir: str | os.PathLike,
     progress: bool = True,
     token_buckets: list[int] | None = None,
+    logits_buckets: list[int] | None = None,
 ) -> dict:
-    """Export the context-encoding programs (one per bucket) and the token-generation programs (one per cache
-    bucket; by default the context buckets) to `out_dir`.
+    """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
+    bucket; by default the context buckets) and the per-position logits programs (one per bucket of
+    `logits_buckets`, by default the context buckets: what `forward()` runs) to `out_dir`.
 
     Returns the content of `graphs.json`, written last.
     """
@@ -129,10 +138,15 @@ def compile_graphs(
     token_buckets = sorted(set(token_buckets or buckets) | {max_length})
     plan = [(context_graph_name(T), "context", T) for T in buckets]
     plan += [(token_graph_name(L), "token", L) for L in token_buckets]
+    logits_buckets = sorted(set(buckets if logits_buckets is None else logits_buckets))
+    plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
     graphs = {}
-    for name, kind, length in tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress):
-        if kind == "context":
-            graph, inputs = ContextEncodingGraph(decoder), example_inputs(kind, batch_size, length, specs)
+    bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
+    for name, kind, length in bar:
+        bar.set_postfix_str(name)  # the graph being compiled now
+        if kind in ("context", "logits"):
+            graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
+            inputs = example_inputs("context", batch_size, length, specs)
         else:
             graph, inputs = TokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
         with torch.no_grad():
@@ -151,6 +165,7 @@ def compile_graphs(
         "max_length": max_length,
         "buckets": list(buckets),
         "token_buckets": token_buckets,
+        "logits_buckets": logits_buckets,
         "dtype": str(dtype).removeprefix("torch."),
         "group_name": GROUP_NAME,
         "weights": names,
@@ -217,9 +232,20 @@ class CompiledGraphs:
         return self._programs[name]
 
     @torch.no_grad()
-    def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run graph `name` on `inputs` (token ids, ..., seq_ids), updating this rank's state; returns the logits."""
-        return self.program(name)(self.weights, *inputs, *self.state)[0]
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+        """Run graph `name` on `inputs` (token ids, ..., seq_ids), updating this rank's state; returns the logits.
+
+        `restore`: slots whose state is put back as it was before the call (a scoring pass borrows them)."""
+        saved = None
+        if restore:
+            index = torch.as_tensor(restore, dtype=torch.int64)
+            saved = [s.index_select(0, index) for s in self.state]
+        try:
+            return self.program(name)(self.weights, *inputs, *self.state)[0]
+        finally:
+            if saved is not None:
+                for state, before in zip(self.state, saved):
+                    state.index_copy_(0, index, before)
 
     def close(self) -> None:
         self._programs.clear()
@@ -264,9 +290,9 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
             message = _recv(conn)
             if message is None:
                 break
-            name, inputs = message
+            name, inputs, restore = message
             try:
-                logits = graphs.run(name, *inputs)
+                logits = graphs.run(name, *inputs, restore=restore)
                 _send(conn, ("ok", logits if rank == 0 else None))
             except BaseException as error:  # noqa: BLE001
                 _send(conn, ("error", _portable(error)))
@@ -327,10 +353,10 @@ class TensorParallelGraphs:
             raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
         return results
 
-    def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
         with self._lock:
             for conn in self._conns:
-                _send(conn, (name, inputs))
+                _send(conn, (name, inputs, restore))
             return self._collect()[0]
 
     def close(self) -> None:
@@ -362,6 +388,7 @@ class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
         config = Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
         self._set_shapes(config, manifest["batch_size"], manifest["max_length"], manifest["buckets"])
         self.key_buckets = manifest["token_buckets"]
+        self.logits_buckets = manifest.get("logits_buckets", [])  # none in exports made before forward() existed
         self.tp_degree = manifest["tp_degree"]
         if self.tp_degree == 1:
             self.graphs = CompiledGraphs(folder, 0, manifest)
@@ -383,6 +410,40 @@ class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
 
     def _run_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
         return self.graphs.run(token_graph_name(key_length), *inputs)
+
+    @torch.no_grad()
+    def logits(self, prompts) -> list[torch.Tensor]:
+        """Teacher-forced logits at every position, one [len(prompt), vocab] fp32 tensor per prompt, through the
+        per-position logits programs. The slots they borrow get their state back: running sequences go on as if
+        nothing had run. More prompts than the batch size run in waves."""
+        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
+        if not self.logits_buckets:
+            raise IncompatibleExportError(
+                "this export has no per-position logits graphs (it was exported before forward() existed): "
+                "export the model again"
+            )
+        largest = self.logits_buckets[-1]
+        for p in prompts:
+            if len(p) > largest:
+                raise UsageError(
+                    f"an input of {len(p)} tokens is longer than the compiled sequence length ({largest}): "
+                    "shorten it, or score it in windows of at most that many tokens"
+                )
+        results = []
+        for first in range(0, len(prompts), self.batch_size):
+            group = prompts[first : first + self.batch_size]
+            T = self.logits_buckets[bisect.bisect_left(self.logits_buckets, max(len(p) for p in group))]
+            ids = torch.zeros(self.batch_size, T, dtype=torch.int32)
+            mask = torch.zeros(self.batch_size, T, dtype=torch.int32)
+            positions = torch.zeros(self.batch_size, T, dtype=torch.int32)
+            for row, prompt in enumerate(group):
+                ids[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.int32)
+                mask[row, : len(prompt)] = 1
+                positions[row, : len(prompt)] = torch.arange(len(prompt), dtype=torch.int32)
+            slots = list(range(len(group)))
+            out = self.graphs.run(logits_graph_name(T), ids, mask, positions, self._seq_ids(slots), restore=slots)
+            results += [out[row, : len(prompt)].float() for row, prompt in enumerate(group)]
+        return results
 
     def close(self) -> None:
         self.graphs.close()

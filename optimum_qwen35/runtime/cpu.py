@@ -147,6 +147,9 @@ class Qwen35ForCausalLM:
             raise UsageError(f"buckets must be a list of context lengths, got {type(buckets).__name__}")
         buckets = [validation.positive_int(b, "each bucket") for b in buckets or ()]
         self.buckets = sorted(set(buckets)) if buckets else default_buckets(max_length)
+        # How many positions of each slot are encoded (prefill sets it, decode extends it): a step that would
+        # leave a gap in the cache is refused.
+        self.encoded = [0] * self.batch_size
         if self.buckets[-1] > max_length:
             raise UsageError(
                 f"bucket {self.buckets[-1]} is longer than max_length {max_length}; "
@@ -256,8 +259,10 @@ class Qwen35ForCausalLM:
         starts = validation.int_list(starts, "starts", self.max_length, f"past max_length {self.max_length}")
         if len(starts) != len(prompts):
             raise UsageError(f"prefill needs one start per prompt: got {len(prompts)} prompts and {len(starts)} starts")
-        for p, s in zip(prompts, starts):
+        for p, s, slot in zip(prompts, starts, slots):
             self._check_length(s + len(p))
+            if s > self.encoded[slot]:
+                raise UsageError(self._gap_message("prefill", s, slot))
         B, n, largest = self.batch_size, len(prompts), self.buckets[-1]
         done = [0] * n  # tokens of each prompt encoded so far
         results: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -283,6 +288,8 @@ class Qwen35ForCausalLM:
             for i, chunk in chunks.items():
                 results[i].append(out[i, : len(chunk)] if all_logits else out[i])
                 done[i] += len(chunk)
+        for p, s, slot in zip(prompts, starts, slots):
+            self.encoded[slot] = s + len(p)
         if not all_logits:
             return torch.stack([r[-1] for r in results])
         per_prompt = [torch.cat(r) for r in results]
@@ -300,12 +307,26 @@ class Qwen35ForCausalLM:
                 f"decode needs one token and one position per slot: got {len(tokens)} tokens, "
                 f"{len(positions)} positions, {len(slots)} slots"
             )
+        for position, slot in zip(positions, slots):
+            if position > self.encoded[slot]:
+                raise UsageError(self._gap_message("decode", position, slot))
         ids = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         pos = torch.zeros(self.batch_size, 1, dtype=torch.int32)
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
         pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
         key_length = self.key_bucket_for(max(positions) + 1)
-        return self._run_token(key_length, ids, pos, self._seq_ids(slots))[: len(tokens)]
+        logits = self._run_token(key_length, ids, pos, self._seq_ids(slots))[: len(tokens)]
+        for position, slot in zip(positions, slots):
+            self.encoded[slot] = position + 1
+        return logits
+
+    def _gap_message(self, step: str, position: int, slot: int) -> str:
+        held = self.encoded[slot]
+        what = "holds no sequence (prefill it first)" if held == 0 else f"holds positions 0..{held - 1}"
+        return (
+            f"{step} at position {position} in slot {slot} would leave a gap in the cache: the slot {what}; "
+            f"the next position is {held}"
+        )
 
     # The graph calls: the graphs update the state list in place (a compiled runtime keeps it elsewhere).
     def _run_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):

@@ -24,7 +24,10 @@ clients call, with the Hub's semantics:
 Tokens: `HubServer(tokens={"hf_write": ("alice", True), "hf_read": ("alice", False)})`: a token maps to a
 user name and whether it may write. A user reads and writes repos under its own name; public repos are
 readable by anyone. Every request is logged (`server.requests`) and `server.fail_commits = True` makes the
-commit endpoint answer 500, so tests can check what a failed upload leaves behind.
+commit endpoint answer 500, so tests can check what a failed upload leaves behind; `server.drop_uploads = True`
+closes the connection of every LFS upload without an answer (a connection that drops mid-push);
+`server.commit_url_base` sets the host of the commit URL a commit answers with (the Hub's public URL, whatever
+endpoint the client used).
 
 Use:
 
@@ -135,6 +138,8 @@ class HubServer:
         self.lfs_store: dict[str, bytes] = {}
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
         self.fail_commits = False
+        self.drop_uploads = False
+        self.commit_url_base: str | None = None
         self._pending_uploads: dict[str, tuple[str, int]] = {}  # upload key -> (sha256, size)
         self._lock = threading.RLock()
         self._counter = 0
@@ -359,6 +364,10 @@ class _Handler(BaseHTTPRequestHandler):
         segs = [unquote(s) for s in url.path.strip("/").split("/")] if url.path.strip("/") else []
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         body = self._body() if method in ("POST", "PUT") else b""
+        if self.hub.drop_uploads and method == "PUT" and segs[:1] == ["__lfs_upload__"]:
+            self.close_connection = True  # no answer: the client sees the connection drop
+            self.hub.requests.append((method, url.path, 0))  # status 0: dropped
+            return
         try:
             with self.hub._lock:
                 self._route(method, segs, query, body)
@@ -573,7 +582,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HubError(500, "Internal Error - We're working hard to fix this as soon as possible!")
         message = header["summary"] + ("\n\n" + header["description"] if header.get("description") else "")
         sha = self.hub._commit(repo, revision, head.sha, message, files)
-        url = f"{self.hub.url}/{repo_id}/commit/{sha}"
+        url = f"{self.hub.commit_url_base or self.hub.url}/{repo_id}/commit/{sha}"
         self._json(200, {"success": True, "commitOid": sha, "commitUrl": url, "hookOutput": "", "pullRequestUrl": None})
 
     def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:

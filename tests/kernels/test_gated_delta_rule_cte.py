@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from optimum_qwen35.kernels.gated_delta_rule import fused
+from optimum_qwen35.modeling.state import Slots
 from optimum_qwen35.kernels.gated_delta_rule.reference import recurrent_gated_delta_rule
 
 
@@ -30,8 +31,8 @@ def rel(x, y):
 def run_both(inputs, seq_ids, lengths):
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
-    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
-    o_nki = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths)
+    o_ref = fused.deltanet_prefill_reference(**ref, slots=Slots(seq_ids), lengths=lengths)[0]
+    o_nki = fused.deltanet_prefill_nki(**nki, slots=Slots(seq_ids), lengths=lengths)[0]
     return o_ref, o_nki, ref, nki
 
 
@@ -80,8 +81,8 @@ def test_tf32_operands_bf16():
     seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
-    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
-    o_nki = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths, tf32_matmul=True)
+    o_ref = fused.deltanet_prefill_reference(**ref, slots=Slots(seq_ids), lengths=lengths)[0]
+    o_nki = fused.deltanet_prefill_nki(**nki, slots=Slots(seq_ids), lengths=lengths, tf32_matmul=True)[0]
     check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
 
 
@@ -94,8 +95,8 @@ def test_bf16_operands_bf16(shape):
     seq_ids, lengths = torch.tensor([2, 0]), torch.tensor([200, 57])
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
-    o_ref = fused.deltanet_prefill_reference(**ref, seq_ids=seq_ids, lengths=lengths)
-    o_nki = fused.run_prefill_kernel(**nki, seq_ids=seq_ids, lengths=lengths, bf16_matmul=True)
+    o_ref = fused.deltanet_prefill_reference(**ref, slots=Slots(seq_ids), lengths=lengths)[0]
+    o_nki = fused.run_prefill_kernel(**nki, slots=Slots(seq_ids), lengths=lengths, bf16_matmul=True)[0]
     check(o_ref, o_nki, ref, nki, seq_ids, lengths, 2e-2)
 
 
@@ -112,7 +113,7 @@ def test_padding_and_inactive_rows_change_no_state():
         solo[key] = solo[key][:, :, :10].contiguous()
     for key in ("a", "b"):
         solo[key] = solo[key][:, :10].contiguous()
-    fused.deltanet_prefill_nki(**solo, seq_ids=torch.tensor([1]), lengths=torch.tensor([10]))
+    fused.deltanet_prefill_nki(**solo, slots=Slots(torch.tensor([1])), lengths=torch.tensor([10]))
     assert rel(solo["recurrent_state"][1], nki["recurrent_state"][1]) <= 1e-5
 
 
@@ -130,7 +131,7 @@ def test_adversarial_2048_tokens_finite():
     )
     seq_ids, lengths = torch.tensor([0]), torch.tensor([T])
     nki = {k: v.clone() for k, v in inputs.items()}
-    o = fused.deltanet_prefill_nki(**nki, seq_ids=seq_ids, lengths=lengths)
+    o = fused.deltanet_prefill_nki(**nki, slots=Slots(seq_ids), lengths=lengths)[0]
     assert torch.isfinite(o).all() and torch.isfinite(nki["recurrent_state"]).all()
     # ground truth: the float64 recurrence on the same normalised inputs and gates
     q = fused.l2norm(inputs["q"].double()) * dk**-0.5

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optimum_qwen35.kernels.gated_delta_rule import fused
+from optimum_qwen35.modeling.state import Slots
 
 
 def make(B, slots, nk, nv, dk, dv, dtype, K=4, seed=0):
@@ -28,8 +29,8 @@ def rel(x, y):
 def run_both(inputs, seq_ids):
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
-    o_ref = fused.deltanet_decode_reference(**ref, seq_ids=seq_ids)
-    o_nki = fused.deltanet_decode_nki(**nki, seq_ids=seq_ids)
+    o_ref = fused.deltanet_decode_reference(**ref, slots=Slots(seq_ids))[0]
+    o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids))[0]
     return o_ref, o_nki, ref, nki
 
 
@@ -61,8 +62,8 @@ def test_tf32_operands_bf16_2b_shape():
     seq_ids = torch.tensor([1])
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
-    o_ref = fused.deltanet_decode_reference(**ref, seq_ids=seq_ids)
-    o_nki = fused.deltanet_decode_nki(**nki, seq_ids=seq_ids, tf32_matmul=True)
+    o_ref = fused.deltanet_decode_reference(**ref, slots=Slots(seq_ids))[0]
+    o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids), tf32_matmul=True)[0]
     assert rel(o_nki, o_ref) <= 2e-2
     assert rel(nki["recurrent_state"][1], ref["recurrent_state"][1]) <= 2e-2
 
@@ -90,7 +91,7 @@ def test_decode_steps_chain_in_place():
     for _ in range(10):
         for key in ("mixed_qkv", "a", "b"):
             ref[key] = nki[key] = torch.randn(ref[key].shape, generator=g)
-        o_ref = fused.deltanet_decode_reference(**ref, seq_ids=seq_ids)
-        o_nki = fused.deltanet_decode_nki(**nki, seq_ids=seq_ids)
+        o_ref = fused.deltanet_decode_reference(**ref, slots=Slots(seq_ids))[0]
+        o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids))[0]
         assert rel(o_nki, o_ref) <= 1e-4
     assert rel(nki["recurrent_state"], ref["recurrent_state"]) <= 1e-4

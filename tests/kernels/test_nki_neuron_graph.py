@@ -23,12 +23,19 @@ def nki_calls() -> dict[str, int]:
     return {entry: kernels.calls[("nki", entry)] for entry in ("deltanet_prefill", "deltanet_decode")}
 
 
+class FunctionalLayers(TorchLayers):
+    """State updates as the Neuron graphs make them (updated copies; `run` checks the inputs are left as they were)."""
+
+    state_in_place = False
+
+
+@pytest.mark.parametrize("layers", [TorchLayers, FunctionalLayers], ids=["in-place", "functional"])
 @pytest.mark.parametrize("layout_name", ["tiny-2b", "tiny-nv2x"])
-def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_name):
+def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_name, layers):
     assert kernels.get_backend() == "torch"
     path = FIXTURES / layout_name
-    with_nki = load_decoder(path, layers=TorchLayers(kernel_backend="nki"))
-    with_torch = load_decoder(path, layers=TorchLayers(kernel_backend="torch"))
+    with_nki = load_decoder(path, layers=layers(kernel_backend="nki"))
+    with_torch = load_decoder(path, layers=layers(kernel_backend="torch"))
     deltanet_layers = sum(not layer.is_attention for layer in with_nki.layers)
     layout = glue.StateLayout(with_nki.state_specs(2, 64))
     held_nki, held_torch = allocate(layout), allocate(layout)
@@ -67,17 +74,25 @@ def test_a_model_naming_no_backend_follows_the_process_wide_one():
     assert kernels.calls[("torch", "deltanet_prefill")] > before[0] and nki_calls() == before[1]
 
 
-def test_kernel_backend_of_the_neuron_graphs(monkeypatch):
-    # This machine has no real NKI: the graphs trace the references, and asking for NKI is refused (the emulator
-    # cannot run inside a traced graph).
-    assert nki_import.USING_EMULATOR
-    assert glue.kernel_backend() == "torch"
-    assert glue.kernel_backend("torch") == "torch"
-    with pytest.raises(ValueError, match="real NKI"):
-        glue.kernel_backend("nki")
+@pytest.mark.parametrize("target", ["trn2", "trn1"])
+def test_kernel_backend_of_the_neuron_graphs(monkeypatch, target):
+    # The graphs trace the references by default, on every target.
+    assert glue.kernel_backend(None, target) == "torch"
+    assert glue.kernel_backend("torch", target) == "torch"
     with pytest.raises(ValueError, match="'nki' or 'torch'"):
-        glue.kernel_backend("emulator")
-    # Where `nki_import` found the real NKI, the default is the NKI kernels.
+        glue.kernel_backend("emulator", target)
+    if target != "trn2":
+        # NKI 0.3+ compiles for trn2 and later: trn1 / inf2 (target "trn1") always run the torch form.
+        monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
+        with pytest.raises(ValueError, match="trn2 only"):
+            glue.kernel_backend("nki", target)
+        return
+    # This machine has no real NKI: the emulator cannot run inside a traced graph.
+    assert nki_import.USING_EMULATOR
+    with pytest.raises(ValueError, match="real NKI"):
+        glue.kernel_backend("nki", target)
+    # With the real NKI, still refused: the kernels write their states in place; the graphs need them as outputs.
     monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
-    assert glue.kernel_backend() == "nki"
-    assert glue.kernel_backend("torch") == "torch"
+    assert glue.kernel_backend(None, target) == "torch"
+    with pytest.raises(ValueError, match="not supported yet"):
+        glue.kernel_backend("nki", target)

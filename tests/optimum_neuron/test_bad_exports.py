@@ -168,7 +168,9 @@ def test_cli_export_writes_the_same_folder_and_errors_are_one_line(export_dir, t
 
     again = cli("export", "--model", FIXTURES / "tiny-2b", "--sequence_length", 128, out)
     assert again.returncode == 2  # a usage error, as for `shard`
-    assert error_lines(again.stderr) == [f"optimum-qwen35: error: {out} is not empty: choose an empty folder or pass --overwrite to replace it"]
+    assert error_lines(again.stderr) == [
+        f"optimum-qwen35: error: {out.absolute()} already holds an exported model: choose an empty folder, or pass --overwrite to replace it"
+    ]
     bad_tp = cli("export", "--model", FIXTURES / "tiny-2b", "--tensor_parallel_size", 3, tmp_path / "x")
     assert bad_tp.returncode == 2 and "Traceback" not in bad_tp.stderr
     assert len(error_lines(bad_tp.stderr)) == 1 and "Valid degrees: [1, 2, 4]" in bad_tp.stderr

@@ -4,6 +4,7 @@ tests build the wheel and process its .pth the way site.py does)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -34,6 +35,10 @@ def startup_dir(tmp_path_factory):
     with zipfile.ZipFile(wheel) as archive:
         assert "optimum_qwen35.pth" in archive.namelist(), "the wheel does not carry its start-up file"
         (site / "optimum_qwen35.pth").write_bytes(archive.read("optimum_qwen35.pth"))
+        register = "optimum/commands/register/register_optimum_qwen35.py"
+        assert register in archive.namelist(), "the wheel does not carry its optimum-cli command"
+        (site / register).parent.mkdir(parents=True)
+        (site / register).write_bytes(archive.read(register))
     return site
 
 
@@ -126,22 +131,104 @@ def test_text_config_without_dtype_gets_one(tmp_path):
     assert str(AutoConfig.from_pretrained(folder).get_text_config().dtype) == "torch.bfloat16"
 
 
-def test_readme_optimum_example_runs(export_dir, tmp_path):
-    """The README's optimum-neuron section: its export command, then its Python block, as written."""
-    import re
+# ------------------------------------------------------------------ optimum-neuron's own entry point (issue 21, item 1)
+# `NeuronModelForCausalLM.from_pretrained` (the abstract class the user names) in a fresh process without the Neuron
+# SDK, after each of the three ways Qwen3.5 gets registered. It prints the class it returned and its greedy tokens.
+ABSTRACT_LOAD = """
+import importlib.util, json, sys, torch
+{register}
+from optimum.neuron import NeuronModelForCausalLM
+assert importlib.util.find_spec("neuronx_distributed") is None  # no Neuron SDK: the built-in NxD models cannot import
+model = NeuronModelForCausalLM.from_pretrained(sys.argv[2], **json.loads(sys.argv[4]))
+prompt = json.loads(sys.argv[3])
+out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+print(json.dumps([type(model).__name__, out[0, len(prompt):].tolist()]))
+"""
+REGISTRATIONS = {
+    "regular install (.pth)": "import site; site.addsitedir(sys.argv[1])",
+    "editable install (import optimum_qwen35)": "import optimum_qwen35",
+    "vLLM plugin": (
+        "from importlib.metadata import entry_points\n"
+        "[e.load()() for e in entry_points(group='vllm.general_plugins') if e.name == 'optimum_qwen35']"
+    ),
+}
 
-    from optimum_qwen35.cli import main
-    from optimum_qwen35.testing import build_tiny_checkpoint
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Use it through optimum-neuron") :]
-    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ").split()
-    assert command[:3] == ["python", "-m", "optimum_qwen35"]
-    build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
-    args = [str(tmp_path / "ckpt") if a == "path/to/checkpoint" else str(tmp_path / "exported") if a == "exported/" else a for a in command[3:]]
-    args[args.index("--sequence_length") + 1] = "128"  # one context bucket, to keep the test short
-    assert main(args) == 0
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace('"exported/"', repr(str(tmp_path / "exported")))
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    namespace["model"].close()
+@pytest.mark.parametrize("registration", sorted(REGISTRATIONS))
+def test_abstract_neuron_model_class_loads_the_export_without_the_sdk(registration, startup_dir, export_dir):
+    from ..conftest import load_reference
+
+    ref = load_reference("tiny-2b")
+    code = ABSTRACT_LOAD.format(register=REGISTRATIONS[registration])
+    prompt = ref["gen_prompt_0"].tolist()
+    args = (str(startup_dir), str(export_dir("tiny-2b", 1)), json.dumps(prompt), "{}")
+    name, tokens = last_json_line(run_python(code, *args).stdout)
+    assert name == "Qwen35NeuronModelForCausalLM"
+    assert tokens == ref["gen_tokens_0"].tolist()[:8]
+
+
+def test_abstract_neuron_model_class_loads_a_hub_export_and_checks_expectations(startup_dir, export_dir, hub_server, tmp_path):
+    """A Hub id (the loopback stand-in Hub, through HF_ENDPOINT) and the keyword checks of from_pretrained."""
+    from optimum_qwen35.hub import push_to_hub
+
+    from ..conftest import load_reference
+
+    ref = load_reference("tiny-2b")
+    push_to_hub(export_dir("tiny-2b", 1), "alice/tiny-export", token="hf_alice_write", endpoint=hub_server.url)
+    code = ABSTRACT_LOAD.format(register=REGISTRATIONS["regular install (.pth)"])
+    prompt = ref["gen_prompt_0"].tolist()
+    env = hub_server.client_env(tmp_path / "home")
+    args = [str(startup_dir), "alice/tiny-export", json.dumps(prompt), json.dumps({"batch_size": 2})]
+    name, tokens = last_json_line(run_python(code, *args, env=env).stdout)
+    assert (name, tokens) == ("Qwen35NeuronModelForCausalLM", ref["gen_tokens_0"].tolist()[:8])
+    args[-1] = json.dumps({"batch_size": 4})
+    with pytest.raises(AssertionError, match="IncompatibleExportError: .* exported for batch_size=2, not 4"):
+        run_python(code, *args, env=env)
+
+
+def test_dispatch_leaves_other_model_types_to_optimum_neuron():
+    """Only the two Qwen3.5 model types skip optimum-neuron's import of its built-in models; any other model type
+    still goes through optimum-neuron's own lookup (which, without the SDK, fails as it always did)."""
+    code = """
+import json, optimum_qwen35
+from optimum.neuron.models import auto_model
+import optimum.neuron  # the hook registers here
+found = {t: auto_model.has_neuron_model_class(t, "text-generation", "inference") for t in ("qwen3_5", "qwen3_5_text")}
+try:
+    auto_model.has_neuron_model_class("llama", "text-generation", "inference")
+    llama = "answered"
+except ModuleNotFoundError as error:
+    llama = error.name
+print(json.dumps([found, llama, auto_model.has_neuron_model_class.__wrapped__.__module__]))
+"""
+    found, llama, original = last_json_line(run_python(code).stdout)
+    assert found == {"qwen3_5": True, "qwen3_5_text": True}
+    assert llama == "neuronx_distributed" and original == "optimum.neuron.models.auto_model"
+
+
+def test_optimum_cli_export_neuron_without_the_sdk_says_what_to_run(startup_dir, tmp_path):
+    """optimum-cli registers `export neuron` only with the Neuron SDK; the installed register file makes it say why it
+    cannot run and print the optimum-qwen35 command for this machine, which then exports (exit 0)."""
+    import os
+    import shlex
+
+    optimum_cli = Path(sys.executable).with_name("optimum-cli")
+    args = ["export", "neuron", "--model", str(ROOT / "tests" / "fixtures" / "tiny-2b"), "--batch_size", "1",
+            "--sequence_length", "128", "--num_cores", "2", "--auto_cast_type", "fp32", str(tmp_path / "out")]
+    bare = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 2 and "unrecognized arguments: neuron" in bare.stderr  # what users got before
+    env = {**os.environ, "PYTHONPATH": str(startup_dir)}  # site-packages as a regular install leaves it
+    hooked = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert hooked.returncode == 2 and not (tmp_path / "out").exists()
+    last = hooked.stderr.strip().splitlines()[-1]
+    assert last.startswith("optimum-cli export neuron: error: the Neuron SDK (torch-neuronx, neuronx-distributed) is not")
+    command = shlex.split(last.split("on this machine export Qwen3.5 for the cpu target: ")[1])
+    assert command[:2] == ["optimum-qwen35", "export"] and "--num_cores" not in command
+    exported = subprocess.run([sys.executable, "-m", "optimum_qwen35", *command[1:]], capture_output=True, text=True, timeout=600)
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "neuron_config.json").is_file()
+    # Progress per graph (each named as it compiles), and nothing else from other libraries.
+    assert "compile (cpu: torch.export)" in exported.stderr and "3/3" in exported.stderr
+    for name in ("context_encoding_128", "token_generation_128", "context_logits_128"):
+        assert name in exported.stderr
+    assert "No major for neuron device" not in exported.stderr and "UserWarning" not in exported.stderr

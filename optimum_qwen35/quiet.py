@@ -1,0 +1,67 @@
+"""Quiet by default: what third-party libraries print that says nothing to this package's users.
+
+- Importing optimum-neuron on a machine without a Neuron device logs "No major for neuron device could be found in
+  /proc/devices!" and warns that the compilation target is overridden to trn1 (optimum/neuron/__init__.py): true of
+  the machine, noise for the cpu target, printed by every command. `optimum_neuron_import()` hides both while this
+  package imports optimum-neuron (the override itself still happens; a program that imported optimum-neuron first
+  sees them as before).
+- huggingface_hub logs two warnings per retry of a failed request (five retries: a push whose connection drops prints
+  a screen of them before this package's one-line error). `hub_retries()` hides those while a Hub call runs.
+
+`OPTIMUM_QWEN35_VERBOSE=1` (what the command line's `--verbose` sets) shows everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from contextlib import contextmanager
+
+VERBOSE_ENV = "OPTIMUM_QWEN35_VERBOSE"
+NEURON_PROBE_LOGGER = "optimum.neuron.utils.system"
+TARGET_OVERRIDE_WARNING = "It seems this is running on a CPU-only machine"
+HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(f in message for f in self.fragments)
+
+
+@contextmanager
+def _filtered(logger_name: str, *fragments: str):
+    if verbose():
+        yield
+        return
+    logger, drop = logging.getLogger(logger_name), _DropMessages(*fragments)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+@contextmanager
+def optimum_neuron_import():
+    """Around this package's `import optimum.neuron...`: no device-probe error, no target-override warning."""
+    with _filtered(NEURON_PROBE_LOGGER, "No major for neuron device"), warnings.catch_warnings():
+        if not verbose():
+            warnings.filterwarnings("ignore", message=TARGET_OVERRIDE_WARNING, category=UserWarning)
+        yield
+
+
+@contextmanager
+def hub_retries():
+    """Around a Hub call: huggingface_hub's per-retry warnings are not shown (the outcome is, once)."""
+    with _filtered(HUB_HTTP_LOGGER, "thrown while requesting", "Retrying in"):
+        yield

@@ -1,0 +1,7 @@
+"""Import stand-in for the closed Neuron SDK module `libneuronxla`: see neuron_sdk_standin (nothing here runs Neuron code)."""
+
+import sys
+
+from neuron_sdk_standin import stand_in
+
+stand_in(sys.modules[__name__])

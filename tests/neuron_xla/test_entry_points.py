@@ -1,0 +1,75 @@
+"""The user's own commands on a Neuron target, run as far as they go without the Neuron SDK, with the boundary where
+they stop asserted: the first closed SDK function they call (tests/neuron_sdk_standin raises naming it).
+
+- `optimum-cli export neuron ... --instance_type trn2`: optimum-cli's `python3 -m optimum.exporters.neuron` child
+  registers Qwen3.5 through the start-up file (`optimum_qwen35.pth`, as a regular install places it), resolves
+  this project's class, builds the neuron config and both graph builders, and stops entering optimum-neuron's
+  compile cache (`hub_neuronx_cache` -> libneuronxla's `CacheUrl.get_cache_url`), before any graph is built. Its
+  output folder is not created.
+- inside that cache context, the compile step itself (`NxDPreTrainedModel.compile` -> neuronx-distributed's
+  `ModelBuilder.trace`) builds each graph's module through this project's model instance and stops at
+  `torch_neuronx.xla_impl.trace.generate_hlo`, which `graphs.lower` stands for in the other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimum_qwen35.testing.neuron_xla import export_config, model_class, neuron_config
+
+from ..conftest import FIXTURES
+
+
+def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
+    cli = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
+    assert cli, "optimum-cli is not installed in this environment"
+    site = Path(subprocess.check_output([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    assert (site / "optimum_qwen35.pth").is_file(), "the start-up file is not in site-packages (see noxfile.py)"
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        [cli, "export", "neuron", "--model", str(FIXTURES / "tiny-2b"), "--task", "text-generation", "--batch_size", "2",
+         "--sequence_length", "128", "--tensor_parallel_size", "1", "--instance_type", "trn2", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode != 0
+    # This project's class was found and ran: its Neuron branch handed the export to the NxD class ...
+    assert "optimum_qwen35/optimum/modeling.py" in result.stderr and "pretrained_model.py" in result.stderr
+    # ... which stopped at the first closed SDK call: the compile cache, entered before the graphs are built.
+    last = [line for line in result.stderr.splitlines() if line.startswith("neuron_sdk_standin.NeuronSDKUnavailable")]
+    assert last and "libneuronxla.neuron_cc_cache.CacheUrl.get_cache_url" in last[0], result.stderr[-3000:]
+    assert "in hub_neuronx_cache" in result.stderr
+    assert not out.exists()
+
+
+def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypatch, tmp_path):
+    import neuron_sdk_standin
+    from optimum.neuron.models.inference.backend.pretrained_model import NxDPreTrainedModel
+
+    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd"))
+    nc = neuron_config(FIXTURES / "tiny-2b", "trn2")
+    cls = model_class()
+    builders = cls.create_graph_builders(export_config(FIXTURES / "tiny-2b", nc), nc)
+    built = []
+    for builder in builders.values():
+        original = builder.get_model_instance
+
+        def instance(original=original):
+            made = original()
+            built.append(made)
+            return made
+
+        builder.get_model_instance = instance
+    with pytest.raises(neuron_sdk_standin.NeuronSDKUnavailable, match=r"torch_neuronx\.xla_impl\.trace\.generate_hlo"):
+        NxDPreTrainedModel.compile(neuron_config=nc, graph_builders=builders, compiler_args=cls.get_compiler_args(nc))
+    # ModelBuilder took both graphs; the first (context encoding) was built by this project's model instance,
+    # with the held state restored to its dtypes, and its aliases made, before the closed HLO generation.
+    assert len(built) == 2
+    first = built[0]
+    assert first.module is not None and len(first.input_output_aliases) == len(first.module.state_layout.held_specs)
