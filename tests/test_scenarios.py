@@ -88,16 +88,16 @@ class Scenario:
         return "\n".join(lines) + ")"
 
 
-@st.composite
-def scenarios(draw, layouts) -> Scenario:
-    layout = draw(st.sampled_from(layouts))
-    shape = draw(st.sampled_from(sorted(SHAPES)))
-    batch_size, max_length, _ = SHAPES[shape]
-    lengths: list[int | None] = [None] * batch_size  # tokens encoded in each slot (None: free)
+def draw_operations(draw, batch_size: int, max_length: int, kinds: list[str], draw_prefill) -> list:
+    """Up to four operations on `batch_size` slots of `max_length` tokens, each of `kinds`: "decode" (some live slots,
+    1-3 steps), "leave" (a live slot ends), else `draw_prefill(draw, lengths)` (it sets the lengths of the slots it
+    fills and returns the prefill operation); then one decode of every live slot (a slot reset on the way shows
+    there). `lengths[s]`: tokens encoded in slot s, None for a free slot."""
+    lengths: list[int | None] = [None] * batch_size
     ops = []
     for _ in range(draw(st.integers(1, 4))):
         live = [s for s in range(batch_size) if lengths[s] is not None and lengths[s] < max_length]
-        kind = draw(st.sampled_from(["prefill", "prefill", "decode", "leave"]))
+        kind = draw(st.sampled_from(kinds))
         if kind == "decode" and live:
             slots = draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
             steps = min([draw(st.integers(1, 3))] + [max_length - lengths[s] for s in slots])
@@ -109,17 +109,30 @@ def scenarios(draw, layouts) -> Scenario:
             lengths[slot] = None
             ops.append(("leave", slot))
         else:
-            rows = []
-            for slot in draw(st.lists(st.integers(0, batch_size - 1), min_size=1, max_size=batch_size, unique=True)):
-                can_continue = lengths[slot] is not None and lengths[slot] < max_length
-                start = lengths[slot] if can_continue and draw(st.booleans()) else 0
-                end = draw(position_near_an_edge(shape, start + 1, max_length))  # max_length: no room for a decode
-                rows.append((slot, start, end - start))
-                lengths[slot] = end
-            ops.append(("prefill", rows, draw(st.booleans())))
+            ops.append(draw_prefill(draw, lengths))
     live = [s for s in range(batch_size) if lengths[s] is not None and lengths[s] < max_length]
     if live:
-        ops.append(("decode", live, 1))  # every live slot once more: a slot reset on the way shows here
+        ops.append(("decode", live, 1))
+    return ops
+
+
+@st.composite
+def scenarios(draw, layouts) -> Scenario:
+    layout = draw(st.sampled_from(layouts))
+    shape = draw(st.sampled_from(sorted(SHAPES)))
+    batch_size, max_length, _ = SHAPES[shape]
+
+    def prefill(draw, lengths):
+        rows = []
+        for slot in draw(st.lists(st.integers(0, batch_size - 1), min_size=1, max_size=batch_size, unique=True)):
+            can_continue = lengths[slot] is not None and lengths[slot] < max_length
+            start = lengths[slot] if can_continue and draw(st.booleans()) else 0
+            end = draw(position_near_an_edge(shape, start + 1, max_length))  # max_length: no room for a decode
+            rows.append((slot, start, end - start))
+            lengths[slot] = end
+        return ("prefill", rows, draw(st.booleans()))
+
+    ops = draw_operations(draw, batch_size, max_length, ["prefill", "prefill", "decode", "leave"], prefill)
     return Scenario(layout, shape, ops, draw(st.integers(0, 2**16)))
 
 

@@ -28,7 +28,9 @@ from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from .. import oracle  # noqa: E402
 from ..conftest import FIXTURES  # noqa: E402
-from ..test_scenarios import ATOL, SEED, Scenario, check_against_oracle, position_near_an_edge  # noqa: E402
+from ..test_scenarios import (  # noqa: E402
+    ATOL, SEED, Scenario, check_against_oracle, draw_operations, position_near_an_edge,
+)
 
 LAYOUT, BATCH_SIZE, SEQUENCE_LENGTH = "tiny-nv3x", 2, 256
 EDGES = [1, 2, 3, 4, 64, 128, 192, 256]  # conv width, DeltaNet chunks (64, 192), context and key buckets (128, 256)
@@ -54,30 +56,14 @@ def hypothesis_settings(examples: int):
 
 @st.composite
 def slot_scenarios(draw) -> Scenario:
-    lengths: list[int | None] = [None] * BATCH_SIZE
-    ops = []
-    for _ in range(draw(st.integers(1, 4))):
-        live = [s for s in range(BATCH_SIZE) if lengths[s] is not None and lengths[s] < SEQUENCE_LENGTH]
-        kind = draw(st.sampled_from(["prefill", "decode", "decode", "leave"]))
-        if kind == "decode" and live:
-            slots = draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
-            steps = min([draw(st.integers(1, 3))] + [SEQUENCE_LENGTH - lengths[s] for s in slots])
-            for s in slots:
-                lengths[s] += steps
-            ops.append(("decode", slots, steps))
-        elif kind == "leave" and live:
-            slot = draw(st.sampled_from(live))
-            lengths[slot] = None
-            ops.append(("leave", slot))
-        else:  # the compiled context graphs start fresh sequences only
-            rows = []
-            for slot in draw(st.lists(st.integers(0, BATCH_SIZE - 1), min_size=1, max_size=BATCH_SIZE, unique=True)):
-                lengths[slot] = draw(position_near_an_edge(EDGES, 1, SEQUENCE_LENGTH))  # 256: the whole export
-                rows.append((slot, 0, lengths[slot]))
-            ops.append(("prefill", rows, False))
-    live = [s for s in range(BATCH_SIZE) if lengths[s] is not None and lengths[s] < SEQUENCE_LENGTH]
-    if live:
-        ops.append(("decode", live, 1))
+    def prefill(draw, lengths):  # the compiled context graphs start fresh sequences only
+        rows = []
+        for slot in draw(st.lists(st.integers(0, BATCH_SIZE - 1), min_size=1, max_size=BATCH_SIZE, unique=True)):
+            lengths[slot] = draw(position_near_an_edge(EDGES, 1, SEQUENCE_LENGTH))  # 256: the whole export
+            rows.append((slot, 0, lengths[slot]))
+        return ("prefill", rows, False)
+
+    ops = draw_operations(draw, BATCH_SIZE, SEQUENCE_LENGTH, ["prefill", "decode", "decode", "leave"], prefill)
     return Scenario(LAYOUT, f"export b{BATCH_SIZE} s{SEQUENCE_LENGTH}", ops, draw(st.integers(0, 2**16)))
 
 
