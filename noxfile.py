@@ -35,10 +35,18 @@ def reference(session):
     _pytest(session)
 
 
+def _install_startup_file(session):
+    """The start-up file a regular install places in site-packages (an editable one does not): child interpreters
+    (optimum-cli's export, `optimum-cli neuron cache lookup`) register Qwen3.5 through it, as on a user's machine
+    after the documented `pip install ".[optimum]"`."""
+    session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
+
+
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK)."""
     session.install(TORCH, "-e", ".[tests,optimum]")
+    _install_startup_file(session)
     _pytest(session, "-m", "not reference")
 
 
@@ -56,9 +64,7 @@ def neuron(session):
     session.install("torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
                     # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
                     "boto3", "scipy", "tenacity")
-    # The start-up file a regular install places in site-packages (an editable one does not): optimum-cli's export
-    # child interpreter registers Qwen3.5 through it.
-    session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
+    _install_startup_file(session)
     session.install("--no-deps", "tests/neuron_sdk_standin")
     # Built from a writable copy (the source folder is read-only); the version optimum-neuron 0.4.5 pins.
     with tempfile.TemporaryDirectory() as build:

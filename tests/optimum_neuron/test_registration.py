@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sysconfig
 import sys
 import zipfile
 from importlib.metadata import entry_points
@@ -61,11 +62,18 @@ def test_import_optimum_neuron_finds_the_class_in_a_fresh_process(startup_dir):
 
 
 def test_without_the_startup_file_nothing_is_registered():
-    """The check above would pass for nothing if plain `import optimum.neuron` registered by itself."""
-    code = FIND_CLASSES.replace("site.addsitedir(sys.argv[1])", "pass").replace(
-        ' | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}', ""
-    )
-    assert last_json_line(run_python(code).stdout) == {"qwen3_5": None, "qwen3_5_text": None}
+    """The check above would pass for nothing if plain `import optimum.neuron` registered by itself.
+
+    site-packages goes on the path without its .pth files being run (`python -S`): the nox sessions place the start-up
+    file there, as a regular install does."""
+    code = FIND_CLASSES.replace(
+        "site.addsitedir(sys.argv[1])", "sys.path.append(sys.argv[1])"
+    ).replace(' | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}', "")
+    site_packages = sysconfig.get_paths()["purelib"]
+    result = subprocess.run([sys.executable, "-S", "-c", code, site_packages], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "optimum_qwen35" not in result.stderr
+    assert last_json_line(result.stdout) == {"qwen3_5": None, "qwen3_5_text": None}
 
 
 def test_startup_file_imports_no_torch_or_transformers(startup_dir):

@@ -1,15 +1,16 @@
-"""Every command and snippet of README.md and docs/optimum_neuron.md, run in order the way a user on a fresh machine
-would (a doc that drifts from the code fails here).
+"""Every command and snippet of README.md and docs/*.md, run in order the way a user on a fresh machine would (a
+doc that drifts from the code fails here).
 
-Each document runs in its own empty folder: its ```bash blocks line by line through bash (`python` and the
+Each document names the environment it runs in (`DOCUMENTS`): "optimum" (optimum-neuron 0.4.5, transformers 4.57:
+the nox `optimum` session) or "reference" (transformers 5: the `reference` session); a document with no runnable
+block says None, and a new document fails `test_every_document_names_its_environment` until it is listed. Each
+document runs in its own empty folder: its ```bash blocks line by line through bash (`python` and the
 `optimum-qwen35` command are this environment's), its ```python blocks in one Python process that keeps its names
 from block to block, as a session pasting them would. `pip install` lines are checked with pip itself
-(`--dry-run --no-deps --no-index` on this checkout, after checking the torch pin), not run. A few substitutions keep
-the run small; each is listed below with the reason, and a block that is neither run nor listed as not run fails
-the test. Hub commands talk to the loopback stand-in Hub through HF_ENDPOINT (never huggingface.co).
-
-This runs in the `optimum` session: it has optimum-neuron, which the optimum sections name, and everything the
-other blocks need (the blocks that need transformers 5 are none).
+(`--dry-run --no-deps --no-index` on this checkout, after checking the torch pin), not run. Diagrams and other
+text use plain ``` fences. A few substitutions keep the run small; each is listed below with the reason, and a block
+that is neither run nor listed as not run fails the test. Hub commands talk to the loopback stand-in Hub through
+HF_ENDPOINT (never huggingface.co).
 """
 
 from __future__ import annotations
@@ -24,12 +25,37 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TORCH_PIN = "torch==2.13.0"  # the noxfile's pin: a looser one pulls a CUDA build
 HUB_TOKEN = "hf_doc_write"
+HUB_USER = "my-org"  # the docs' namespace; the token may write there
 
+
+def _environment() -> str | None:
+    import importlib.util  # noqa: PLC0415
+
+    import transformers  # noqa: PLC0415
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return "reference"
+    if importlib.util.find_spec("optimum.neuron") is not None:
+        return "optimum"
+    return None
+
+
+ENVIRONMENT = _environment()
+# Where each document runs (None: it has no bash/python block).
+DOCUMENTS = {
+    "README.md": "optimum",
+    "docs/optimum_neuron.md": "optimum",
+    "docs/hub.md": "optimum",  # the compile-cache registry functions need optimum-neuron
+    "docs/kernels.md": "reference",
+    "docs/nki_emulator.md": "reference",
+    "docs/tensor_parallel.md": "reference",
+    "docs/model.md": None,
+    "docs/neuron_backend.md": None,
+    "docs/testing.md": None,
+}
 # Blocks not run, by their first line, and why.
 NOT_RUN = {
     "pip install nox && nox": "it is the CI command itself (.ci/run runs it; tests/test_readme.py checks that)",
@@ -42,10 +68,35 @@ SUBSTITUTIONS = [
      "one context bucket: 3 graphs instead of 12 (docs/optimum_neuron.md gives the cost of each)"),
     ("docs/optimum_neuron.md", "--sequence_length 256", "--sequence_length 128", "one context bucket, as above"),
     ("docs/optimum_neuron.md", "sequence_length=256", "sequence_length=128", "the same export from Python"),
+    ("docs/tensor_parallel.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
+    ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
 ]
-# Set up before a document runs (shell, in its folder): what the substitutions refer to.
-SETUP = {"README.md": [f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"], "docs/optimum_neuron.md": []}
-DOCS = list(SETUP)
+BUILD_TINY = f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"
+# Set up before a document runs, in its folder: shell commands, and what the stand-in Hub must hold.
+SETUP = {
+    "README.md": [BUILD_TINY],
+    "docs/tensor_parallel.md": [BUILD_TINY],
+    # `out/`: an export of a local copy of "Qwen/Qwen3.5-2B" (here the tiny checkpoint, also on the stand-in Hub).
+    "docs/hub.md": [
+        BUILD_TINY,
+        f"{sys.executable} -m optimum_qwen35 export --model tiny-checkpoint --batch_size 4 --sequence_length 128 "
+        "--torch_dtype bfloat16 --target cpu out/",
+    ],
+}
+HUB_SETUP = {
+    # The stand-in "Qwen/Qwen3.5-2B" holds the tiny checkpoint's config in bfloat16, the real model's dtype (the dtype
+    # is part of the registry digest: docs/hub.md).
+    "docs/hub.md": {"create": ["my-org/neuron-cache"], "upload": {"Qwen/Qwen3.5-2B": "tiny-checkpoint/config.json"},
+                    "dtype": "bfloat16"},
+}
+# (document, text of the command or block, text its output must hold, why): running is not enough where the doc
+# says what comes out. Every expectation must be met by some command or block.
+EXPECTED_OUTPUT = [
+    ("docs/hub.md", "optimum-cli neuron cache lookup", "bfloat16", "optimum-neuron's lookup lists the synced export"),
+    ("docs/hub.md", "optimum-qwen35 cache lookup", "cpu  4  128  1  bfloat16", "this package's lookup finds it"),
+    ("docs/hub.md", "print(lookup_registry(", "'batch_size': 4", "lookup_registry returns the entry"),
+    ("docs/hub.md", "optimum-qwen35 pull", "snapshots", "pull prints the downloaded folder"),
+]
 
 PYTHON_DRIVER = r"""
 import json, sys, traceback
@@ -133,13 +184,50 @@ def doc_hub(monkeypatch):
     from optimum_qwen35.testing.hub_server import HubServer
 
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True, raising=False)
-    with HubServer(tokens={HUB_TOKEN: ("my-org", True)}) as server:
+    with HubServer(tokens={HUB_TOKEN: (HUB_USER, True)}) as server:
         yield server
 
 
+def documents() -> list[str]:
+    return ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+
+
+def test_every_document_names_its_environment():
+    unlisted = [d for d in documents() if d not in DOCUMENTS]
+    assert unlisted == [], f"add {unlisted} to DOCUMENTS (the environment its blocks run in, or None)"
+    gone = [d for d in DOCUMENTS if not (ROOT / d).is_file()]
+    assert gone == [], f"DOCUMENTS lists documents that do not exist: {gone}"
+    for document, environment in DOCUMENTS.items():
+        if environment is None:
+            assert blocks(document) == [], f"{document} has bash/python blocks: name its environment in DOCUMENTS"
+
+
+def _run_setup(document: str, work: Path, env: dict, hub) -> None:
+    for command in SETUP.get(document, []):
+        result = subprocess.run(shlex.split(command), cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, f"setup `{command}` fails:\n{result.stderr[-3000:]}"
+    setup = HUB_SETUP.get(document, {})
+    for repo_id in setup.get("create", []):
+        hub.create_repo(repo_id)
+    for repo_id, source in setup.get("upload", {}).items():
+        config = json.loads((work / source).read_text())
+        config.get("text_config", config)["dtype"] = setup["dtype"]
+        hub.create_repo(repo_id)
+        hub.upload(repo_id, {Path(source).name: json.dumps(config).encode()})
+
+
+def _check_output(document: str, code: str, output: str, met: set) -> None:
+    for i, (doc, text, expected, why) in enumerate(EXPECTED_OUTPUT):
+        if doc == document and text in code:
+            assert expected in output, f"{document}: `{text}` should print {expected!r} ({why}); it printed:\n{output[-2000:]}"
+            met.add(i)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("document", DOCS)
+@pytest.mark.parametrize("document", [d for d, e in DOCUMENTS.items() if e is not None])
 def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
+    if DOCUMENTS[document] != ENVIRONMENT:
+        pytest.skip(f"{document} runs in the {DOCUMENTS[document]} environment (this is {ENVIRONMENT})")
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -148,11 +236,12 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
         "HF_HOME": str(tmp_path / "hf-home"),
         "HF_HUB_DISABLE_XET": "1",
     }
+    env.pop("CUSTOM_CACHE_REPO", None)
     work = tmp_path / "work"
     work.mkdir()
-    for command in SETUP[document]:
-        subprocess.run(shlex.split(command), cwd=work, env=env, check=True, capture_output=True, timeout=300)
+    _run_setup(document, work, env, doc_hub)
     used: set[int] = set()
+    met: set[int] = set()
     python = None
     ran = 0
     try:
@@ -163,8 +252,9 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
             code = substituted(document, code, used)
             if language == "python":
                 python = python or PythonSession(work, env)
-                status, _ = python.run(code)
+                status, output = python.run(code)
                 assert status == "ok", f"{document}: this block fails:\n{code}\n{status}"
+                _check_output(document, code, output, met)
             else:
                 for line in shell_lines(code):
                     for part in line.split(" && "):
@@ -173,6 +263,7 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
                             continue
                         result = subprocess.run(["bash", "-c", part], cwd=work, env=env, capture_output=True, text=True, timeout=900)
                         assert result.returncode == 0, f"{document}: `{part}` fails:\n{result.stderr[-3000:]}"
+                        _check_output(document, part, result.stdout, met)
             ran += 1
         if python is not None:
             noise = [line for line in python.errors().splitlines() if "are not valid and may be ignored" in line
@@ -181,6 +272,8 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
     finally:
         if python is not None:
             python.close()
-    assert ran >= 2
+    assert ran >= 1
     stale = [s[:3] for i, s in enumerate(SUBSTITUTIONS) if s[0] == document and i not in used]
     assert stale == [], f"substitutions that no longer apply (the doc changed): {stale}"
+    unmet = [e[:3] for i, e in enumerate(EXPECTED_OUTPUT) if e[0] == document and i not in met]
+    assert unmet == [], f"expected outputs of commands the doc no longer has: {unmet}"
