@@ -120,6 +120,23 @@ def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, 
     return [logits.float()[:, None, :], *layout.to_held(state)]
 
 
+def score(decoder, input_ids, position_ids) -> list[torch.Tensor]:
+    """The per-position logits graph's forward (`forward()` of a Neuron export): `[logits [B, T, vocab] fp32]` of
+    right-padded rows that start at position 0.
+
+    Pure: each row runs in its own slot of a zero state made inside the graph (a fresh sequence reads nothing
+    cached), and the updated state is dropped, so the held state of running sequences is neither read nor written
+    (the graph has no aliases)."""
+    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
+    batch, length = input_ids.shape
+    zeros = [torch.zeros(s.shape, dtype=s.dtype, device=input_ids.device) for s in decoder.state_specs(batch, length)]
+    seq_ids = torch.arange(batch, device=input_ids.device)
+    out = decoder.context_encoding(
+        input_ids, context_attention_mask(position_ids), position_ids, seq_ids, *zeros, all_logits=True
+    )
+    return [out[0].float()]
+
+
 def restore_state_dtypes(held: Sequence[torch.nn.Parameter], specs: Sequence[StateSpec]) -> None:
     """Give each held state back its dtype (the recurrent state fp32), in place on the same Parameter objects
     (the alias map refers to them), after optimum-neuron's load-time cast of every floating tensor."""

@@ -6,9 +6,10 @@
   `(input_ids, position_ids, seq_ids, sampling_params) -> [logits, *state]`;
 - `Qwen35DecoderModelInstance`: builds it, re-casts the state to its dtypes after optimum-neuron's load-time cast
   (the recurrent state back to fp32), and aliases every held state to its output;
-- `Qwen35NxDModelForCausalLM`, the `NxDModelForCausalLM` subclass: the two graphs (context encoding, token
-  generation; no speculation), compiler flags, and weights split per rank by this project's layout (`state_dict`)
-  instead of neuronx-distributed's splitter, which does not split plain parameters (A_log, dt_bias, conv_weight).
+- `Qwen35NxDModelForCausalLM`, the `NxDModelForCausalLM` subclass: the graphs (context encoding, token
+  generation, and the per-position logits graph of `forward()`; no speculation), compiler flags, and weights split
+  per rank by this project's layout (`state_dict`) instead of neuronx-distributed's splitter, which does not split
+  plain parameters (A_log, dt_bias, conv_weight).
 
 `optimum_qwen35.optimum.Qwen35NeuronModelForCausalLM` hands its Neuron targets to `Qwen35NxDModelForCausalLM`.
 None of this has run: see docs/neuron_backend.md.
@@ -33,8 +34,13 @@ from optimum.neuron.models.inference.backend.pretrained_model import get_shards_
 from safetensors.torch import save_file
 from torch import nn
 
+# The third graph's tag: logits of every position, for forward() (Qwen35LogitsBuilder).
+LOGITS_MODEL_TAG = "context_logits_model"
+
+from ..errors import UsageError
 from ..modeling.decoder import Qwen35Decoder
 from ..optimum.neuron_config import nxd_neuron_config
+from ..optimum.scoring import causal_lm_forward
 from . import glue
 from . import state_dict as weights
 from .layers import NxDLayers
@@ -71,7 +77,9 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
             nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in self.state_layout.held_specs
         )
 
-    def forward(self, input_ids, position_ids, seq_ids, sampling_params):
+    def forward(self, input_ids, position_ids, seq_ids=None, sampling_params=None):
+        if seq_ids is None:  # the per-position logits graph (two inputs: Qwen35LogitsBuilder)
+            return glue.score(self, input_ids, position_ids)
         return glue.step(self, self.state_layout, list(self.past_key_values), input_ids, position_ids, seq_ids)
 
 
@@ -89,9 +97,33 @@ class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
         return self.module, self.input_output_aliases
 
 
+class Qwen35LogitsModelInstance(Qwen35DecoderModelInstance):
+    def get(self, bucket_rank, **kwargs):
+        if bucket_rank != 0:
+            raise ValueError(f"one bucket per graph, got bucket_rank={bucket_rank}")
+        self.input_output_aliases = {}  # reads and writes no held state (glue.score)
+        return self.module, self.input_output_aliases
+
+
 class Qwen35DecoderBuilder(NxDDecoderBuilderForCausalLM):
     def get_model_instance(self):
         return Qwen35DecoderModelInstance(
+            model_cls=self.model_cls, config=self.config, neuron_config=self.neuron_config, n_positions=self.max_tokens
+        )
+
+
+class Qwen35LogitsBuilder(Qwen35DecoderBuilder):
+    """The per-position logits graph: (input_ids, position_ids) [1, max_context_length] -> logits of every position.
+
+    Two inputs, not the context-encoding graph's four: neuronx-distributed routes a call to a graph by the shapes of
+    its inputs, so the two graphs must differ there."""
+
+    def input_generator(self):
+        (input_ids, position_ids, _seq_ids, _sampling_params), = super().input_generator()
+        return [(input_ids, position_ids)]
+
+    def get_model_instance(self):
+        return Qwen35LogitsModelInstance(
             model_cls=self.model_cls, config=self.config, neuron_config=self.neuron_config, n_positions=self.max_tokens
         )
 
@@ -134,6 +166,38 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             wrapper = getattr(self, name)
             setattr(self, name, Qwen35DecoderWrapper(config, wrapper.neuron_config, traced_model, tag))
 
+    def forward(self, input_ids=None, position_ids=None, seq_ids=None, sampling_params=None, attention_mask=None,
+                labels=None, return_dict=None, **kwargs):
+        """Two callers. optimum-neuron's generation loop passes `seq_ids` and `sampling_params`: its own forward runs
+        (context encoding or token generation of the slots named). transformers' `model(input_ids, attention_mask,
+        labels)` passes neither: a `CausalLMOutput` with the logits of every position (`optimum.scoring`), each row
+        through the per-position logits graph, which reads and writes no slot."""
+        if seq_ids is not None or sampling_params is not None:
+            return super().forward(input_ids, position_ids, seq_ids, sampling_params, **kwargs)
+        return causal_lm_forward(
+            self._rows_logits, self.config.vocab_size, input_ids, attention_mask, labels, return_dict,
+            position_ids=position_ids, **kwargs,
+        )
+
+    def _rows_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        length = self.neuron_config.max_context_length
+        longest = max(map(len, prompts), default=0)
+        if longest > length:
+            raise UsageError(
+                f"an input of {longest} tokens is longer than the compiled context length ({length}): shorten it, or "
+                "score it in windows of at most that many tokens"
+            )
+        rows = []
+        for prompt in prompts:  # the graph is compiled for one row, as context encoding
+            ids = torch.tensor([prompt], dtype=torch.int32)
+            ids, positions = glue.pad_context_inputs(
+                ids, torch.arange(len(prompt), dtype=torch.int32)[None], length, self.config.pad_token_id or 0
+            )
+            logits = self._traced_model(ids, positions)  # routed to the logits graph by its two inputs
+            logits = logits[0] if isinstance(logits, (list, tuple)) else logits
+            rows.append(logits[0, : len(prompt)].float())
+        return rows
+
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config, neuron_config) -> dict:
         return weights.convert_hf_to_neuron_state_dict(state_dict, config, neuron_config)
@@ -159,6 +223,9 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             ),
             "token_generation": Qwen35DecoderBuilder(
                 config, tkg, max_tokens=tkg.sequence_length, active_tokens=1, model_cls=cls._model_cls, priority_model_idx=0
+            ),
+            LOGITS_MODEL_TAG: Qwen35LogitsBuilder(
+                config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
             ),
         }
 

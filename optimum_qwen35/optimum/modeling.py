@@ -437,46 +437,11 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         export, in waves of the compiled batch size, each row fresh from position 0 (no cache is read); the
         slots it borrows get their state back, so sequences running through prefill()/decode() are not disturbed.
         Inputs longer than the compiled sequence length are refused."""
-        from transformers.modeling_outputs import CausalLMOutput  # noqa: PLC0415
+        from .scoring import causal_lm_forward  # noqa: PLC0415
 
-        from .generation import _token_lists  # noqa: PLC0415
-
-        refused = sorted(
-            k for k, v in kwargs.items()
-            if k not in ("use_cache", "position_ids", "token_type_ids") and v not in (None, False)
+        return causal_lm_forward(
+            self.runtime.logits, self.config.vocab_size, input_ids, attention_mask, labels, return_dict, **kwargs
         )
-        if refused:
-            raise UsageError(
-                f"forward() does not take {refused}: it returns the logits of every position of input_ids "
-                "(use generate(), or prefill()/decode() for a cache)"
-            )
-        if input_ids is None:
-            raise UsageError("forward() needs input_ids, a 2-D integer tensor [batch, length]")
-        prompts = _token_lists(input_ids, attention_mask)
-        positions = None
-        if kwargs.get("position_ids") is not None:
-            positions = kwargs["position_ids"]
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            expected = (mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long()
-            if positions.shape != input_ids.shape or not torch.equal(positions.long() * mask.long(), expected):
-                raise UsageError("position_ids must count each row's real tokens from 0 (forward() scores whole sequences)")
-        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
-            raise UsageError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
-        rows = self.runtime.logits(prompts)
-        logits = torch.zeros(*input_ids.shape, rows[0].shape[-1] if rows else self.config.vocab_size)
-        for row, values in enumerate(rows):
-            if attention_mask is None:
-                logits[row, : values.shape[0]] = values
-            else:
-                logits[row, attention_mask[row].bool()] = values
-        loss = None
-        if labels is not None:
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1).long(), ignore_index=-100
-            )
-        if return_dict is False:
-            return (logits,) if loss is None else (loss, logits)
-        return CausalLMOutput(loss=loss, logits=logits)
 
     def reset(self) -> None:
         """Nothing to clear: a prefill replaces its slots' state whole."""

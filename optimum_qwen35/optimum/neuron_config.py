@@ -53,6 +53,16 @@ def nxd_neuron_config(checkpoint_id, checkpoint_revision, target, batch_size, se
     """The `NxDNeuronConfig` of a Qwen3.5 export, for any target (the cpu one and the Neuron ones alike)."""
     from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
 
+    if tp_degree == 0 and normalize_target(target) != CPU_TARGET:
+        # optimum-neuron's get_neuron_config counts the machine's Neuron cores when no degree is given.
+        raise UsageError(
+            f"no Neuron cores found on this machine to size target {target!r} (tensor_parallel_size=0): pass "
+            "tensor_parallel_size, or export for this machine with instance_type='cpu'"
+        )
+    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("tensor_parallel_size", tp_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
     return NxDNeuronConfig(
         checkpoint_id=checkpoint_id,
         checkpoint_revision=checkpoint_revision,

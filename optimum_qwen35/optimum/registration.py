@@ -15,6 +15,11 @@
   `_dispatch_qwen35_first` wraps `has_neuron_model_class` so that the two Qwen3.5 model types, while registered
   to this package's class, are answered from the registry without that import; every other model type goes
   through optimum-neuron's own function, unchanged.
+- `NeuronModelForCausalLM.get_neuron_config(model, instance_type="cpu", ...)`: optimum-neuron refuses "cpu" for every
+  model (`normalize_instance_type`) before it looks at the model. `_cpu_target_through_the_abstract_class` hands that
+  one call, for a Qwen3.5 config, to this package's `get_neuron_config` (which knows the cpu target); any other
+  call, and "cpu" for any other model, goes to optimum-neuron's method unchanged. `NeuronModelForCausalLM.export`
+  then dispatches through the registry like from_pretrained.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def register_model_class(cls) -> None:
     for model_type in MODEL_TYPES:
         register_neuron_model(model_type, TASK, "inference")(cls)
     _dispatch_qwen35_first()
+    _cpu_target_through_the_abstract_class()
     # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
     # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
     register_transformers()
@@ -74,8 +80,7 @@ def _dispatch_qwen35_first() -> None:
         return
 
     def has_neuron_model_class(model_type, task, mode):
-        cls = auto_model._REGISTERED_NEURON_MODELS.get((model_type, task, mode))
-        if model_type in MODEL_TYPES and cls is not None and cls.__module__.startswith("optimum_qwen35."):
+        if task == TASK and mode == "inference" and _registered_qwen35_class(model_type) is not None:
             return True
         return original(model_type, task, mode)
 
@@ -83,6 +88,46 @@ def _dispatch_qwen35_first() -> None:
     has_neuron_model_class.__wrapped__ = original
     has_neuron_model_class.__doc__ = original.__doc__
     auto_model.has_neuron_model_class = has_neuron_model_class
+
+
+def _registered_qwen35_class(model_type: str):
+    from optimum.neuron.models.auto_model import _REGISTERED_NEURON_MODELS  # noqa: PLC0415
+
+    cls = _REGISTERED_NEURON_MODELS.get((model_type, TASK, "inference"))
+    if model_type in MODEL_TYPES and cls is not None and cls.__module__.startswith("optimum_qwen35."):
+        return cls
+    return None
+
+
+def _cpu_target_through_the_abstract_class() -> None:
+    """`NeuronModelForCausalLM.get_neuron_config(..., instance_type="cpu")` for Qwen3.5 (see the module docstring).
+    Idempotent."""
+    import inspect  # noqa: PLC0415
+
+    from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM  # noqa: PLC0415
+
+    original = NeuronModelForCausalLM.get_neuron_config.__func__
+    if getattr(original, "_optimum_qwen35", False):
+        return
+
+    def get_neuron_config(cls, model_name_or_path, config=None, token=None, revision=None, instance_type=None, **kwargs):
+        if instance_type == "cpu" and inspect.isabstract(cls):
+            from transformers import AutoConfig  # noqa: PLC0415
+
+            text_config = config or AutoConfig.from_pretrained(
+                model_name_or_path, revision=revision, token=token
+            ).get_text_config()
+            qwen35_class = _registered_qwen35_class(text_config.model_type)
+            if qwen35_class is not None:
+                return qwen35_class.get_neuron_config(
+                    model_name_or_path, config=config, token=token, revision=revision, instance_type="cpu", **kwargs
+                )
+        return original(cls, model_name_or_path, config, token, revision, instance_type, **kwargs)
+
+    get_neuron_config._optimum_qwen35 = True
+    get_neuron_config.__wrapped__ = original
+    get_neuron_config.__doc__ = original.__doc__
+    NeuronModelForCausalLM.get_neuron_config = classmethod(get_neuron_config)
 
 
 def register() -> None:

@@ -34,7 +34,7 @@ from ..neuron import state_dict as weights
 from ..optimum import Qwen35NeuronModelForCausalLM
 from ..optimum.modeling import _export_config
 
-CONTEXT, TOKENS = "context_encoding", "token_generation"
+CONTEXT, TOKENS, LOGITS = "context_encoding", "token_generation", "context_logits_model"
 
 
 def neuron_config(folder: str | os.PathLike, target: str, tp: int = 1, dtype=torch.float32, batch_size: int = 2,
@@ -93,7 +93,7 @@ class Graph:
 
 
 def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False) -> dict[str, Graph]:
-    """Both graphs' modules as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
+    """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
     split), as the runtime loads them; otherwise the modules keep their initial values (enough to lower them)."""
     cls = model_class()
@@ -124,7 +124,7 @@ def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False) -> d
 
 @dataclass
 class Lowered:
-    parameter_ids: dict[str, int]  # aliased parameter name -> HLO parameter number (-1: not a graph input)
+    parameter_ids: dict[str, int]  # held state parameter name -> HLO parameter number (-1: not a graph input)
     num_outputs: int
     hlo: dict  # the HloModuleProto as JSON (torch-xla's `LoweringContext.hlo_json`)
 
@@ -145,7 +145,10 @@ def lower(graph: Graph) -> Lowered:
     context = torch_xla._XLAC.lowering.LoweringContext("qwen35")
     context.build(list(outputs))
     params = dict(graph.module.named_parameters())
-    ids = {name: context.tensor_parameter_id(params[name]) for name in graph.alias_names}
+    # Every held state tensor (the aliased ones, and those a graph without aliases must not read): -1 where the
+    # tensor is not an input of the graph.
+    held = [name for name in params if name.startswith("past_key_values.")]
+    ids = {name: context.tensor_parameter_id(params[name]) for name in held}
     lowered = Lowered(ids, len(outputs), json.loads(context.hlo_json()))
     # Lowered, not run (as `generate_hlo`): drop the pending computation, which a later sync would otherwise execute
     # (a TP 2 graph's collectives cannot run on this one-device CPU client).
@@ -234,4 +237,10 @@ class XlaGraphs:
             self.state[name] = outputs[output]
         torch_xla.sync()  # one graph execution: the logits and every state output
         return outputs[0].cpu()[:, 0]  # [B, vocab] fp32
+
+    def score(self, input_ids, position_ids) -> torch.Tensor:
+        """The per-position logits graph (no state in or out): logits [B, T, vocab] fp32."""
+        (logits,) = self.graphs[LOGITS].module(*(torch.as_tensor(t).to(self.device) for t in (input_ids, position_ids)))
+        torch_xla.sync()
+        return logits.cpu()
 

@@ -23,7 +23,7 @@ import torch
 
 from optimum_qwen35.neuron import glue
 from optimum_qwen35.testing.neuron_xla import (
-    CONTEXT, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, state_traffic, traced_parallel_state,
+    CONTEXT, LOGITS, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, state_traffic, traced_parallel_state,
 )
 
 from ..conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
@@ -47,9 +47,16 @@ def test_every_state_input_resolves_to_its_aliased_output(target, tp, dtype):
     assert nc.logical_nc_config == (2 if target == "trn2" else 1)
     with traced_parallel_state(tp, nc.logical_nc_config):
         graphs = build_graphs(FIXTURES / "tiny-nv3x", nc)
+        assert sorted(graphs) == sorted([CONTEXT, TOKENS, LOGITS])
         for key, graph in graphs.items():
             held = graph.module.state_layout.held_specs
             lowered = lower(graph)
+            if key == LOGITS:
+                # forward()'s graph: logits only, no alias, and no held state among its inputs (it reads no slot).
+                assert lowered.num_outputs == 1 and graph.alias_names == {}
+                read = sorted(name for name, i in lowered.parameter_ids.items() if i >= 0)
+                assert len(lowered.parameter_ids) == len(held) and not read, f"{key} reads held state {read}"
+                continue
             assert lowered.num_outputs == 1 + len(held)
             assert sorted(graph.alias_names.values()) == list(range(1, 1 + len(held)))
             unresolved = sorted(name for name, i in lowered.parameter_ids.items() if i < 0)
@@ -211,9 +218,11 @@ class TracedModel:
     def __init__(self, run: XlaGraphs):
         self.run = run
 
-    def __call__(self, input_ids, position_ids, seq_ids, sampling_params):
+    def __call__(self, input_ids, position_ids, *rest):
+        if not rest:  # (input_ids, position_ids): the per-position logits graph
+            return self.run.score(input_ids, position_ids)
         key = CONTEXT if input_ids.shape[-1] > 1 else TOKENS
-        return self.run(key, input_ids, position_ids, seq_ids)[:, None]
+        return self.run(key, input_ids, position_ids, rest[0])[:, None]
 
 
 def test_optimum_neurons_generate_drives_the_graphs():
@@ -244,3 +253,47 @@ def test_optimum_neurons_generate_drives_the_graphs():
         if tokens != expected:
             step = next(i for i, (x, y) in enumerate(zip(tokens, expected)) if x != y)
             assert float(ref[f"gen_margin_{j}"][step]) < TIE_MARGIN, f"prompt {j}: greedy tokens part at step {step}"
+
+
+def test_forward_gives_every_positions_logits_and_leaves_running_sequences_alone():
+    """`model(input_ids, attention_mask, labels)` on the class a Neuron export loads as: logits of every position of
+    four prompts (lengths 65, 2, 1, 64; left padding) within 1e-4 of transformers' through the per-position logits
+    graph, the loss as transformers computes it, and a sequence prefilled before the call decodes on as if nothing
+    had run in between."""
+    from optimum_qwen35.testing.neuron_xla import export_config, model_class
+
+    from optimum_qwen35.errors import UsageError
+
+    layout = "tiny-nv3x"
+    ref = load_reference(layout)
+    cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
+    prompts = [cases[n] for n in (65, 2, 1, 64)]
+    width = max(len(p) for p, _ in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p, _ in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in prompts])
+    nc = neuron_config(FIXTURES / layout, "trn2")
+    cls = model_class()
+    config = export_config(FIXTURES / layout, nc)
+    with traced_parallel_state(1, nc.logical_nc_config):
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
+        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+        running, running_logits = cases[63]
+        run(CONTEXT, *context_inputs(running[:40]), [0])  # a sequence in slot 0, mid-way
+        labels = ids.masked_fill(mask == 0, -100)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        worst = 0.0
+        for row, (prompt, logits) in enumerate(prompts):
+            got = out.logits[row, width - len(prompt):]
+            torch.testing.assert_close(got, logits, rtol=0, atol=LOGIT_ATOL)
+            assert not out.logits[row, : width - len(prompt)].any()
+            worst = max(worst, (got - logits).abs().max().item())
+        expected = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        torch.testing.assert_close(out.loss, expected)
+        for position in range(40, 63):  # slot 0 goes on undisturbed
+            got = run(TOKENS, column([running[position], 0]), column([position, 0]), [0, -1])[0]
+            torch.testing.assert_close(got, running_logits[position], rtol=0, atol=LOGIT_ATOL)
+        with pytest.raises(UsageError, match="longer than the compiled context length"):
+            model(input_ids=torch.zeros(1, SEQUENCE_LENGTH + 1, dtype=torch.long))
+    print(f"\nforward() on the logits graph: max |logit - transformers| {worst:.2e} over {sum(len(p) for p, _ in prompts)} positions")

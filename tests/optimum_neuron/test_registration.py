@@ -194,6 +194,39 @@ def test_abstract_neuron_model_class_loads_a_hub_export_and_checks_expectations(
         run_python(code, *args, env=env)
 
 
+def test_abstract_class_get_neuron_config_and_export_for_the_cpu_target(tmp_path):
+    """optimum-neuron's documented flow, `NeuronModelForCausalLM.get_neuron_config` then `.export`, with
+    instance_type="cpu" gives this package's cpu export; without the SDK and without instance_type, optimum-neuron's
+    own default (trn1, 0 Neuron cores counted) is one line; "cpu" for another model stays optimum-neuron's refusal."""
+    import torch
+    from optimum.neuron import NeuronModelForCausalLM
+    from transformers import LlamaConfig
+
+    from optimum_qwen35.errors import UsageError
+    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum.neuron_config import to_dict
+
+    from ..conftest import FIXTURES, load_reference
+
+    ref = load_reference("tiny-2b")
+    source = str(FIXTURES / "tiny-2b")
+    shape = dict(batch_size=1, sequence_length=128)
+    neuron_config = NeuronModelForCausalLM.get_neuron_config(source, instance_type="cpu", **shape)
+    direct = Qwen35NeuronModelForCausalLM.get_neuron_config(source, instance_type="cpu", **shape)
+    assert to_dict(neuron_config) == to_dict(direct) and neuron_config.target == "cpu"
+    model = NeuronModelForCausalLM.export(source, neuron_config, load_weights=True)
+    assert type(model) is Qwen35NeuronModelForCausalLM
+    prompt = ref["gen_prompt_0"].tolist()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert out[0, len(prompt):].tolist() == ref["gen_tokens_0"].tolist()[:8]
+
+    with pytest.raises(UsageError, match=r"no Neuron cores found .* instance_type='cpu'"):
+        NeuronModelForCausalLM.get_neuron_config(source, **shape)
+    LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="cpu is not a valid instance type"):
+        NeuronModelForCausalLM.get_neuron_config(str(tmp_path), instance_type="cpu", **shape)
+
+
 def test_dispatch_leaves_other_model_types_to_optimum_neuron():
     """Only the two Qwen3.5 model types skip optimum-neuron's import of its built-in models; any other model type
     still goes through optimum-neuron's own lookup (which, without the SDK, fails as it always did)."""
