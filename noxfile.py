@@ -47,7 +47,8 @@ def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK)."""
     session.install(TORCH, "-e", ".[tests,optimum]")
     _install_startup_file(session)
-    _pytest(session, "-m", "not reference")
+    # The NKI emulator and the kernels use neither transformers nor optimum-neuron: the reference session runs them.
+    _pytest(session, "-m", "not reference", "--ignore=tests/emulator", "--ignore=tests/kernels")
 
 
 # neuronx-distributed 0.15's source (tag v2.26.0), an unchanged copy kept beside the repository (see its README).
