@@ -17,6 +17,8 @@ gloo TP (the same model definition) is checked against TP 1 in tests/test_tensor
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,20 @@ class TracedModel:
         return self.run(key, input_ids, position_ids, rest[0])[:, None]
 
 
+@contextlib.contextmanager
+def model_on_xla(layout: str, target: str = "trn2"):
+    """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) around the XLA graphs,
+    with the graphs' run."""
+    from optimum_qwen35.testing.neuron_xla import export_config, model_class
+
+    nc = neuron_config(FIXTURES / layout, target)
+    cls = model_class()
+    config = export_config(FIXTURES / layout, nc)
+    with traced_parallel_state(1, nc.logical_nc_config):
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
+        yield cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc)), run
+
+
 def test_optimum_neurons_generate_drives_the_graphs():
     """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) built around the two
     graphs, and optimum-neuron's own `generate` (NxDGenerationMixin: right padding, context encoding row by row
@@ -232,20 +248,13 @@ def test_optimum_neurons_generate_drives_the_graphs():
     transformers'."""
     from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
 
-    from optimum_qwen35.testing.neuron_xla import export_config, model_class
-
     layout = "tiny-nv3x"
     ref = load_reference(layout)
     prompts = [ref["gen_prompt_0"].tolist(), ref["gen_prompt_1"].tolist()]
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    nc = neuron_config(FIXTURES / layout, "trn2")
-    cls = model_class()
-    config = export_config(FIXTURES / layout, nc)
-    with traced_parallel_state(1, nc.logical_nc_config):
-        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
-        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+    with model_on_xla(layout) as (model, _):
         assert isinstance(model.token_generation_model, Qwen35DecoderWrapper)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     for j, prompt in enumerate(prompts):
@@ -260,8 +269,6 @@ def test_forward_gives_every_positions_logits_and_leaves_running_sequences_alone
     four prompts (lengths 65, 2, 1, 64; left padding) within 1e-4 of transformers' through the per-position logits
     graph, the loss as transformers computes it, and a sequence prefilled before the call decodes on as if nothing
     had run in between."""
-    from optimum_qwen35.testing.neuron_xla import export_config, model_class
-
     from optimum_qwen35.errors import UsageError
 
     layout = "tiny-nv3x"
@@ -271,12 +278,7 @@ def test_forward_gives_every_positions_logits_and_leaves_running_sequences_alone
     width = max(len(p) for p, _ in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + list(p) for p, _ in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in prompts])
-    nc = neuron_config(FIXTURES / layout, "trn2")
-    cls = model_class()
-    config = export_config(FIXTURES / layout, nc)
-    with traced_parallel_state(1, nc.logical_nc_config):
-        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
-        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+    with model_on_xla(layout) as (model, run):
         running, running_logits = cases[63]
         run(CONTEXT, *context_inputs(running[:40]), [0])  # a sequence in slot 0, mid-way
         labels = ids.masked_fill(mask == 0, -100)
