@@ -262,6 +262,7 @@ class Headlines:
 
     prefill_lnc2: object
     prefill_lnc1: object
+    prefill_fp32_lnc2: object
     decode: dict  # batch -> (trace, state bytes read and written)
     decode_ideal_us: dict  # batch -> state traffic at the HBM bandwidth (the benchmark's reference)
     gdn_cte: object = None  # one head, one core
@@ -271,6 +272,7 @@ class Headlines:
         out = {
             "prefill LNC=2 (us)": self.prefill_lnc2.report(params).total_us,
             "prefill LNC=1 (us)": self.prefill_lnc1.report(params).total_us,
+            "prefill fp32 LNC=2 (us)": self.prefill_fp32_lnc2.report(params).total_us,
         }
         bw = cost.dma_bandwidth(target, params)
         for batch, (trace, nbytes) in self.decode.items():
@@ -281,6 +283,7 @@ class Headlines:
             gdn_layer = HEADS * self.gdn_cte.report(params).total_us
             out["gdn_cte / ours, 1 core"] = gdn_layer / out["prefill LNC=1 (us)"]
             out["gdn_cte / ours, 2 cores"] = gdn_layer / 2 / out["prefill LNC=2 (us)"]
+            out["gdn_cte / ours fp32, 2 cores"] = gdn_layer / 2 / out["prefill fp32 LNC=2 (us)"]
         return out
 
 
@@ -291,6 +294,8 @@ def trace_headlines(verbose: bool = True) -> Headlines:
     prefill2 = cost.last_trace()
     bench.prefill(TOKENS, "bf16", 1)
     prefill1 = cost.last_trace()
+    bench.prefill(TOKENS, "fp32", 2)
+    prefill_fp32 = cost.last_trace()
     decode, ideal = {}, {}
     for batch in (1, 8):
         _, ideal_us = bench.decode(batch)
@@ -305,10 +310,11 @@ def trace_headlines(verbose: bool = True) -> Headlines:
                  compute=False)
         gdn_trace = cost.last_trace()
     if verbose:
-        print(f"traced the DeltaNet kernels (benchmarks/deltanet_kernels.py: prefill {TOKENS} tokens bf16 operands "
-              f"LNC=2 and 1, decode at its default operands, batch 1 and 8) and gdn_cte in {time.time() - t0:.0f} s")
+        print(f"traced the DeltaNet kernels (benchmarks/deltanet_kernels.py: prefill {TOKENS} tokens, bf16 operands at "
+              f"LNC=2 and 1, fp32 at LNC=2; decode at its default operands, batch 1 and 8) and gdn_cte (one head, "
+              f"x {HEADS}) in {time.time() - t0:.0f} s")
         print(f"gdn_cte: {where}" if gdn is not None else f"gdn_cte not run: {where}")
-    return Headlines(prefill2, prefill1, decode, ideal, gdn_trace)
+    return Headlines(prefill2, prefill1, prefill_fp32, decode, ideal, gdn_trace)
 
 
 def sensitivity(headlines: Headlines | None = None, verbose: bool = True):
