@@ -132,12 +132,13 @@ def error(measurement: Measurement, estimate_value: float) -> float:
 
 
 def evaluate(traces: dict, params: cost.CostParams, measurements=MEASUREMENTS):
-    rows = []
+    rows, reports = [], {}
     for m in measurements:
         if m.workload not in traces:
             continue
-        report = traces[m.workload].report(params)
-        value = metric(report, m.metric)
+        if m.workload not in reports:  # one schedule per workload
+            reports[m.workload] = traces[m.workload].report(params)
+        value = metric(reports[m.workload], m.metric)
         rows.append((m, value, error(m, value)))
     return rows
 

@@ -192,7 +192,7 @@ def test_benchmark_quick_calibration_error_is_small():
 def test_calibration_errors_stay_in_their_stated_bands():
     """Every published measurement (docs/nki_emulator.md, "Calibration") re-estimated: each error within the band the
     docs state for it, and the DMA efficiency fitted on the matmul tutorial equal to the one cost.py uses (about
-    3-5 minutes)."""
+    2 minutes)."""
     rows, fitted = cost_model_benchmark().run(verbose=False)
     assert len(rows) == 17
     outside = [(m.workload, m.metric, round(err, 3), m.band) for m, _, err in rows if abs(err) > m.band]
