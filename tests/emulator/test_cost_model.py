@@ -315,3 +315,24 @@ def test_dma_transpose_is_priced_per_destination_tile():
     full = transpose_cost((64, 128), from_hbm=True)
     assert full.padded_nbytes == full.nbytes == 128 * 64 * 4
     assert cost.dma_seconds(full, bw) == pytest.approx(full.nbytes / (bw * params.dma_transpose_hbm_efficiency))
+
+
+def test_sensitivity_study_brackets_every_figure():
+    """The sensitivity study's mechanics on a small trace standing in for every headline kernel: each varied parameter
+    is priced at both ends, the envelope brackets the middle value, and the movers are ranked by their spread."""
+    bench = cost_model_benchmark()
+    trace = cost.Trace(TRN2)
+    trace.add("dma", "dma_copy", nbytes=1 << 16, chunks=2)
+    for _ in range(100):  # TensorE-bound: 100 x (LoadStationary of 128 columns + MultiplyMoving of 512)
+        trace.add("tensor", "LoadStationary", cycles=cost.load_stationary_cycles(128, False))
+        trace.add("tensor", "MultiplyMoving", cycles=cost.matmul_cycles(512, False))
+    headlines = bench.Headlines(trace, trace, trace, {1: (trace, 1 << 20)}, {1: 5.0}, trace)
+    mid, one, combos = bench.sensitivity(headlines, verbose=False)
+    assert set(one) == {p.field for p in cost.PARAMETERS if p.low != p.high}
+    for figure, value in mid.items():
+        assert combos["min"][figure] <= value * (1 + 1e-9) and value <= combos["max"][figure] * (1 + 1e-9)
+    # the LoadStationary cost moves the TensorE-bound time
+    low, high = one["load_stationary_factor"]
+    assert low["prefill LNC=2 (us)"] < mid["prefill LNC=2 (us)"] < high["prefill LNC=2 (us)"]
+    spread = [abs(hi - lo) for _, lo, hi in bench.movers(mid, one, "prefill LNC=2 (us)")]
+    assert spread == sorted(spread, reverse=True) and spread[0] > 0
