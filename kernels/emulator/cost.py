@@ -99,8 +99,8 @@ PARAMETERS = (
               f"sources disagree: 27 GiB/s ({TRN1_GUIDE}), 27.2 GB/s ({DMA_OVERVIEW}), 23 B/ns on trn2 "
               f"({DMA_GUIDE}); 16 engines exceed the HBM share at any of them"),
     Parameter("target.hbm_gbps_per_core", "GB/s", 2900 / 8, 2900 / 8, 3000 / 8, "source",
-              f"HBM per chip / 8 NeuronCores; sources disagree: 2.9 TB/s (trn2 product page, ANCHORS.md section 4), 3 TB/s "
-              f"({TRN2_GUIDE}); the DMA guide's aggregate 368 GB/s per NeuronCore lies between"),
+              "HBM per chip / 8 NeuronCores; sources disagree: 2.9 TB/s (trn2 product page, ANCHORS.md section 4), "
+              f"3 TB/s ({TRN2_GUIDE}); the DMA guide's aggregate 368 GB/s per NeuronCore lies between"),
     Parameter("dma_efficiency", "fraction of the DMA bandwidth", 0.70, 0.85, 1.0, "calibrated",
               "fitted on the kernel-optimization tutorial's profiler activity percentages "
               "(benchmarks/nki_cost_model.py): 0.85 with the middle values of the other parameters, 0.70 with "
