@@ -168,7 +168,7 @@ def _record_vector(name, eng, n_elems, n_inputs, tensors, reads, writes):
     if eng == "scalar":
         cycles = cost.scalar_cycles(n_elems)
     elif eng == "gpsimd":
-        cycles = max(n_elems, cost.MIN_II_CYCLES)
+        cycles = cost.gpsimd_cycles(n_elems)
     else:
         cycles = cost.vector_cycles(ctx.target, n_elems, n_inputs, [t.dtype for t in tensors])
     runtime.record(eng, name, cycles, reads=reads, writes=writes)
@@ -295,7 +295,12 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None, 
     else:
         dst._mark_written()
     nbytes = dst.size * dst.itemsize
-    runtime.record("dma", "dma_transpose", reads=[src], writes=[dst], nbytes=nbytes, chunks=dst.size)
+    # Trainium2 guide: the 16 DMA engines write one [128 partitions, 16 contiguous elements] destination tile at a
+    # time; the cost model may charge whole tiles (CostParams.dma_transpose_padding).
+    rows = dst.shape[0] if dst.ndim > 1 else 1
+    tiles = -(-rows // 128) * -(-(dst.size // rows) // 16)
+    runtime.record("dma", "dma_transpose", reads=[src], writes=[dst], nbytes=nbytes,
+                   transpose="sbuf" if src.on_chip else "hbm", padded_nbytes=tiles * 128 * 16 * dst.itemsize)
     return dst
 
 
@@ -418,7 +423,7 @@ def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_o
     if trace is not None:
         key = (stationary._buf.uid, stationary.offset, stationary.shape)
         if trace.loaded_stationary != key:
-            cycles = cost.matmul_cycles(stationary.free_size, fp32)
+            cycles = cost.load_stationary_cycles(stationary.free_size, fp32)
             runtime.record("tensor", "LoadStationary", cycles, reads=[stationary])
             trace.loaded_stationary = key
         cycles = cost.matmul_cycles(moving.free_size, fp32)
@@ -474,7 +479,7 @@ def _nc_transpose(dst, data, engine=engine.unknown, name=None, **kwargs):
     vals = data.read(what="nc_transpose")
     _write(dst, _flat(vals, data).T)
     if eng == "tensor":
-        runtime.record("tensor", "LoadStationary", cost.matmul_cycles(data.free_size, False), reads=[data])
+        runtime.record("tensor", "LoadStationary", cost.load_stationary_cycles(data.free_size, False), reads=[data])
         runtime.record("tensor", "Transpose", cost.matmul_cycles(data.partitions, False), writes=[dst])
         trace = runtime.current().trace
         if trace is not None:
@@ -621,7 +626,7 @@ def tensor_partition_reduce(dst, op, data, name=None, **kwargs):
     x = _flat(_f32(data, "tensor_partition_reduce"), data)
     res = op.reduce(x, axis=0, keepdims=True) if op.reduce is not None else _fold_axis(op, x, 0)
     _write(dst, res)
-    cycles = max(data.free_size * data.partitions / 16, cost.MIN_II_CYCLES)  # 8 cores x 16 partitions (assumption)
+    cycles = cost.gpsimd_cycles(data.free_size * data.partitions / 16)  # 8 cores x 16 partitions (assumption)
     runtime.record("gpsimd", "tensor_partition_reduce", cycles, reads=[data], writes=[dst])
     return dst
 
@@ -725,7 +730,7 @@ def iota(dst, pattern=None, offset=0, channel_multiplier=0, name=None, **kwargs)
         rule = "gpsimd-psum" if dst.buffer is psum else "memory-type"
         raise NkiRuleError(rule, f"iota writes SBUF, got {dst.buffer.value}")
     _write(dst, _pattern_values(dst, pattern, offset, channel_multiplier))
-    runtime.record("gpsimd", "iota", max(dst.free_size, cost.MIN_II_CYCLES), writes=[dst])
+    runtime.record("gpsimd", "iota", cost.gpsimd_cycles(dst.free_size), writes=[dst])
     return dst
 
 
@@ -744,7 +749,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     pred = resolve_op(cmp_op or equal).fn(affine, 0.0) != 0
     vals = _flat(_f32(on_true_tile, "affine_select"), on_true_tile)
     _write(dst, np.where(pred, vals, np.float32(on_false_value)))
-    cycles = max(dst.free_size, cost.MIN_II_CYCLES)
+    cycles = cost.gpsimd_cycles(dst.free_size)
     runtime.record("gpsimd", "affine_select", cycles, reads=[on_true_tile], writes=[dst])
     return dst
 

@@ -78,8 +78,9 @@ class Target:
     vector_ghz: float = 1.12
     scalar_ghz: float = 1.4
     gpsimd_ghz: float = 1.4
-    # Vector Engine elements per partition per cycle for (bf16/fp16, other dtypes)
-    vector_lane_width: tuple = (1, 1)
+    # Vector Engine elements per partition per cycle, bf16/fp16 and other dtypes
+    vector_lane_width_16bit: int = 1
+    vector_lane_width_other: int = 1
     # DMA
     dma_engines: int = 16
     dma_engine_gbps: float = 27 * 1.073741824  # 27 GiB/s per DMA engine, in GB/s
@@ -88,6 +89,10 @@ class Target:
     # supports an LNC degree ... of either 1 or 2", NKI LNC page; trn1/inf2 support only LNC=1).
     max_lnc: int = 1
     extras: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def vector_lane_width(self) -> tuple:
+        return self.vector_lane_width_16bit, self.vector_lane_width_other
 
     @property
     def psum_bank_bytes(self) -> int:
@@ -104,7 +109,8 @@ TRN2 = Target(
     vector_ghz=0.96,
     scalar_ghz=1.2,
     gpsimd_ghz=1.2,
-    vector_lane_width=(4, 2),
+    vector_lane_width_16bit=4,
+    vector_lane_width_other=2,
     hbm_gbps_per_core=2900.0 / 8,
     max_lnc=2,
 )

@@ -52,8 +52,10 @@ def use(context: Context):
         _stack.pop()
 
 
-def record(engine: str, name: str, cycles: float = 0.0, *, reads=(), writes=(), nbytes=0, chunks=0):
+def record(engine: str, name: str, cycles=0.0, *, reads=(), writes=(), nbytes=0, chunks=0, transpose="",
+           padded_nbytes=0):
     """Record one instruction in the active cost trace (no-op when the context does not trace)."""
     trace = current().trace
     if trace is not None:
-        trace.add(engine, name, cycles=cycles, reads=reads, writes=writes, nbytes=nbytes, chunks=chunks)
+        trace.add(engine, name, cycles=cycles, reads=reads, writes=writes, nbytes=nbytes, chunks=chunks,
+                  transpose=transpose, padded_nbytes=padded_nbytes)

@@ -97,6 +97,47 @@ def test_nkiobject_post_init_and_user_init_and_dataclass():
         GuideExample(1, True, 3)
 
 
+def test_dataclass_nkiobject_with_unannotated_fields_takes_its_fields():
+    """`@dataclass` on an NKIObject whose fields are plain class attributes (the NKI Library's attention_cte has
+    `SectionParams`, `AttnInternalBuffers`): Python's generated `__init__` would take no arguments; in NKI the class
+    behaves as without the decorator ("@dataclass is optional"), taking its fields in order."""
+
+    @dataclass
+    class Section(nl.NKIObject):
+        index = None  # no annotations: dataclasses sees no field
+        offset = 0
+        names = []
+
+    s = Section(3, offset=128)
+    assert (s.index, s.offset) == (3, 128)
+    assert (Section().index, Section().offset) == (None, 0)
+    Section().names.append("x")
+    assert Section().names == []
+
+    @dataclass
+    class Mixed(nl.NKIObject):  # annotated fields first, then the plain ones, as the guide's generated __init__
+        a: int = 1
+        b: int = None
+        c = 5
+
+        def __post_init__(self):
+            self.total = self.a + (self.b or 0) + self.c
+
+    m = Mixed(2, 3, 4)
+    assert (m.a, m.b, m.c, m.total) == (2, 3, 4, 9)
+    assert Mixed(c=10).total == 11
+    assert m == Mixed(2, 3, 4) and "Mixed(a=2, b=3)" in repr(m)  # the rest of what @dataclass adds is kept
+
+    class Hand(nl.NKIObject):
+        x = 1
+
+    def init(self, x):  # an __init__ assigned by hand (not generated) replaces NKI's, as for any class
+        self.x = -x
+
+    Hand.__init__ = init
+    assert Hand(4).x == -4
+
+
 # ------------------------------------------------------------------------------------------------ address=
 def test_explicit_address_reuse_is_not_over_capacity(fresh_context):
     # 8 PSUM banks of 2 KiB per partition. Two sets of 8 full-bank tiles placed on the same banks (a kernel that
