@@ -25,13 +25,15 @@ target's LNC degree (2 on trn2: the heads split over the two physical NeuronCore
 
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
-(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`: with the real NKI (`nki_import.USING_EMULATOR` False) it
-launches the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced Neuron graph:
-each launch becomes one custom call of the graph, compiled with it by neuronx-cc); on the emulator it hands them
-NumPy views of the same memory, so that the kernels' in-place state writes land in the torch tensors (copies of them
-first, when the slots ask for functional updates). The NKI kernels write the states they are given in place and
-return only o, which a custom call inside a traced graph cannot do (its outputs are its only effects): the real-NKI
-branch refuses functional updates, and the Neuron graphs do not choose these kernels (`neuron.glue.kernel_backend`).
+(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`. The kernels write none of their inputs: they read each row's
+initial states from its slot (`initial_slots`: the slot `Slots.gather_initial` reads, -1 for a fresh row's zero
+states) and return the new states per row ([B, ...]), as NxDI's DeltaNet kernels return their final state; the seam
+puts them into the slots with `Slots.write`, as the reference does (in place on CPU, functional in the Neuron graphs,
+where the scatter's result is the output aliased to the state input). With the real NKI (`nki_import.USING_EMULATOR`
+False) the seams launch the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced
+Neuron graph: each launch becomes one custom call of the graph, whose outputs are o and the states, compiled with it
+by neuronx-cc); on the emulator they hand them read-only NumPy views of the same memory (a kernel writing an input
+would raise).
 """
 
 from __future__ import annotations
@@ -91,13 +93,23 @@ def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, s
 
 # ------------------------------------------------------------------------------------------------------ NKI versions
 def _numpy(x: torch.Tensor) -> np.ndarray:
-    """A NumPy array sharing x's memory (bf16 through an int16 view), so that a kernel writing it writes x."""
-    if not x.is_contiguous():
-        raise ValueError("the NKI seams update states in place and need contiguous tensors")
-    x = x.detach()
+    """A read-only NumPy array sharing x's memory (bf16 through an int16 view): the kernels take their inputs as they
+    are, and a kernel writing one would fail here instead of changing the caller's tensor."""
+    x = x.detach().contiguous()
     if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x.numpy()
+        array = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = x.numpy()
+    array.flags.writeable = False
+    return array
+
+
+def _torch(x) -> torch.Tensor:
+    """A kernel output on the emulator (NumPy, bf16 as ml_dtypes) -> a torch tensor."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def _on_emulator() -> bool:
@@ -114,39 +126,37 @@ def _int32_row(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int32).reshape(1, -1).contiguous()
 
 
-def _states_for_kernel(slots, *states):
-    """The state tensors an in-place kernel may write: the given ones, or copies for functional updates (and not on
-    real NKI, where a kernel writing its inputs inside a traced graph would lose the writes); the fresh rows' slots
-    reset to zero first, since the kernels read each row's initial state from its slot."""
-    if not slots.in_place:
-        if not _on_emulator():
-            raise NotImplementedError(
-                "the NKI DeltaNet kernels write their state inputs in place and return only o; a Neuron graph needs "
-                "the updated states as outputs: use the 'torch' kernel backend there"
-            )
-        states = tuple(s.clone() for s in states)
+def _initial_slots(slots) -> torch.Tensor:
+    """[1, B] int32: the slot each row's initial states come from, as `Slots.gather_initial` reads them: the row's
+    slot (slot 0 for an inactive row, whose results no slot keeps), or -1 for zero states (a fresh row)."""
+    ids = slots.read
     if slots.fresh is not None:
-        states = tuple(slots.write(s, slots.gather_initial(s)) for s in states)
-    return states
+        ids = torch.where(slots.fresh, torch.full_like(ids, -1), ids)
+    return _int32_row(ids)
+
+
+def _launch(kernel, *args):
+    """Run an NKI kernel: on the torch tensors themselves with the real NKI (torch-xla tensors in a traced graph,
+    where the launch is one custom call whose outputs are its results); on the emulator, on read-only NumPy views of
+    the tensors' memory. Tensor arguments are made contiguous; other arguments pass as they are."""
+    args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    if not _on_emulator():
+        return kernel(*args)
+    outputs = kernel(*[_numpy(a) if isinstance(a, torch.Tensor) else a for a in args])
+    return tuple(_torch(o) for o in outputs)
 
 
 def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots,
                         tf32_matmul=False):
     from .tkg import gated_delta_rule_tkg
 
-    args = (mixed_qkv.contiguous(), a.contiguous(), b.contiguous(), A_log.float().contiguous(),
-            dt_bias.float().contiguous(), conv_weight.contiguous())
-    conv_state, recurrent_state = _states_for_kernel(slots, conv_state, recurrent_state)
-    if not _on_emulator():
-        # The real kernel, launched on the tensors as given: it writes the slots of conv_state and recurrent_state in
-        # place and returns o, as on the emulator (in place only: see `_states_for_kernel`).
-        o = gated_delta_rule_tkg(*args, conv_state, recurrent_state, _int32_row(slots.seq_ids), tf32_matmul)
-        return o, conv_state, recurrent_state
-    o = gated_delta_rule_tkg(
-        *map(_numpy, args), _numpy(conv_state), _numpy(recurrent_state), _numpy(_int32_row(slots.seq_ids)),
-        tf32_matmul,
+    # The kernel reads each row's initial states from its slot and returns the new ones per row [B, ...] (it writes
+    # none of its inputs); they go into the slots as the reference's do (`Slots.write`: in place or functional).
+    o, new_conv, new_state = _launch(
+        gated_delta_rule_tkg, mixed_qkv, a, b, A_log.float(), dt_bias.float(), conv_weight, conv_state,
+        recurrent_state, _initial_slots(slots), tf32_matmul,
     )
-    return torch.from_numpy(np.asarray(o, dtype=np.float32)), conv_state, recurrent_state
+    return o, slots.write(conv_state, new_conv), slots.write(recurrent_state, new_state)
 
 
 def _lnc() -> int:
@@ -166,22 +176,13 @@ def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, le
 
     if lengths is None:
         lengths = torch.full((q.shape[0],), q.shape[2], dtype=torch.int32, device=q.device)
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(), b.contiguous(),
-            A_log.float().contiguous(), dt_bias.float().contiguous())
     kernel = gated_delta_rule_cte[_lnc()]  # LNC=2 on trn2: half the heads on each physical core
-    (recurrent_state,) = _states_for_kernel(slots, recurrent_state)
-    seq_ids = _int32_row(slots.seq_ids)
-    if not _on_emulator():
-        # The real kernel on the tensors as given; the solve masks (a constant) go to the device with them. It writes
-        # the slots' final states into recurrent_state in place and returns o.
-        masks = torch.from_numpy(solve_masks()).to(q.device)
-        o = kernel(*args, recurrent_state, seq_ids, _int32_row(lengths), masks, tf32_matmul, bf16_matmul)
-        return o, recurrent_state
-    o = kernel(
-        *map(_numpy, args), _numpy(recurrent_state), _numpy(seq_ids), _numpy(_int32_row(lengths)),
-        solve_masks(), tf32_matmul, bf16_matmul,
+    masks = torch.from_numpy(solve_masks()).to(q.device)  # a constant input
+    o, final = _launch(
+        kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), recurrent_state, _initial_slots(slots),
+        _int32_row(lengths), masks, tf32_matmul, bf16_matmul,
     )
-    return torch.from_numpy(np.asarray(o, dtype=np.float32)), recurrent_state
+    return o, slots.write(recurrent_state, final)
 
 
 def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul=False):

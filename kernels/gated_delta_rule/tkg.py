@@ -1,6 +1,6 @@
 """NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every active slot and head.
 
-Per batch row b (slot s = seq_ids[b]; -1 marks an inactive row that reads and writes nothing) and per value head h
+Per batch row b (initial states from slot s = initial_slots[b]; -1: zero initial states) and per value head h
 (key head kh = h // (nv / nk)), from the raw projections of the token:
 
     window = [conv_state[s] | mixed_qkv[b]]                  causal depthwise conv, kernel K
@@ -9,22 +9,22 @@ Per batch row b (slot s = seq_ids[b]; -1 marks an inactive row that reads and wr
     beta   = sigmoid(b_raw),  g = -exp(A_log) * softplus(a_raw + dt_bias),  decay = exp(g) (<= 1)
     mem    = S^T k,  Sq = S^T q                   (S = recurrent_state[s, h], fp32, [dk, dv])
     delta  = beta * (v - decay * mem)
-    S      = decay * S + k delta^T                (written back to recurrent_state[s, h] in place, fp32)
+    S      = decay * S + k delta^T                (returned: state_out[b, h], fp32)
     o      = S^T q = decay * Sq + (k . q) delta
-    conv_state[s] = window[:, 1:]                 (in place)
+    conv_out[b] = window[:, 1:]                   (returned)
 
 Layouts (HBM): mixed_qkv [B, C] with C = 2 nk dk + nv dv ordered [q | k | v] (the in_proj_qkv output before the
 conv, activation dtype); a, b [B, nv] raw (activation dtype); A_log, dt_bias [nv] fp32; conv_weight [C, K];
-conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk, dv] fp32; seq_ids [1, B] int32.
-Returns o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside). conv_state and recurrent_state are
-updated in place.
+conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk, dv] fp32; initial_slots [1, B]
+int32. Returns (o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside), conv_out [B, C, K - 1],
+state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 
 On chip: the conv runs with heads on partitions ([2 nk, dk, K] for q/k, [nv, dv, K] for v, contiguous rows of the
 HBM tensors); TensorE transposes bring q, k, v to columns ([dk, 2 nk], [dv, nv]); the state of a head is an fp32
 [dk (partitions), dv] tile. Per head, one TensorE matmul gives S^T [k q] as two dv-columns; delta is formed for all
 heads at once; a second matmul (ones^T diag(delta), four heads per matmul) broadcasts delta along the free axis, and
-one VectorE instruction forms decay * S + k * delta (decay * S on ScalarE). Loads and stores of the slot's state go
-through `.ap(scalar_offset=seq_id)` with `oob_mode.skip`, so an inactive row (seq_id -1) touches no state.
+one VectorE instruction forms decay * S + k * delta (decay * S on ScalarE). Loads of the slot's state go through
+`.ap(scalar_offset=slot)`.
 
 Limits: dk, dv <= 128; 2 nk <= 128, nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every
 exponent is <= 0 (decay = exp(g), g <= 0). The state is never rounded below fp32.
@@ -53,7 +53,7 @@ def _bcast_rows(vector_hbm, partitions, n):
 
 
 @nki.jit
-def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
+def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, initial_slots,
                          tf32_matmul=False):
     B, C = mixed_qkv.shape
     nv = a.shape[1]
@@ -69,6 +69,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     P = 128
 
     o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
+    conv_out = nl.ndarray((B, C, K - 1), dtype=conv_state.dtype, buffer=nl.shared_hbm)
+    state_out = nl.ndarray((B, nv, dk, dv), dtype=f32, buffer=nl.shared_hbm)
 
     # ---------------------------------------------------------------- constants and gates for every row
     ones_dk = nl.ndarray((dk, dk), dtype=f32, buffer=nl.sbuf)
@@ -85,12 +87,16 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     eps_col = nl.ndarray((dk, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(eps_col, L2_EPS)
 
-    # Slots: rows read max(seq_id, 0) (an inactive row reads slot 0, harmlessly, as the unfused model does) and
-    # write seq_id with oob_mode.skip, so that seq_id -1 writes nothing.
-    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq, src=seq_ids)
+    # Initial states: row b starts from slot initial_slots[b], or from zero states where that is -1 (a fresh or an
+    # inactive row). Every row reads slot max(id, 0) (in range) and scales what it read by keep = (id >= 0): the
+    # recurrent state enters every formula through decay * S (folded into decay), the conv state through the window.
     seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=seq_read, data=seq, op0=nl.maximum, operand0=0)
+    nisa.dma_copy(dst=seq_read, src=initial_slots)
+    nisa.tensor_scalar(dst=seq_read, data=seq_read, op0=nl.maximum, operand0=0)
+    ids_bc = nl.ndarray((P, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_bc, src=_bcast_rows(initial_slots, P, B))
+    keep = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=ids_bc, op0=nl.greater_equal, operand0=0)
 
     w_qk = nl.ndarray((2 * nk, dk, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_qk, src=conv_weight.ap(pattern=[[dk * K, 2 * nk], [K, dk], [1, K]], offset=0))
@@ -117,6 +123,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
     decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
     nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
+    nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
     # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32).
     beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
     nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
@@ -164,7 +171,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         states.append(row_tiles)
 
     for bi in range(B):
-        slot = seq[0:1, bi:bi + 1]
         state = states[bi]
         state_mm = state
         if mm != f32:  # the matmul copies (issued here, in row order, so no engine stream waits on a later row's load)
@@ -178,19 +184,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         # ------------------------------------------------------------ conv window: [state | x], heads on partitions
         # The window assembled on chip.
         st_qk, st_v, x_in_qk, x_in_v = conv_inputs[bi]
-        qk_state = conv_state.ap(pattern=qk_pattern, offset=0, scalar_offset=slot, indirect_dim=0)
-        v_state = conv_state.ap(pattern=v_pattern, offset=qk_ch * (K - 1), scalar_offset=slot, indirect_dim=0)
         win_qk = nl.ndarray((2 * nk, dk, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=win_qk[:, :, 0:K - 1], src=st_qk)
+        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:2 * nk, bi:bi + 1])
         nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk)
         win_v = nl.ndarray((nv, dv, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=win_v[:, :, 0:K - 1], src=st_v)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:nv, bi:bi + 1])
         nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v)
         # The new conv state: the last K - 1 inputs.
         nisa.tensor_copy(dst=st_qk, src=win_qk[:, :, 1:K])
         nisa.tensor_copy(dst=st_v, src=win_v[:, :, 1:K])
-        nisa.dma_copy(dst=qk_state, src=st_qk, oob_mode=nisa.oob_mode.skip)
-        nisa.dma_copy(dst=v_state, src=st_v, oob_mode=nisa.oob_mode.skip)
+        nisa.dma_copy(dst=conv_out.ap(pattern=qk_pattern, offset=bi * C * (K - 1)), src=st_qk)
+        nisa.dma_copy(dst=conv_out.ap(pattern=v_pattern, offset=(bi * C + qk_ch) * (K - 1)), src=st_v)
 
         # ------------------------------------------------------------ conv + SiLU (fp32), rounded to the activation
         # dtype as the unfused model rounds its conv output
@@ -284,9 +288,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                 nisa.scalar_tensor_tensor(dst=new_state[:, j, :], data=rows[:, j, :], op0=nl.multiply,
                                           operand0=qk[:, nk + kh:nk + kh + 1], op1=nl.add, operand1=decayed)
             nisa.dma_copy(
-                dst=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
-                                       offset=h0 * dk * dv, scalar_offset=slot, indirect_dim=0),
-                src=new_state, oob_mode=nisa.oob_mode.skip,
+                dst=state_out.ap(pattern=[[dv, dk], [dk * dv, hn], [1, dv]], offset=(bi * nv + h0) * dk * dv),
+                src=new_state,
             )
         states[bi] = None
-    return o_out
+    return o_out, conv_out, state_out

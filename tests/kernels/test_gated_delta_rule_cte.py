@@ -142,3 +142,22 @@ def test_adversarial_2048_tokens_finite():
                                           torch.zeros(1, 1, dk, dv, dtype=torch.float64))
     assert rel(o, o64) <= 1e-3
     assert rel(nki["recurrent_state"], s64) <= 1e-3
+
+
+def test_kernel_returns_the_state_and_writes_no_input():
+    """The kernel returns o and each row's final state (no in-place writes): its inputs are read-only arrays here (a
+    write raises) and stay bit for bit as they were; the seam puts the states into the slots functionally, as the
+    reference does (a fresh row starts from a zero state)."""
+    inputs = make(3, 3, 2, 4, 16, 32, 150, torch.float32, seed=9)
+    given = {k: v.clone() for k, v in inputs.items()}
+    seq_ids, lengths = torch.tensor([2, -1, 0]), torch.tensor([150, 150, 40])
+    fresh = torch.tensor([False, False, True])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    o_ref, state_ref = fused.deltanet_prefill_reference(**ref, slots=Slots(seq_ids, fresh, in_place=False),
+                                                        lengths=lengths)
+    o, state = fused.deltanet_prefill_nki(**inputs, slots=Slots(seq_ids, fresh, in_place=False), lengths=lengths)
+    assert all(torch.equal(inputs[k], given[k]) for k in inputs)
+    assert state is not inputs["recurrent_state"]
+    assert rel(state, state_ref) <= 1e-4
+    assert torch.equal(state[1], inputs["recurrent_state"][1])  # no active row names slot 1
+    assert rel(o[0], o_ref[0]) <= 1e-4 and rel(o[2, :, :40], o_ref[2, :, :40]) <= 1e-4

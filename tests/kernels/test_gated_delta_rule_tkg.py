@@ -95,3 +95,31 @@ def test_decode_steps_chain_in_place():
         o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids))[0]
         assert rel(o_nki, o_ref) <= 1e-4
     assert rel(nki["recurrent_state"], ref["recurrent_state"]) <= 1e-4
+
+
+def test_kernel_returns_the_states_and_writes_no_input():
+    """The kernel returns o and each row's new conv and recurrent states (no in-place writes): its inputs are
+    read-only arrays here (a write raises) and stay bit for bit as they were. The seam puts the rows' states into
+    the slots functionally, as the reference does (a fresh row starts from zero states, an inactive row changes
+    nothing)."""
+    from optimum_qwen35.kernels.gated_delta_rule.tkg import gated_delta_rule_tkg
+
+    inputs = make(3, 4, 2, 4, 16, 32, torch.float32, seed=4)
+    given = {k: v.clone() for k, v in inputs.items()}
+    seq_ids, fresh = torch.tensor([3, -1, 1]), torch.tensor([False, False, True])
+    ref = {k: v.clone() for k, v in inputs.items()}
+    o_ref, conv_ref, state_ref = fused.deltanet_decode_reference(**ref, slots=Slots(seq_ids, fresh, in_place=False))
+    o, conv, state = fused.deltanet_decode_nki(**inputs, slots=Slots(seq_ids, fresh, in_place=False))
+    assert all(torch.equal(inputs[k], given[k]) for k in inputs)
+    assert conv is not inputs["conv_state"] and state is not inputs["recurrent_state"]
+    assert torch.equal(conv, conv_ref)
+    assert rel(state, state_ref) <= 1e-4
+    assert rel(o[[0, 2]], o_ref[[0, 2]]) <= 1e-4
+
+    # The kernel itself: per-row outputs [B, ...] from read-only inputs.
+    arrays = {k: fused._numpy(v) for k, v in inputs.items()}
+    initial = fused._numpy(torch.tensor([[3, 0, -1]], dtype=torch.int32))
+    o_k, conv_k, state_k = gated_delta_rule_tkg(**arrays, initial_slots=initial)
+    assert conv_k.shape == (3, *inputs["conv_state"].shape[1:]) and state_k.shape == (3, 4, 16, 32)
+    assert torch.equal(torch.from_numpy(conv_k[2]), conv_ref[1])  # the fresh row's state went to slot 1
+    assert rel(torch.from_numpy(state_k[0]), state_ref[3]) <= 1e-4
