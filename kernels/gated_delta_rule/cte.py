@@ -66,6 +66,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..nki_import import nki, nisa, nl
+from .operands import matmul_dtype
 
 CHUNK = 128
 L2_EPS = 1e-6
@@ -139,22 +140,16 @@ def _load_chunk(q, k, v, a, b, bi, hs, group, c):
 
 @nki.jit
 def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, initial_slots, lengths, solve_masks,
-                         tf32_matmul=False, bf16_matmul=False):
+                         operands="auto"):
     B, nk, T, dk = q.shape
     nv, dv = v.shape[1], v.shape[3]
     group = nv // nk
     C = CHUNK
     f32 = nl.float32
-    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost); tf32 (`tf32_matmul`, bf16 inputs only: bf16's TensorE
-    # rate, 10 mantissa bits, ~1e-3 relative error); or bf16 (`bf16_matmul`, bf16 inputs only: bf16's rate and
-    # VectorE's bf16 lane width, ~1e-2 relative error, inside the bf16 tolerance). Gates, their cumulative sums (which
+    # TensorE operands (operands.py): by default bf16 for bf16 activations (bf16's TensorE rate and VectorE's bf16 lane
+    # width, ~1e-2 relative error, inside the bf16 tolerance), fp32 for fp32 ones. Gates, their cumulative sums (which
     # are exponentiated), the decay factors and the carried state stay fp32 in every mode.
-    if q.dtype != f32 and bf16_matmul:
-        mm = nl.bfloat16
-    elif q.dtype != f32 and tf32_matmul:
-        mm = nl.tfloat32
-    else:
-        mm = f32
+    mm = matmul_dtype(operands, q.dtype)
     levels = solve_masks.shape[0]
     assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
     n_chunks = (T + C - 1) // C

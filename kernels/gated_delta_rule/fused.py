@@ -17,11 +17,10 @@
 Whether the states come back written in place or as updated copies is `slots.in_place` (the layer factory's choice:
 in place on CPU, functional in the Neuron graphs, whose aliased outputs must be new values; see modeling/state.py).
 
-The NKI versions take `tf32_matmul` (default False): tf32 TensorE operands for bf16 activations, at the bf16 TensorE
-rate, instead of fp32 ones (exact; what the `nki` backend runs, so that it gives the reference's greedy tokens).
-`run_prefill_kernel` also offers bf16 operands (`bf16_matmul=True`, bf16 activations: the fastest prefill, within
-the bf16 tolerance; the mode of the cost target in docs/kernels.md). The prefill kernel is launched with the
-target's LNC degree (2 on trn2: the heads split over the two physical NeuronCores of the logical core).
+The NKI versions take `operands` (operands.py): "auto" (default) gives bf16 TensorE operands for bf16 activations and
+fp32 ones for fp32 activations (fp32 accumulation and an fp32 state either way); "fp32" (exact) and "tf32" stay
+available for bf16 activations. The prefill kernel is launched with the target's LNC degree (2 on trn2: the heads
+split over the two physical NeuronCores of the logical core).
 
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
@@ -147,14 +146,14 @@ def _launch(kernel, *args):
 
 
 def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots,
-                        tf32_matmul=False):
+                        operands="auto"):
     from .tkg import gated_delta_rule_tkg
 
     # The kernel reads each row's initial states from its slot and returns the new ones per row [B, ...] (it writes
     # none of its inputs); they go into the slots as the reference's do (`Slots.write`: in place or functional).
     o, new_conv, new_state = _launch(
         gated_delta_rule_tkg, mixed_qkv, a, b, A_log.float(), dt_bias.float(), conv_weight, conv_state,
-        recurrent_state, _initial_slots(slots), tf32_matmul,
+        recurrent_state, _initial_slots(slots), operands,
     )
     return o, slots.write(conv_state, new_conv), slots.write(recurrent_state, new_state)
 
@@ -168,10 +167,7 @@ def _lnc() -> int:
     return get_target(_default_target_name()).max_lnc
 
 
-def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul=False,
-                       bf16_matmul=False):
-    """`deltanet_prefill_nki` with the operand choice of the kernel: fp32 (default), tf32 or bf16 TensorE operands
-    (the last two for bf16 activations only; see cte.py)."""
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, operands="auto"):
     from .cte import gated_delta_rule_cte, solve_masks
 
     if lengths is None:
@@ -180,10 +176,6 @@ def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, le
     masks = torch.from_numpy(solve_masks()).to(q.device)  # a constant input
     o, final = _launch(
         kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), recurrent_state, _initial_slots(slots),
-        _int32_row(lengths), masks, tf32_matmul, bf16_matmul,
+        _int32_row(lengths), masks, operands,
     )
     return o, slots.write(recurrent_state, final)
-
-
-def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul=False):
-    return run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul)

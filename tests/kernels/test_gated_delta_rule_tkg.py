@@ -56,14 +56,16 @@ def test_decode_matches_reference(shape, dtype, tol):
         assert torch.equal(nki["conv_state"][slot], ref["conv_state"][slot])
 
 
-def test_tf32_operands_bf16_2b_shape():
-    """tf32_matmul=True (tf32 TensorE operands) with bf16 activations: within the bf16 tolerance."""
+@pytest.mark.parametrize("operands", ["tf32", "fp32"])
+def test_other_operands_bf16_2b_shape(operands):
+    """tf32 and fp32 TensorE operands (options for bf16 activations; the default is bf16) at the 2B layer shape:
+    within the bf16 tolerance."""
     inputs = make(1, 2, 16, 16, 128, 128, torch.bfloat16, seed=5)
     seq_ids = torch.tensor([1])
     ref = {k: v.clone() for k, v in inputs.items()}
     nki = {k: v.clone() for k, v in inputs.items()}
     o_ref = fused.deltanet_decode_reference(**ref, slots=Slots(seq_ids))[0]
-    o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids), tf32_matmul=True)[0]
+    o_nki = fused.deltanet_decode_nki(**nki, slots=Slots(seq_ids), operands=operands)[0]
     assert rel(o_nki, o_ref) <= 2e-2
     assert rel(nki["recurrent_state"][1], ref["recurrent_state"][1]) <= 2e-2
 
