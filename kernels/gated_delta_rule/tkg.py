@@ -64,14 +64,12 @@ def _spread(t, shape, dims):
 def _layout(B, nv, dk, dv, heads_per_piece=None):
     """The on-chip state layout: R rows of a head's [dk, dv] state per partition (R dv fp32 contiguous in HBM: at least
     4 KiB where dk allows), nb = dk / R partitions per head, and pieces of hp heads (hp divides nv, hp nb <= 128
-    partitions; by default half the partitions at batch 1, so that a slot's state streams in four pieces, else all)."""
+    partitions: by default as many as fit; a piece's instructions cost the same on fewer partitions)."""
     R = min(dk, max(1, -(-1024 // dv)))  # R dv 4 bytes >= 4 KiB
     while dk % R:
         R += 1
     nb = dk // R
     limit = 128 // nb if heads_per_piece is None else min(heads_per_piece, 128 // nb)
-    if heads_per_piece is None and B == 1 and nv * nb > 128:
-        limit = max(1, limit // 2)
     hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0)
     return R, nb, hp
 
@@ -144,7 +142,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             nisa.dma_copy(dst=view, src=part) if store else nisa.dma_copy(dst=part, src=view)
 
     def v_view(src, row_elems, base, slot=None):
-        """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels), jl row_elems]."""
+        """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels),
+        jl row_elems]."""
         pattern = [[jl * row_elems, Pv], [1, jl * row_elems]]
         if slot is None:
             return src.ap(pattern=pattern, offset=base + qk_ch * row_elems)
@@ -209,8 +208,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.memset(eps_col, L2_EPS)
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1, on_true_tile=ones[0:Pv, 0:vb * nv].reshape((Pv, vb, nv)),
-                       on_false_value=0.0, cmp_op=nl.equal)
+    nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1,
+                       on_true_tile=ones[0:Pv, 0:vb * nv].reshape((Pv, vb, nv)), on_false_value=0.0,
+                       cmp_op=nl.equal)  # p == vb h + blk
     block_v32 = nl.ndarray((Pv, vb), dtype=f32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=block_v32, op=nl.add, data=at_bh, axis=2)
     block_v = nl.ndarray((Pv, vb), dtype=act, buffer=nl.sbuf)
@@ -249,30 +249,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
 
     # ---------------------------------------------------------------- per row and piece: the state
-    for bi in range(B):
+    # Per row: the conv, norms and selectors of every piece (`row_inputs`); per row and piece: the state's matmul
+    # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
+    # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
+    # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
+    def row_inputs(bi):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
         win_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x]
         nisa.tensor_tensor(dst=win_qk[:, :, :, :, 0:K - 1], data1=st_qk,
-                           data2=_spread(keep[0:Pn, bi:bi + 1], (Pn, NP, 2, R, K - 1), (0, 1)), op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_qk[:, :, :, :, K - 1:K], src=x_in_qk, engine=nisa.engine.gpsimd)
-        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
+                           data2=_spread(keep[0:Pn, bi:bi + 1], (Pn, NP, 2, R, K - 1), (0, 1)), op=nl.multiply,
                            engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_qk[:, :, :, :, K - 1:K], src=x_in_qk, engine=nisa.engine.gpsimd)
         prod_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
         acc_qk = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=4)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
         nisa.activation(dst=x_qk, op=nl.silu, data=acc_qk)
-        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
-
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
         sq = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply)
@@ -294,14 +288,15 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_tensor(dst=kq, data1=kq, data2=totals[:, :, 2], op=nl.multiply, engine=nisa.engine.gpsimd)
         qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
-        # the reduction's moving operands: sel[p, b, piece, r, (k|q), h] = (k|q)[p, r] if p is in head h, else 0
+        # the reduction's moving operands: sel[p, piece, r, (k|q), h] = (k|q)[p, r] if p is in head h, else 0
         sel = nl.ndarray((Pn, NP, R, 2, hp), dtype=mm, buffer=nl.sbuf)
         kq_order = qk_n.permute((0, 1, 3, 2))  # [Pn, NP, R, (q|k)]
         for c, src in ((0, 1), (1, 0)):  # k first, then q
-            nisa.tensor_tensor(dst=sel[:, :, :, c, :], data1=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
+            nisa.tensor_tensor(dst=sel[:, :, :, c, :],
+                               data1=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
                                data2=_spread(head_of, (Pn, NP, R, hp), (0, 3)), op=nl.multiply,
                                engine=nisa.engine.gpsimd if c else nisa.engine.vector)
-        # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, B, NP, hp]
+        # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
         kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
                            data2=_spread(kq, (Pn, NP, hp), (0, 1)), op=nl.multiply, engine=nisa.engine.gpsimd)
@@ -309,15 +304,109 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
         kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
+        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
+        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
+
         # v^T [dv, nv] (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to
         # their block's position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
         v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)), data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
+        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
+                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
                            op=nl.multiply, engine=nisa.engine.gpsimd)
         v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
         bv = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=bv, data1=v_ps, data2=beta[0:dv, bi, :], op=nl.multiply)
+
+        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, bv=bv, win_qk=win_qk, win_v=win_v)
+
+    def start(bi, pi):
+        h0 = pi * hp
+        gate = slice(h0, h0 + hp)
+        S = states[bi][pi]
+        # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
+        # decay S (GpSimd; it needs no delta)
+        halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
+        S_mm = []
+        for r0, r1 in halves:
+            if mm == f32:
+                S_mm.append((r0, S))
+                continue
+            tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
+            S_mm.append((r0, tile))
+        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=decayed, data=S, op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
+                           engine=nisa.engine.gpsimd)
+
+        return S_mm, halves, decayed
+
+    def finish(bi, pi, started, row):
+        h0 = pi * hp
+        gate = slice(h0, h0 + hp)
+        S_mm, halves, decayed = started
+        sel, qk_n, kq_cols, bv = row['sel'], row['qk_n'], row['kq_cols'], row['bv']
+        # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
+        # (heads x blocks) for one state row of every block
+        msq_ps = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.psum)
+        for r in range(R):
+            r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
+            row = r if mm == f32 else r - r0
+            nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
+        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
+
+        # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
+        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=delta, data1=msq[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=delta, data1=delta, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
+        # delta of each partition's head along the state rows: (delta repeated nb times)^T I -> [Pn, dv]
+        delta_x = nl.ndarray((dv, hp, nb), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=delta_x, src=_spread(delta, (dv, hp, nb), (0, 1)), engine=nisa.engine.gpsimd)
+        rows_ps = nl.ndarray((Pn, dv), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
+
+        o_cols = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=o_cols, data1=msq[:, 1, :], data2=decay[0:dv, bi, gate], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        kqd = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=kqd, data1=kq_cols[:, gate], data2=delta, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=o_cols, data1=o_cols, data2=kqd, op=nl.add, engine=nisa.engine.gpsimd)
+
+        return o_cols, rows_ps
+
+    def update(bi, pi, started, row, finished):
+        h0 = pi * hp
+        S_mm, halves, decayed = started
+        o_cols, rows_ps = finished
+        qk_n = row['qk_n']
+        # S = decay S + k delta^T, one state row of every block per instruction (VectorE)
+        new_state = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        k_n = qk_n[:, pi, 1, :]
+        for r in range(R):
+            nisa.scalar_tensor_tensor(dst=new_state[:, r, :], data=rows_ps, op0=nl.multiply,
+                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[:, r, :])
+        nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
+                      src=new_state)
+        o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
+        nisa.nc_transpose(dst=o_rows, data=o_cols, engine=nisa.engine.tensor)
+        o_sb = nl.ndarray((hp, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o_sb, src=o_rows, engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
+        states[bi][pi] = None
+
+    def row_end(bi, row):
+        win_qk, win_v = row['win_qk'], row['win_v']
         # The new conv states: the last K - 1 inputs.
         new_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, :, :, 1:K], engine=nisa.engine.scalar)
@@ -328,66 +417,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         copy_qk(new_qk, conv_out, K - 1, bi * C * (K - 1), store=True)
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
-        for pi in range(NP):
-            h0 = pi * hp
-            gate = slice(h0, h0 + hp)
-            S = states[bi][pi]
-            # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
-            # decay S (GpSimd; it needs no delta)
-            halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
-            S_mm = []
-            for r0, r1 in halves:
-                if mm == f32:
-                    S_mm.append((r0, S))
-                    continue
-                tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
-                nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
-                S_mm.append((r0, tile))
-            decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=decayed, data=S, op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
-                               engine=nisa.engine.gpsimd)
-
-            # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
-            # (heads x blocks) for one state row of every block
-            msq_ps = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.psum)
-            for r in range(R):
-                r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
-                row = r if mm == f32 else r - r0
-                nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
-            msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
-
-            # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
-            delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=delta, data1=msq[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=delta, data1=delta, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
-            # delta of each partition's head along the state rows: (delta repeated nb times)^T I -> [Pn, dv]
-            delta_x = nl.ndarray((dv, hp, nb), dtype=mm, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=delta_x, src=_spread(delta, (dv, hp, nb), (0, 1)), engine=nisa.engine.gpsimd)
-            rows_ps = nl.ndarray((Pn, dv), dtype=f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
-
-            o_cols = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=o_cols, data1=msq[:, 1, :], data2=decay[0:dv, bi, gate], op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
-            kqd = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=kqd, data1=kq_cols[:, gate], data2=delta, op=nl.multiply,
-                               engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=o_cols, data1=o_cols, data2=kqd, op=nl.add, engine=nisa.engine.gpsimd)
-
-            # S = decay S + k delta^T, one state row of every block per instruction (VectorE)
-            new_state = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-            k_n = qk_n[:, pi, 1, :]
-            for r in range(R):
-                nisa.scalar_tensor_tensor(dst=new_state[:, r, :], data=rows_ps, op0=nl.multiply,
-                                          operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[:, r, :])
-            nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
-                          src=new_state)
-            o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
-            nisa.nc_transpose(dst=o_rows, data=o_cols, engine=nisa.engine.tensor)
-            o_sb = nl.ndarray((hp, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=o_sb, src=o_rows, engine=nisa.engine.scalar)
-            nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
-            states[bi][pi] = None
+    units = [(bi, pi) for bi in range(B) for pi in range(NP)]
+    rows = {0: row_inputs(0)}
+    started = {units[0]: start(*units[0])}
+    for i, (bi, pi) in enumerate(units):
+        unit = started.pop((bi, pi))
+        finished = finish(bi, pi, unit, rows[bi])
+        if i + 1 < len(units):
+            if units[i + 1][1] == 0:
+                rows[units[i + 1][0]] = row_inputs(units[i + 1][0])
+            started[units[i + 1]] = start(*units[i + 1])
+        update(bi, pi, unit, rows[bi], finished)
+        if pi == NP - 1:
+            row_end(bi, rows.pop(bi))
     return o_out, conv_out, state_out

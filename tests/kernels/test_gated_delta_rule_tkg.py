@@ -125,3 +125,27 @@ def test_kernel_returns_the_states_and_writes_no_input():
     assert conv_k.shape == (3, *inputs["conv_state"].shape[1:]) and state_k.shape == (3, 4, 16, 32)
     assert torch.equal(torch.from_numpy(conv_k[2]), conv_ref[1])  # the fresh row's state went to slot 1
     assert rel(torch.from_numpy(state_k[0]), state_ref[3]) <= 1e-4
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_state_traffic_in_runs_of_4_kib(batch):
+    """At the 2B layer shape every transfer of the recurrent state (each slot's read, each row's new state written)
+    moves runs of at least 4 KiB per partition, and they add up to the state read and written once per row."""
+    import ml_dtypes
+    import numpy as np
+
+    from optimum_qwen35.kernels.emulator import estimate
+    from optimum_qwen35.kernels.gated_delta_rule.tkg import gated_delta_rule_tkg
+
+    nk = nv = 16
+    dk = dv = 128
+    C, K = 2 * nk * dk + nv * dv, 4
+    z, bf16 = np.zeros, ml_dtypes.bfloat16
+    args = (z((batch, C), bf16), z((batch, nv), bf16), z((batch, nv), bf16), z(nv, np.float32), z(nv, np.float32),
+            z((C, K), bf16), z((batch, C, K - 1), bf16), z((batch, nv, dk, dv), np.float32),
+            np.arange(batch, dtype=np.int32).reshape(1, batch))
+    estimate(gated_delta_rule_tkg, *args, target="trn2", compute=False)
+    state_bytes = nv * dk * dv * 4
+    big = [r for r in gated_delta_rule_tkg.last_trace.records if r.engine == "dma" and r.nbytes >= 256 * 1024]
+    assert sum(r.nbytes for r in big) == 2 * batch * state_bytes
+    assert all(r.nbytes / r.chunks >= 4096 for r in big)
