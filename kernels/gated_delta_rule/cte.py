@@ -38,11 +38,11 @@ initial_slots, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s abo
 (o [B, nv, T, dv] fp32, state_out [B, nv, dk, dv] fp32). On chip, tokens are on partitions ([C, dk], [C, dv],
 [C, C]) and the state is [dk, dv].
 
-Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands: fp32 (default,
-exact, 4x the bf16 TensorE cost), tf32 (`tf32_matmul=True`, bf16 inputs: bf16's TensorE rate, ~6e-4 relative error
-at the 2B layer shape) or bf16 (`bf16_matmul=True`, bf16 inputs: also bf16's VectorE rate, ~5e-3 on outputs and
-~8e-3 on the state at the 2B layer shape, inside the 2e-2 bf16 tolerance). Gates, their cumulative sums, the decay
-factors and the carried state stay fp32 in every mode.
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands (operands.py):
+by default bf16 for bf16 inputs (bf16's TensorE and VectorE rates; ~5e-3 relative error on outputs and ~8e-3 on the
+state at the 2B layer shape, inside the 2e-2 bf16 tolerance) and fp32 for fp32 inputs (exact, 4x the bf16 TensorE
+cost); `operands="fp32"` (exact) or `"tf32"` (bf16's TensorE rate, ~6e-4) for bf16 inputs. Gates, their cumulative
+sums, the decay factors and the carried state stay fp32 in every mode.
 
 Scheduling: 8 heads advance in lockstep (PSUM holds three [C, C] fp32 tiles per head at once), statement by
 statement, so that each engine's in-order stream alternates between independent heads. Chunks are software-pipelined
@@ -53,9 +53,10 @@ outputs of all heads leave in one transfer.
 
 Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
 tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times of the busier physical core:
-    LNC=2, bf16 operands: 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584, VectorE 408, GpSimd 328, DMA 181): the
-                          issue's target (<= 1.0 ms, TensorE the busiest engine) is met; tf32 operands: 0.94 ms
-    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%)
+    LNC=2, bf16 operands (the default for bf16 activations): 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584,
+                          VectorE 408, GpSimd 328, DMA 181): the issue's target (<= 1.0 ms, TensorE the busiest
+                          engine) is met; tf32 operands: 0.94 ms
+    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%; the same with fp32 activations, an fp32 model)
     LNC=1, bf16 operands: 1.85 ms (TensorE 1.50 ms busy, 81%)
 (before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
 bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.

@@ -19,25 +19,39 @@ conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk,
 int32. Returns (o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside), conv_out [B, C, K - 1],
 state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 
-On chip: the conv runs with heads on partitions ([2 nk, dk, K] for q/k, [nv, dv, K] for v, contiguous rows of the
-HBM tensors); TensorE transposes bring q, k, v to columns ([dk, 2 nk], [dv, nv]); the state of a head is an fp32
-[dk (partitions), dv] tile. Per head, one TensorE matmul gives S^T [k q] as two dv-columns; delta is formed for all
-heads at once; a second matmul (ones^T diag(delta), four heads per matmul) broadcasts delta along the free axis, and
-one VectorE instruction forms decay * S + k * delta (decay * S on ScalarE). Loads of the slot's state go through
-`.ap(scalar_offset=slot)`.
+On chip, the state is laid out so that every transfer of it moves long runs: partition (head, block) holds R
+consecutive rows of a head's [dk, dv] state (R dv fp32 contiguous in HBM: R = 8 at dv = 128, 4 KiB per partition;
+nb = dk / R partitions per head), and a slot's state moves in pieces of hp heads (hp nb <= 128 partitions: two
+512 KiB pieces at the 2B shape). The q/k conv runs in the same layout (each partition convolves the R q and k
+channels of its rows), so the normalised q, k land next to the state rows they multiply; v is convolved on nv vb
+partitions and brought to columns [dv, nv] by one matmul. Per piece:
 
-Limits: dk, dv <= 128; 2 nk <= 128, nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every
-exponent is <= 0 (decay = exp(g), g <= 0). The state is never rounded below fp32.
+    mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
+             row placed in their head's column (a block selector), out [dv, (k|q), heads]
+    delta    on [dv, heads] (GpSimd), then repeated along each head's partitions by one matmul -> [Pn, dv] (PSUM)
+    S        decay S (GpSimd, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
+    o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
-Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128;
-`benchmarks/deltanet_kernels.py`, docs/kernels.md), fp32 TensorE operands (default) / tf32 (`tf32_matmul=True`):
-    batch 1:  19.4 / 16.0 us (TensorE 9.6 / 3.1, VectorE 6.9, DMA 10.1 us busy); the slots' state traffic at HBM
-              bandwidth is 5.79 us: 3.36x / 2.77x (the issue's target is 1.5x: NOT met)
-    batch 8: 115.9 / 79.6 us (TensorE 77.0 / 24.5, VectorE 50.0, DMA 78.3 us busy, 100% in flight with tf32);
-              46.3 us: 2.50x / 1.72x (NOT met)
-The DMA alone is 1.69x at batch 8 in the model (calibrated 0.70 efficiency, 64 B per 512 B run of the [dk, dv] state
-rows): the 1.5x target is below the model's floor for this on-chip state layout (docs/kernels.md says what layout
-would get closest).
+l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work.
+Every row's conv inputs, then every row's state pieces, are requested before any store (the DMA queue is in order).
+
+Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every exponent is <= 0
+(decay = exp(g), g <= 0). The state is never rounded below fp32 (only the matmul copy of it, for bf16 operands).
+
+Cost report (emulator cost model, trn2, the 2B layer on one rank: 16 heads, dk = dv = 128;
+`benchmarks/deltanet_kernels.py`, docs/kernels.md). The floor is the slots' fp32 states read and written once at
+the model's DMA rate (0.70 x 362.5 GB/s): 8.26 us per row.
+    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.58x), batch 8 74.6 us (1.13x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 16.6 us (2.01x), batch 8 82.5 us (1.25x, TensorE 57 us)
+(the previous kernel, [dk, dv] per head with 512-byte runs: 16.0 / 79.6 us with tf32 operands, 1.94x / 1.20x of
+this floor). Batch 1 cannot reach 1.15x in this model. Besides the 8.26 us, the DMA queue carries the conv states,
+the token, the conv weights, the gates and the output (1.3 us of queue time as this kernel moves them: 9.6 us busy),
+and the last store's data lands 1.3 us after its transfer (the model's DMA latency, charged to the kernel's end):
+8.26 + 1.3 + 1.3 = 10.86 us = 1.31x with all compute hidden (any kernel: >= 1.22x, with the 143 KB of other
+traffic in long runs). The rest (2.2 us) is the queue waiting for the first piece: its store needs its state loaded,
+landed (1.3 us) and through the matmuls, delta and update (~2 us), while the other piece's load keeps the queue busy
+for 2.1 us only. Batch 8 hides all of it behind the other rows' loads.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The NKI prefill kernel (kernels/gated_delta_rule/cte.py) on the emulator against the PyTorch reference.
 
-fp32 inputs within 1e-4 relative (outputs and final state), bf16 inputs within 2e-2; a nonzero initial state read
-from the slot and the final state written back in place; GQA nv = 1x, 2x, 3x nk; the 2B layer (16 heads,
+fp32 inputs within 1e-4 relative (outputs and final state), bf16 inputs within 2e-2 (default bf16 operands, and the
+fp32 / tf32 options); a nonzero initial state read from the slot, the final state returned and written to the slot by
+the seam (the kernel writes none of its inputs); GQA nv = 1x, 2x, 3x nk; the 2B layer (16 heads,
 dk = dv = 128); mixed prompt lengths with right padding; partial last chunks; an inactive row (seq_id -1); 2048
 adversarial tokens (no decay, beta near 1, identical keys) with no NaN or Inf.
 """
