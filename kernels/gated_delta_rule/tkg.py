@@ -75,7 +75,7 @@ def _spread(t, shape, dims):
     return t.broadcast_to(tuple(shape))
 
 
-def _layout(B, nv, dk, dv, heads_per_piece=None):
+def _layout(nv, dk, dv, heads_per_piece=None):
     """The on-chip state layout: R rows of a head's [dk, dv] state per partition (R dv fp32 contiguous in HBM: at least
     4 KiB where dk allows), nb = dk / R partitions per head, and pieces of hp heads (hp divides nv, hp nb <= 128
     partitions: by default as many as fit; a piece's instructions cost the same on fewer partitions)."""
@@ -103,7 +103,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     assert dk <= 128 and dv <= 128 and nv <= 128
     qk_ch = 2 * nk * dk
     P = 128
-    R, nb, hp = _layout(B, nv, dk, dv, heads_per_piece)
+    R, nb, hp = _layout(nv, dk, dv, heads_per_piece)
     # v conv on Pv = nv vb partitions (head, block of jl channels)
     vb = max(d for d in range(1, min(dv, 128 // nv) + 1) if dv % d == 0)
     jl, Pv = dv // vb, nv * vb

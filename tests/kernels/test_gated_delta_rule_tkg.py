@@ -151,3 +151,16 @@ def test_state_traffic_in_runs_of_4_kib(batch):
     big = [r for r in gated_delta_rule_tkg.last_trace.records if r.engine == "dma" and r.nbytes >= 256 * 1024]
     assert sum(r.nbytes for r in big) == 2 * batch * state_bytes
     assert all(r.nbytes / r.chunks >= 4096 for r in big)
+
+
+def test_pieces_of_fewer_heads_give_the_same_result():
+    """`heads_per_piece` (how many heads' states move and update together) changes the schedule, not the numbers."""
+    from optimum_qwen35.kernels.gated_delta_rule.tkg import gated_delta_rule_tkg
+
+    inputs = make(2, 3, 2, 8, 32, 32, torch.float32, seed=6)
+    arrays = {k: fused._numpy(v) for k, v in inputs.items()}
+    initial = fused._numpy(torch.tensor([[2, -1]], dtype=torch.int32))
+    whole = gated_delta_rule_tkg(**arrays, initial_slots=initial)
+    pieces = gated_delta_rule_tkg(**arrays, initial_slots=initial, heads_per_piece=2)
+    for a, b in zip(whole, pieces):
+        assert rel(torch.from_numpy(b), torch.from_numpy(a)) <= 1e-6
