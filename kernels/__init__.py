@@ -102,8 +102,9 @@ def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, re
     )
 
 
-# The NKI kernels behind the fused seams. Where the real `nki` package is importable (NKI >= 0.3, Neuron SDK 2.29+;
-# see nki_import.py) they are `nki.jit` launches on the tensors as given: inside the Neuron graphs, torch-xla
-# tensors, and the Neuron model builder selects this backend for its DeltaNet layers (`neuron.glue.kernel_backend`).
-# Elsewhere they run on the CPU NKI emulator (`set_backend("nki")`, or `TorchLayers(kernel_backend="nki")`).
+# The NKI kernels behind the fused seams: they return o and the new states, which the seams write into the slots as
+# the references do. Where the real `nki` package is importable (NKI >= 0.3, Neuron SDK 2.29+; see nki_import.py) they
+# are `nki.jit` launches on the tensors as given: inside the Neuron graphs, torch-xla tensors, where the Neuron model
+# builder selects this backend on request on trn2 and later (`neuron.glue.kernel_backend`). Elsewhere they run on the
+# CPU NKI emulator (`set_backend("nki")`, or `TorchLayers(kernel_backend="nki")`).
 register_backend("nki", {"deltanet_prefill": _fused.deltanet_prefill_nki, "deltanet_decode": _fused.deltanet_decode_nki})

@@ -1,8 +1,8 @@
 """NKI prefill kernel (context encoding, and the chunked-prefill continuation) of the gated delta rule.
 
 All heads of a layer's rank and every batch row in one launch (with LNC=2 on trn2, `kernel[2]`, each of the two
-physical NeuronCores takes half of the heads). Per batch row b (slot s = seq_ids[b]; -1: inactive, reads and writes
-no state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
+physical NeuronCores takes half of the heads). Per batch row b (initial state from slot s = initial_slots[b]; -1:
+a zero initial state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
 
     q, k  <- l2-normalised (q also scaled by dk^-0.5) in the kernel, from the conv output
     g     =  -exp(A_log) softplus(a + dt_bias),  beta = sigmoid(b)   (computed in the kernel from the raw projections)
@@ -15,7 +15,8 @@ no state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 
     S     =  exp(gc_C) S + (k exp(gc_C - gc))^T v'
 
 Every exponent is <= 0: gc_i - gc_j for j <= i (the other triangle gets -3e38 added before exp), gc, and gc_C - gc.
-The initial state is read from recurrent_state[s] and the final state written back there in place, fp32.
+The initial state is read from recurrent_state[s]; the final state is returned (state_out[b], fp32). The kernel
+writes none of its inputs (the seam puts the returned states into the slots: fused.py).
 
 Chunk size and the triangular solve. C = 128 tokens puts one token per partition (all 128 partitions work, and the
 [C, C] matrices are single TensorE tiles). T is computed by recursive block inversion: starting from the identity
@@ -32,15 +33,16 @@ a round's matmuls stream those C / 2 columns only (a strided view), and T^T (the
 TensorE transpose. Per head and chunk the solve is 6 x (2 matmuls + 1 transpose).
 
 Layouts (HBM): q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU (activation dtype); a, b [B, T, nv]
-raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk, dv] fp32 (updated in place);
-seq_ids, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
-o [B, nv, T, dv] fp32. On chip, tokens are on partitions ([C, dk], [C, dv], [C, C]) and the state is [dk, dv].
+raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk, dv] fp32 (read only);
+initial_slots, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
+(o [B, nv, T, dv] fp32, state_out [B, nv, dk, dv] fp32). On chip, tokens are on partitions ([C, dk], [C, dv],
+[C, C]) and the state is [dk, dv].
 
-Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands: fp32 (default,
-exact, 4x the bf16 TensorE cost), tf32 (`tf32_matmul=True`, bf16 inputs: bf16's TensorE rate, ~6e-4 relative error
-at the 2B layer shape) or bf16 (`bf16_matmul=True`, bf16 inputs: also bf16's VectorE rate, ~5e-3 on outputs and
-~8e-3 on the state at the 2B layer shape, inside the 2e-2 bf16 tolerance). Gates, their cumulative sums, the decay
-factors and the carried state stay fp32 in every mode.
+Limits: dk, dv <= 128; nv a multiple of nk; any T (the last chunk may be partial). TensorE operands (operands.py):
+by default bf16 for bf16 inputs (bf16's TensorE and VectorE rates; ~5e-3 relative error on outputs and ~8e-3 on the
+state at the 2B layer shape, inside the 2e-2 bf16 tolerance) and fp32 for fp32 inputs (exact, 4x the bf16 TensorE
+cost); `operands="fp32"` (exact) or `"tf32"` (bf16's TensorE rate, ~6e-4) for bf16 inputs. Gates, their cumulative
+sums, the decay factors and the carried state stay fp32 in every mode.
 
 Scheduling: 8 heads advance in lockstep (PSUM holds three [C, C] fp32 tiles per head at once), statement by
 statement, so that each engine's in-order stream alternates between independent heads. Chunks are software-pipelined
@@ -51,9 +53,10 @@ outputs of all heads leave in one transfer.
 
 Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
 tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times of the busier physical core:
-    LNC=2, bf16 operands: 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584, VectorE 408, GpSimd 328, DMA 181): the
-                          issue's target (<= 1.0 ms, TensorE the busiest engine) is met; tf32 operands: 0.94 ms
-    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%)
+    LNC=2, bf16 operands (the default for bf16 activations): 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584,
+                          VectorE 408, GpSimd 328, DMA 181): the issue's target (<= 1.0 ms, TensorE the busiest
+                          engine) is met; tf32 operands: 0.94 ms
+    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%; the same with fp32 activations, an fp32 model)
     LNC=1, bf16 operands: 1.85 ms (TensorE 1.50 ms busy, 81%)
 (before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
 bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.
@@ -64,6 +67,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..nki_import import nki, nisa, nl
+from .operands import matmul_dtype
 
 CHUNK = 128
 L2_EPS = 1e-6
@@ -136,23 +140,17 @@ def _load_chunk(q, k, v, a, b, bi, hs, group, c):
 
 
 @nki.jit
-def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids, lengths, solve_masks,
-                         tf32_matmul=False, bf16_matmul=False):
+def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, initial_slots, lengths, solve_masks,
+                         operands="auto"):
     B, nk, T, dk = q.shape
     nv, dv = v.shape[1], v.shape[3]
     group = nv // nk
     C = CHUNK
     f32 = nl.float32
-    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost); tf32 (`tf32_matmul`, bf16 inputs only: bf16's TensorE
-    # rate, 10 mantissa bits, ~1e-3 relative error); or bf16 (`bf16_matmul`, bf16 inputs only: bf16's rate and
-    # VectorE's bf16 lane width, ~1e-2 relative error, inside the bf16 tolerance). Gates, their cumulative sums (which
+    # TensorE operands (operands.py): by default bf16 for bf16 activations (bf16's TensorE rate and VectorE's bf16 lane
+    # width, ~1e-2 relative error, inside the bf16 tolerance), fp32 for fp32 ones. Gates, their cumulative sums (which
     # are exponentiated), the decay factors and the carried state stay fp32 in every mode.
-    if q.dtype != f32 and bf16_matmul:
-        mm = nl.bfloat16
-    elif q.dtype != f32 and tf32_matmul:
-        mm = nl.tfloat32
-    else:
-        mm = f32
+    mm = matmul_dtype(operands, q.dtype)
     levels = solve_masks.shape[0]
     assert dk <= 128 and dv <= 128 and nv % nk == 0 and solve_masks.shape[1] == C
     n_chunks = (T + C - 1) // C
@@ -163,8 +161,9 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     h_end = min(nv, h_begin + per_prog)
 
     o_out = nl.ndarray((B, nv, T, dv), dtype=f32, buffer=nl.shared_hbm)
+    state_out = nl.ndarray((B, nv, dk, dv), dtype=f32, buffer=nl.shared_hbm)
     if h_begin >= h_end:
-        return o_out
+        return o_out, state_out
 
     # ---------------------------------------------------------------- constants
     ones = nl.ndarray((C, C), dtype=f32, buffer=nl.sbuf)
@@ -202,7 +201,7 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
     dtb_bc = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=dtb_bc, src=dt_bias.ap(pattern=[[0, C], [1, nv]], offset=0))
     seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq, src=seq_ids)
+    nisa.dma_copy(dst=seq, src=initial_slots)
     len_bc = nl.ndarray((C, B), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=len_bc, src=lengths.ap(pattern=[[0, C], [1, B]], offset=0))
 
@@ -218,7 +217,7 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                 views.append(recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [1, dv]], offset=h * dk * dv,
                                                 scalar_offset=slot, indirect_dim=0))
                 s_tile = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.memset(s_tile, 0.0)  # an inactive row starts from (and keeps) nothing
+                nisa.memset(s_tile, 0.0)  # slot -1 (a fresh or inactive row): zero initial state
                 nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
                 S.append(s_tile)
 
@@ -445,6 +444,6 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, seq_ids
                     gc_prep(s1[c + 2])
 
             for j in range(G):
-                nisa.dma_copy(dst=views[j], src=S[j], oob_mode=nisa.oob_mode.skip)
-    return o_out
+                nisa.dma_copy(dst=state_out[bi, hs[j]], src=S[j])
+    return o_out, state_out
 

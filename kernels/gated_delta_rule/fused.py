@@ -17,21 +17,22 @@
 Whether the states come back written in place or as updated copies is `slots.in_place` (the layer factory's choice:
 in place on CPU, functional in the Neuron graphs, whose aliased outputs must be new values; see modeling/state.py).
 
-The NKI versions take `tf32_matmul` (default False): tf32 TensorE operands for bf16 activations, at the bf16 TensorE
-rate, instead of fp32 ones (exact; what the `nki` backend runs, so that it gives the reference's greedy tokens).
-`run_prefill_kernel` also offers bf16 operands (`bf16_matmul=True`, bf16 activations: the fastest prefill, within
-the bf16 tolerance; the mode of the cost target in docs/kernels.md). The prefill kernel is launched with the
-target's LNC degree (2 on trn2: the heads split over the two physical NeuronCores of the logical core).
+The NKI versions take `operands` (operands.py): "auto" (default) gives bf16 TensorE operands for bf16 activations and
+fp32 ones for fp32 activations (fp32 accumulation and an fp32 state either way); "fp32" (exact) and "tf32" stay
+available for bf16 activations. The prefill kernel is launched with the target's LNC degree (2 on trn2: the heads
+split over the two physical NeuronCores of the logical core).
 
 Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
 points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
-(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`: with the real NKI (`nki_import.USING_EMULATOR` False) it
-launches the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced Neuron graph:
-each launch becomes one custom call of the graph, compiled with it by neuronx-cc); on the emulator it hands them
-NumPy views of the same memory, so that the kernels' in-place state writes land in the torch tensors (copies of them
-first, when the slots ask for functional updates). The NKI kernels write the states they are given in place and
-return only o, which a custom call inside a traced graph cannot do (its outputs are its only effects): the real-NKI
-branch refuses functional updates, and the Neuron graphs do not choose these kernels (`neuron.glue.kernel_backend`).
+(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`. The kernels write none of their inputs: they read each row's
+initial states from its slot (`initial_slots`: the slot `Slots.gather_initial` reads, -1 for a fresh row's zero
+states) and return the new states per row ([B, ...]), as NxDI's DeltaNet kernels return their final state; the seam
+puts them into the slots with `Slots.write`, as the reference does (in place on CPU, functional in the Neuron graphs,
+where the scatter's result is the output aliased to the state input). With the real NKI (`nki_import.USING_EMULATOR`
+False) the seams launch the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced
+Neuron graph: each launch becomes one custom call of the graph, whose outputs are o and the states, compiled with it
+by neuronx-cc); on the emulator they hand them read-only NumPy views of the same memory (a kernel writing an input
+would raise).
 """
 
 from __future__ import annotations
@@ -91,13 +92,23 @@ def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, s
 
 # ------------------------------------------------------------------------------------------------------ NKI versions
 def _numpy(x: torch.Tensor) -> np.ndarray:
-    """A NumPy array sharing x's memory (bf16 through an int16 view), so that a kernel writing it writes x."""
-    if not x.is_contiguous():
-        raise ValueError("the NKI seams update states in place and need contiguous tensors")
-    x = x.detach()
+    """A read-only NumPy array sharing x's memory (bf16 through an int16 view): the kernels take their inputs as they
+    are, and a kernel writing one would fail here instead of changing the caller's tensor."""
+    x = x.detach().contiguous()
     if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return x.numpy()
+        array = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        array = x.numpy()
+    array.flags.writeable = False
+    return array
+
+
+def _torch(x) -> torch.Tensor:
+    """A kernel output on the emulator (NumPy, bf16 as ml_dtypes) -> a torch tensor."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def _on_emulator() -> bool:
@@ -114,39 +125,37 @@ def _int32_row(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int32).reshape(1, -1).contiguous()
 
 
-def _states_for_kernel(slots, *states):
-    """The state tensors an in-place kernel may write: the given ones, or copies for functional updates (and not on
-    real NKI, where a kernel writing its inputs inside a traced graph would lose the writes); the fresh rows' slots
-    reset to zero first, since the kernels read each row's initial state from its slot."""
-    if not slots.in_place:
-        if not _on_emulator():
-            raise NotImplementedError(
-                "the NKI DeltaNet kernels write their state inputs in place and return only o; a Neuron graph needs "
-                "the updated states as outputs: use the 'torch' kernel backend there"
-            )
-        states = tuple(s.clone() for s in states)
+def _initial_slots(slots) -> torch.Tensor:
+    """[1, B] int32: the slot each row's initial states come from, as `Slots.gather_initial` reads them: the row's
+    slot (slot 0 for an inactive row, whose results no slot keeps), or -1 for zero states (a fresh row)."""
+    ids = slots.read
     if slots.fresh is not None:
-        states = tuple(slots.write(s, slots.gather_initial(s)) for s in states)
-    return states
+        ids = torch.where(slots.fresh, torch.full_like(ids, -1), ids)
+    return _int32_row(ids)
+
+
+def _launch(kernel, *args):
+    """Run an NKI kernel: on the torch tensors themselves with the real NKI (torch-xla tensors in a traced graph,
+    where the launch is one custom call whose outputs are its results); on the emulator, on read-only NumPy views of
+    the tensors' memory. Tensor arguments are made contiguous; other arguments pass as they are."""
+    args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    if not _on_emulator():
+        return kernel(*args)
+    outputs = kernel(*[_numpy(a) if isinstance(a, torch.Tensor) else a for a in args])
+    return tuple(_torch(o) for o in outputs)
 
 
 def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots,
-                        tf32_matmul=False):
+                        operands="auto"):
     from .tkg import gated_delta_rule_tkg
 
-    args = (mixed_qkv.contiguous(), a.contiguous(), b.contiguous(), A_log.float().contiguous(),
-            dt_bias.float().contiguous(), conv_weight.contiguous())
-    conv_state, recurrent_state = _states_for_kernel(slots, conv_state, recurrent_state)
-    if not _on_emulator():
-        # The real kernel, launched on the tensors as given: it writes the slots of conv_state and recurrent_state in
-        # place and returns o, as on the emulator (in place only: see `_states_for_kernel`).
-        o = gated_delta_rule_tkg(*args, conv_state, recurrent_state, _int32_row(slots.seq_ids), tf32_matmul)
-        return o, conv_state, recurrent_state
-    o = gated_delta_rule_tkg(
-        *map(_numpy, args), _numpy(conv_state), _numpy(recurrent_state), _numpy(_int32_row(slots.seq_ids)),
-        tf32_matmul,
+    # The kernel reads each row's initial states from its slot and returns the new ones per row [B, ...] (it writes
+    # none of its inputs); they go into the slots as the reference's do (`Slots.write`: in place or functional).
+    o, new_conv, new_state = _launch(
+        gated_delta_rule_tkg, mixed_qkv, a, b, A_log.float(), dt_bias.float(), conv_weight, conv_state,
+        recurrent_state, _initial_slots(slots), operands,
     )
-    return torch.from_numpy(np.asarray(o, dtype=np.float32)), conv_state, recurrent_state
+    return o, slots.write(conv_state, new_conv), slots.write(recurrent_state, new_state)
 
 
 def _lnc() -> int:
@@ -158,31 +167,15 @@ def _lnc() -> int:
     return get_target(_default_target_name()).max_lnc
 
 
-def run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul=False,
-                       bf16_matmul=False):
-    """`deltanet_prefill_nki` with the operand choice of the kernel: fp32 (default), tf32 or bf16 TensorE operands
-    (the last two for bf16 activations only; see cte.py)."""
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, operands="auto"):
     from .cte import gated_delta_rule_cte, solve_masks
 
     if lengths is None:
         lengths = torch.full((q.shape[0],), q.shape[2], dtype=torch.int32, device=q.device)
-    args = (q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(), b.contiguous(),
-            A_log.float().contiguous(), dt_bias.float().contiguous())
     kernel = gated_delta_rule_cte[_lnc()]  # LNC=2 on trn2: half the heads on each physical core
-    (recurrent_state,) = _states_for_kernel(slots, recurrent_state)
-    seq_ids = _int32_row(slots.seq_ids)
-    if not _on_emulator():
-        # The real kernel on the tensors as given; the solve masks (a constant) go to the device with them. It writes
-        # the slots' final states into recurrent_state in place and returns o.
-        masks = torch.from_numpy(solve_masks()).to(q.device)
-        o = kernel(*args, recurrent_state, seq_ids, _int32_row(lengths), masks, tf32_matmul, bf16_matmul)
-        return o, recurrent_state
-    o = kernel(
-        *map(_numpy, args), _numpy(recurrent_state), _numpy(seq_ids), _numpy(_int32_row(lengths)),
-        solve_masks(), tf32_matmul, bf16_matmul,
+    masks = torch.from_numpy(solve_masks()).to(q.device)  # a constant input
+    o, final = _launch(
+        kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), recurrent_state, _initial_slots(slots),
+        _int32_row(lengths), masks, operands,
     )
-    return torch.from_numpy(np.asarray(o, dtype=np.float32)), recurrent_state
-
-
-def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul=False):
-    return run_prefill_kernel(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, tf32_matmul)
+    return o, slots.write(recurrent_state, final)

@@ -1,6 +1,6 @@
 """NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every active slot and head.
 
-Per batch row b (slot s = seq_ids[b]; -1 marks an inactive row that reads and writes nothing) and per value head h
+Per batch row b (initial states from slot s = initial_slots[b]; -1: zero initial states) and per value head h
 (key head kh = h // (nv / nk)), from the raw projections of the token:
 
     window = [conv_state[s] | mixed_qkv[b]]                  causal depthwise conv, kernel K
@@ -9,40 +9,55 @@ Per batch row b (slot s = seq_ids[b]; -1 marks an inactive row that reads and wr
     beta   = sigmoid(b_raw),  g = -exp(A_log) * softplus(a_raw + dt_bias),  decay = exp(g) (<= 1)
     mem    = S^T k,  Sq = S^T q                   (S = recurrent_state[s, h], fp32, [dk, dv])
     delta  = beta * (v - decay * mem)
-    S      = decay * S + k delta^T                (written back to recurrent_state[s, h] in place, fp32)
+    S      = decay * S + k delta^T                (returned: state_out[b, h], fp32)
     o      = S^T q = decay * Sq + (k . q) delta
-    conv_state[s] = window[:, 1:]                 (in place)
+    conv_out[b] = window[:, 1:]                   (returned)
 
 Layouts (HBM): mixed_qkv [B, C] with C = 2 nk dk + nv dv ordered [q | k | v] (the in_proj_qkv output before the
 conv, activation dtype); a, b [B, nv] raw (activation dtype); A_log, dt_bias [nv] fp32; conv_weight [C, K];
-conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk, dv] fp32; seq_ids [1, B] int32.
-Returns o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside). conv_state and recurrent_state are
-updated in place.
+conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk, dv] fp32; initial_slots [1, B]
+int32. Returns (o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside), conv_out [B, C, K - 1],
+state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 
-On chip: the conv runs with heads on partitions ([2 nk, dk, K] for q/k, [nv, dv, K] for v, contiguous rows of the
-HBM tensors); TensorE transposes bring q, k, v to columns ([dk, 2 nk], [dv, nv]); the state of a head is an fp32
-[dk (partitions), dv] tile. Per head, one TensorE matmul gives S^T [k q] as two dv-columns; delta is formed for all
-heads at once; a second matmul (ones^T diag(delta), four heads per matmul) broadcasts delta along the free axis, and
-one VectorE instruction forms decay * S + k * delta (decay * S on ScalarE). Loads and stores of the slot's state go
-through `.ap(scalar_offset=seq_id)` with `oob_mode.skip`, so an inactive row (seq_id -1) touches no state.
+On chip, the state is laid out so that every transfer of it moves long runs: partition (head, block) holds R
+consecutive rows of a head's [dk, dv] state (R dv fp32 contiguous in HBM: R = 8 at dv = 128, 4 KiB per partition;
+nb = dk / R partitions per head), and a slot's state moves in pieces of hp heads (hp nb <= 128 partitions: two
+512 KiB pieces at the 2B shape). The q/k conv runs in the same layout (each partition convolves the R q and k
+channels of its rows), so the normalised q, k land next to the state rows they multiply; v is convolved on nv vb
+partitions and brought to columns [dv, nv] by one matmul. Per piece:
 
-Limits: dk, dv <= 128; 2 nk <= 128, nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every
-exponent is <= 0 (decay = exp(g), g <= 0). The state is never rounded below fp32.
+    mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
+             row placed in their head's column (a block selector), out [dv, (k|q), heads]
+    delta    on [dv, heads] (GpSimd), then repeated along each head's partitions by one matmul -> [Pn, dv] (PSUM)
+    S        decay S (GpSimd, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
+    o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
-Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128;
-`benchmarks/deltanet_kernels.py`, docs/kernels.md), fp32 TensorE operands (default) / tf32 (`tf32_matmul=True`):
-    batch 1:  19.4 / 16.0 us (TensorE 9.6 / 3.1, VectorE 6.9, DMA 10.1 us busy); the slots' state traffic at HBM
-              bandwidth is 5.79 us: 3.36x / 2.77x (the issue's target is 1.5x: NOT met)
-    batch 8: 115.9 / 79.6 us (TensorE 77.0 / 24.5, VectorE 50.0, DMA 78.3 us busy, 100% in flight with tf32);
-              46.3 us: 2.50x / 1.72x (NOT met)
-The DMA alone is 1.69x at batch 8 in the model (calibrated 0.70 efficiency, 64 B per 512 B run of the [dk, dv] state
-rows): the 1.5x target is below the model's floor for this on-chip state layout (docs/kernels.md says what layout
-would get closest).
+l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work.
+Every row's conv inputs, then every row's state pieces, are requested before any store (the DMA queue is in order).
+
+Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every exponent is <= 0
+(decay = exp(g), g <= 0). The state is never rounded below fp32 (only the matmul copy of it, for bf16 operands).
+
+Cost report (emulator cost model, trn2, the 2B layer on one rank: 16 heads, dk = dv = 128;
+`benchmarks/deltanet_kernels.py`, docs/kernels.md). The floor is the slots' fp32 states read and written once at
+the model's DMA rate (0.70 x 362.5 GB/s): 8.26 us per row.
+    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.58x), batch 8 74.6 us (1.13x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 16.6 us (2.01x), batch 8 82.5 us (1.25x, TensorE 57 us)
+(the previous kernel, [dk, dv] per head with 512-byte runs: 16.0 / 79.6 us with tf32 operands, 1.94x / 1.20x of
+this floor). Batch 1 cannot reach 1.15x in this model. Besides the 8.26 us, the DMA queue carries the conv states,
+the token, the conv weights, the gates and the output (1.3 us of queue time as this kernel moves them: 9.6 us busy),
+and the last store's data lands 1.3 us after its transfer (the model's DMA latency, charged to the kernel's end):
+8.26 + 1.3 + 1.3 = 10.86 us = 1.31x with all compute hidden (any kernel: >= 1.22x, with the 143 KB of other
+traffic in long runs). The rest (2.2 us) is the queue waiting for the first piece: its store needs its state loaded,
+landed (1.3 us) and through the matmuls, delta and update (~2 us), while the other piece's load keeps the queue busy
+for 2.1 us only. Batch 8 hides all of it behind the other rows' loads.
 """
 
 from __future__ import annotations
 
 from ..nki_import import nki, nisa, nl
+from .operands import matmul_dtype
 
 L2_EPS = 1e-6
 
@@ -52,9 +67,30 @@ def _bcast_rows(vector_hbm, partitions, n):
     return vector_hbm.ap(pattern=[[0, partitions], [1, n]], offset=0)
 
 
+def _spread(t, shape, dims):
+    """A view of t with its dims at positions `dims` of `shape`, repeated (stride 0) along the others."""
+    for axis in range(len(shape)):
+        if axis not in dims:
+            t = t.expand_dim(axis)
+    return t.broadcast_to(tuple(shape))
+
+
+def _layout(nv, dk, dv, heads_per_piece=None):
+    """The on-chip state layout: R rows of a head's [dk, dv] state per partition (R dv fp32 contiguous in HBM: at least
+    4 KiB where dk allows), nb = dk / R partitions per head, and pieces of hp heads (hp divides nv, hp nb <= 128
+    partitions: by default as many as fit; a piece's instructions cost the same on fewer partitions)."""
+    R = min(dk, max(1, -(-1024 // dv)))  # R dv 4 bytes >= 4 KiB
+    while dk % R:
+        R += 1
+    nb = dk // R
+    limit = 128 // nb if heads_per_piece is None else min(heads_per_piece, 128 // nb)
+    hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0)
+    return R, nb, hp
+
+
 @nki.jit
-def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, seq_ids,
-                         tf32_matmul=False):
+def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, initial_slots,
+                         operands="auto", heads_per_piece=None):
     B, C = mixed_qkv.shape
     nv = a.shape[1]
     n_slots, _, dk, dv = recurrent_state.shape
@@ -64,42 +100,32 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     act = mixed_qkv.dtype
     f32 = nl.float32
     assert 2 * nk * dk + nv * dv == C and nv % nk == 0
-    assert dk <= 128 and dv <= 128 and 2 * nk <= 128 and nv <= 128
+    assert dk <= 128 and dv <= 128 and nv <= 128
     qk_ch = 2 * nk * dk
     P = 128
+    R, nb, hp = _layout(nv, dk, dv, heads_per_piece)
+    # v conv on Pv = nv vb partitions (head, block of jl channels)
+    vb = max(d for d in range(1, min(dv, 128 // nv) + 1) if dv % d == 0)
+    jl, Pv = dv // vb, nv * vb
+    NP = nv // hp  # pieces per slot
+    Pn = hp * nb  # partitions of a piece: (head, block of R state rows)
+    # TensorE operands (operands.py): by default bf16 for bf16 activations, fp32 for fp32 ones.
+    mm = matmul_dtype(operands, act)
 
     o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
+    conv_out = nl.ndarray((B, C, K - 1), dtype=conv_state.dtype, buffer=nl.shared_hbm)
+    state_out = nl.ndarray((B, nv, dk, dv), dtype=f32, buffer=nl.shared_hbm)
 
-    # ---------------------------------------------------------------- constants and gates for every row
-    ones_dk = nl.ndarray((dk, dk), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(ones_dk, 1.0)
-    # TensorE operands: fp32 (exact, 4x the bf16 TensorE cost), or tf32 with `tf32_matmul` and bf16 activations
-    # (bf16's TensorE rate; ~3e-4 relative error, inside the bf16 tolerance but enough to flip near-tied greedy
-    # tokens of the reference).
-    mm = nl.tfloat32 if (tf32_matmul and act != f32) else f32
-    ones_dv_dk_mm = nl.ndarray((dv, dk), dtype=mm, buffer=nl.sbuf)
-    nisa.memset(ones_dv_dk_mm, 1.0)
-    ones_dk_dv = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(ones_dk_dv, 1.0)
-    ident = nl.shared_identity_matrix(n=P, dtype=f32)
-    eps_col = nl.ndarray((dk, 1), dtype=f32, buffer=nl.sbuf)
-    nisa.memset(eps_col, L2_EPS)
-
-    # Slots: rows read max(seq_id, 0) (an inactive row reads slot 0, harmlessly, as the unfused model does) and
-    # write seq_id with oob_mode.skip, so that seq_id -1 writes nothing.
-    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq, src=seq_ids)
+    # ---------------------------------------------------------------- loads: slots, gates, conv inputs, states
+    # Initial states: row b starts from slot initial_slots[b], or from zero states where that is -1 (a fresh row).
+    # Every row reads slot max(id, 0) (in range) and scales what it read by keep = (id >= 0): the recurrent state
+    # enters every formula through decay * S (keep is folded into decay), the conv state through the window.
     seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=seq_read, data=seq, op0=nl.maximum, operand0=0)
-
-    w_qk = nl.ndarray((2 * nk, dk, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=w_qk, src=conv_weight.ap(pattern=[[dk * K, 2 * nk], [K, dk], [1, K]], offset=0))
-    w_v = nl.ndarray((nv, dv, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=w_v, src=conv_weight.ap(pattern=[[dv * K, nv], [K, dv], [1, K]], offset=qk_ch * K))
-
-
-    # Gates of every row and head, repeated on the partitions that use them (value-dim partitions): [P, B, nv].
-    a_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=seq_read, src=initial_slots)
+    nisa.tensor_scalar(dst=seq_read, data=seq_read, op0=nl.maximum, operand0=0)
+    ids_bc = nl.ndarray((P, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids_bc, src=_bcast_rows(initial_slots, P, B))
+    a_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # gates of every row and head on every partition
     nisa.dma_copy(dst=a_bc, src=_bcast_rows(a, P, B * nv))
     b_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=b_bc, src=_bcast_rows(b, P, B * nv))
@@ -108,6 +134,109 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     dtb_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=dtb_bc, src=_bcast_rows(dt_bias, P, nv))
 
+    # q/k conv in the state layout: partition (head, block) of a piece holds R consecutive channels of that head's q
+    # and k (its key head's), so the normalised q, k come out where the state rows they multiply are: tiles
+    # [Pn, NP, 2, R(, K)], every piece of a row at once. v conv with the piece's heads on partitions: [hp, NP, dv(, K)].
+    # One transfer per tile (an SBUF tile written by several transfers waits for each of them in turn).
+    def qk_pattern(row_elems, heads):
+        return [[R * row_elems, heads * nb], [hp * dk * row_elems, NP if heads == hp else 1],
+                [nk * dk * row_elems, 2], [row_elems, R], [1, row_elems]]
+
+    def copy_qk(tile, src, row_elems, base, slot=None, store=False):
+        """DMA between the SBUF tile [Pn, NP, 2, R, row_elems] and the q, k channels of every piece's heads in src
+        [.., C, row_elems] (one transfer; per value head and q/k when several value heads share a key head, storing
+        from the first of them only)."""
+        indirect = [] if slot is None else [[C * row_elems, 1]]
+        extra = {} if slot is None else dict(scalar_offset=slot, indirect_dim=0)
+        parts = [(tile, base, hp)] if group == 1 else [
+            (tile[hl * nb:(hl + 1) * nb, pi:pi + 1], base + ((pi * hp + hl) // group) * dk * row_elems, 1)
+            for pi in range(NP) for hl in range(hp) if not (store and (pi * hp + hl) % group)]
+        for part, offset, heads in parts:
+            view = src.ap(pattern=indirect + qk_pattern(row_elems, heads), offset=offset, **extra)
+            nisa.dma_copy(dst=view, src=part) if store else nisa.dma_copy(dst=part, src=view)
+
+    def v_view(src, row_elems, base, slot=None):
+        """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels),
+        jl row_elems]."""
+        pattern = [[jl * row_elems, Pv], [1, jl * row_elems]]
+        if slot is None:
+            return src.ap(pattern=pattern, offset=base + qk_ch * row_elems)
+        return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base + qk_ch * row_elems, scalar_offset=slot,
+                      indirect_dim=0)
+
+    w_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    copy_qk(w_qk, conv_weight, K, 0)
+    w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
+    conv_inputs = []
+    for bi in range(B):
+        slot_read = seq_read[0:1, bi:bi + 1]
+        st_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
+        copy_qk(st_qk, conv_state, K - 1, 0, slot_read)
+        x_in_qk = nl.ndarray((Pn, NP, 2, R, 1), dtype=act, buffer=nl.sbuf)
+        copy_qk(x_in_qk, mixed_qkv, 1, bi * C)
+        st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
+        x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
+        conv_inputs.append((st_qk, x_in_qk, st_v, x_in_v))
+    # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition.
+    states = []
+    for bi in range(B):
+        row = []
+        for pi in range(NP):
+            tile = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=recurrent_state.ap(
+                pattern=[[nv * dk * dv, 1], [R * dv, Pn], [dv, R], [1, dv]], offset=pi * hp * dk * dv,
+                scalar_offset=seq_read[0:1, bi:bi + 1], indirect_dim=0))
+            row.append(tile)
+        states.append(row)
+
+    # ---------------------------------------------------------------- constants
+    # head_of[p, h] = 1 if partition p of a piece belongs to its head h (p // nb == h); first_of[p, h] = 1 if p is
+    # that head's first partition; same_head = head_of head_of^T (sums over each head's partitions).
+    ones = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(ones, 1.0)
+    head_of = nl.ndarray((Pn, hp), dtype=f32, buffer=nl.sbuf)
+    nisa.affine_select(dst=head_of, pattern=[[-nb, hp]], channel_multiplier=1, on_true_tile=ones[0:Pn, 0:hp],
+                       on_false_value=0.0, cmp_op=nl.greater_equal)  # p - nb h >= 0
+    nisa.affine_select(dst=head_of, pattern=[[nb, hp]], channel_multiplier=-1, offset=nb - 1, on_true_tile=head_of,
+                       on_false_value=0.0, cmp_op=nl.greater_equal)  # nb h + nb - 1 - p >= 0
+    first_of = nl.ndarray((Pn, hp), dtype=f32, buffer=nl.sbuf)
+    nisa.affine_select(dst=first_of, pattern=[[-nb, hp]], channel_multiplier=1, on_true_tile=ones[0:Pn, 0:hp],
+                       on_false_value=0.0, cmp_op=nl.equal)  # p == nb h
+    heads_ps = nl.ndarray((hp, Pn), dtype=f32, buffer=nl.psum)
+    nisa.nc_transpose(dst=heads_ps, data=head_of, engine=nisa.engine.tensor)
+    heads_row = nl.ndarray((hp, Pn), dtype=f32, buffer=nl.sbuf)  # head_of^T
+    nisa.tensor_copy(dst=heads_row, src=heads_ps, engine=nisa.engine.scalar)
+    same_ps = nl.ndarray((Pn, Pn), dtype=f32, buffer=nl.psum)
+    nisa.nc_matmul(dst=same_ps, stationary=heads_row, moving=heads_row)
+    same_head = nl.ndarray((Pn, Pn), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=same_head, src=same_ps, engine=nisa.engine.scalar)
+    ident = nl.shared_identity_matrix(n=P, dtype=f32)
+    ident_mm = ident
+    if mm != f32:
+        ident_mm = nl.ndarray((P, P), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ident_mm, src=ident, engine=nisa.engine.gpsimd)
+    eps_col = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(eps_col, L2_EPS)
+    # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
+    at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
+    nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1,
+                       on_true_tile=ones[0:Pv, 0:vb * nv].reshape((Pv, vb, nv)), on_false_value=0.0,
+                       cmp_op=nl.equal)  # p == vb h + blk
+    block_v32 = nl.ndarray((Pv, vb), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=block_v32, op=nl.add, data=at_bh, axis=2)
+    block_v = nl.ndarray((Pv, vb), dtype=act, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=block_v, src=block_v32, engine=nisa.engine.gpsimd)
+    head_v32 = nl.ndarray((Pv, nv), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=head_v32, op=nl.add, data=at_bh.permute((0, 2, 1)), axis=2)
+    head_v = nl.ndarray((Pv, nv), dtype=act, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=head_v, src=head_v32, engine=nisa.engine.gpsimd)
+
+    # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
+    keep = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep, data=ids_bc, op0=nl.greater_equal, operand0=0)
     rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
     nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
     sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
@@ -117,176 +246,202 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
     decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
     nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32).
+    nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
+    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
     beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
     nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
     beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=beta, src=beta_act)
-    neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -beta * decay
+    nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
+    neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
                               operand1=decay)
+    # decay of each state partition's head: [Pn, B, NP]
+    sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
+                       data2=_spread(head_of, (Pn, B, NP, hp), (0, 3)), op=nl.multiply, engine=nisa.engine.gpsimd)
+    decay_part = nl.ndarray((Pn, B, NP), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
 
-    # Every row's conv state and token first (small; contiguous tiles on both sides of each DMA, one run per
-    # partition), then every row's recurrent state: all loads are queued before the first store, which waits for
-    # compute, and the first row's conv can start while the states stream in.
-    qk_pattern = [[C * (K - 1), 1], [dk * (K - 1), 2 * nk], [1, dk * (K - 1)]]
-    v_pattern = [[C * (K - 1), 1], [dv * (K - 1), nv], [1, dv * (K - 1)]]
-    conv_inputs = []
-    for bi in range(B):
-        slot_read = seq_read[0:1, bi:bi + 1]
-        st_qk = nl.ndarray((2 * nk, dk, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_qk, src=conv_state.ap(pattern=qk_pattern, offset=0, scalar_offset=slot_read,
-                                                   indirect_dim=0))
-        st_v = nl.ndarray((nv, dv, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_v, src=conv_state.ap(pattern=v_pattern, offset=qk_ch * (K - 1),
-                                                  scalar_offset=slot_read, indirect_dim=0))
-        x_in_qk = nl.ndarray((2 * nk, dk), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_qk, src=mixed_qkv.ap(pattern=[[dk, 2 * nk], [1, dk]], offset=bi * C))
-        x_in_v = nl.ndarray((nv, dv), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_v, src=mixed_qkv.ap(pattern=[[dv, nv], [1, dv]], offset=bi * C + qk_ch))
-        conv_inputs.append((st_qk, st_v, x_in_qk, x_in_v))
-    # Every row's state is requested before any compute, in groups of heads, so that the DMA queues stream the
-    # loads while TensorE/VectorE work on the rows and groups already in SBUF (the stores queue behind the loads).
-    heads_per_mm = max(1, 512 // dv)
-    groups = [(h0, min(heads_per_mm, nv - h0)) for h0 in range(0, nv, heads_per_mm)]
-    # One tile per group of heads (not one per row), so that each group's matmuls wait for that group's load only.
-    states = []
-    for bi in range(B):
-        row_tiles = []
-        for gi, (h0, hn) in enumerate(groups):
-            tile = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.dma_copy(
-                dst=tile,
-                src=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
-                                       offset=h0 * dk * dv, scalar_offset=seq_read[0:1, bi:bi + 1], indirect_dim=0),
-            )
-            row_tiles.append(tile)
-        states.append(row_tiles)
-
-    for bi in range(B):
-        slot = seq[0:1, bi:bi + 1]
-        state = states[bi]
-        state_mm = state
-        if mm != f32:  # the matmul copies (issued here, in row order, so no engine stream waits on a later row's load)
-            state_mm = []
-            for gi, (h0, hn) in enumerate(groups):
-                tile_mm = nl.ndarray((dk, hn, dv), dtype=mm, buffer=nl.sbuf)
-                engine = nisa.engine.gpsimd if gi % 2 else nisa.engine.scalar
-                nisa.tensor_copy(dst=tile_mm, src=state[gi], engine=engine)
-                state_mm.append(tile_mm)
-
-        # ------------------------------------------------------------ conv window: [state | x], heads on partitions
-        # The window assembled on chip.
-        st_qk, st_v, x_in_qk, x_in_v = conv_inputs[bi]
-        qk_state = conv_state.ap(pattern=qk_pattern, offset=0, scalar_offset=slot, indirect_dim=0)
-        v_state = conv_state.ap(pattern=v_pattern, offset=qk_ch * (K - 1), scalar_offset=slot, indirect_dim=0)
-        win_qk = nl.ndarray((2 * nk, dk, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=win_qk[:, :, 0:K - 1], src=st_qk)
-        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk)
-        win_v = nl.ndarray((nv, dv, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=win_v[:, :, 0:K - 1], src=st_v)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v)
-        # The new conv state: the last K - 1 inputs.
-        nisa.tensor_copy(dst=st_qk, src=win_qk[:, :, 1:K])
-        nisa.tensor_copy(dst=st_v, src=win_v[:, :, 1:K])
-        nisa.dma_copy(dst=qk_state, src=st_qk, oob_mode=nisa.oob_mode.skip)
-        nisa.dma_copy(dst=v_state, src=st_v, oob_mode=nisa.oob_mode.skip)
-
-        # ------------------------------------------------------------ conv + SiLU (fp32), rounded to the activation
-        # dtype as the unfused model rounds its conv output
-        prod_qk = nl.ndarray((2 * nk, dk, K), dtype=f32, buffer=nl.sbuf)
+    # ---------------------------------------------------------------- per row and piece: the state
+    # Per row: the conv, norms and selectors of every piece (`row_inputs`); per row and piece: the state's matmul
+    # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
+    # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
+    # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
+    def row_inputs(bi):
+        # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
+        st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
+        win_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x]
+        nisa.tensor_tensor(dst=win_qk[:, :, :, :, 0:K - 1], data1=st_qk,
+                           data2=_spread(keep[0:Pn, bi:bi + 1], (Pn, NP, 2, R, K - 1), (0, 1)), op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_qk[:, :, :, :, K - 1:K], src=x_in_qk, engine=nisa.engine.gpsimd)
+        prod_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
-        acc_qk = nl.ndarray((2 * nk, dk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
-        x_qk = nl.ndarray((2 * nk, dk), dtype=act, buffer=nl.sbuf)
+        acc_qk = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=4)
+        x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
         nisa.activation(dst=x_qk, op=nl.silu, data=acc_qk)
-        prod_v = nl.ndarray((nv, dv, K), dtype=f32, buffer=nl.sbuf)
+        # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
+        sq = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply)
+        sums = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=sums[:, :, 0:2], op=nl.add, data=sq, axis=3)
+        qk_prod = nl.ndarray((Pn, NP, R), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=qk_prod, data1=x_qk[:, :, 0], data2=x_qk[:, :, 1], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
+        totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
+        totals = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=totals, src=totals_ps, engine=nisa.engine.scalar)
+        inv = nl.ndarray((Pn, NP, 2), dtype=f32, buffer=nl.sbuf)  # rsqrt(|q|^2 + eps) dk^-0.5, rsqrt(|k|^2 + eps)
+        nisa.activation(dst=inv, op=nl.rsqrt, data=totals[:, :, 0:2], bias=eps_col[0:Pn])
+        nisa.activation(dst=inv[:, :, 0], op=nl.copy, data=inv[:, :, 0], scale=float(dk) ** -0.5)
+        kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
+        nisa.tensor_tensor(dst=kq, data1=inv[:, :, 0], data2=inv[:, :, 1], op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=kq, data1=kq, data2=totals[:, :, 2], op=nl.multiply, engine=nisa.engine.gpsimd)
+        qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0), k (1)
+        nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
+        # the reduction's moving operands: sel[p, piece, r, (k|q), h] = (k|q)[p, r] if p is in head h, else 0
+        sel = nl.ndarray((Pn, NP, R, 2, hp), dtype=mm, buffer=nl.sbuf)
+        kq_order = qk_n.permute((0, 1, 3, 2))  # [Pn, NP, R, (q|k)]
+        for c, src in ((0, 1), (1, 0)):  # k first, then q
+            nisa.tensor_tensor(dst=sel[:, :, :, c, :],
+                               data1=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
+                               data2=_spread(head_of, (Pn, NP, R, hp), (0, 3)), op=nl.multiply,
+                               engine=nisa.engine.gpsimd if c else nisa.engine.vector)
+        # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
+        kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
+                           data2=_spread(kq, (Pn, NP, hp), (0, 1)), op=nl.multiply, engine=nisa.engine.gpsimd)
+        kq_ps = nl.ndarray((dv, NP, hp), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
+        kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
+        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((nv, dv), dtype=f32, buffer=nl.sbuf)
+        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
-        x_v = nl.ndarray((nv, dv), dtype=act, buffer=nl.sbuf)
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
         nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
 
-        # ------------------------------------------------------------ to columns: qk [dk, 2 nk], v [dv, nv] (fp32)
-        x_qk32 = nl.ndarray((2 * nk, dk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=x_qk32, src=x_qk)
-        qk_t = nl.ndarray((dk, 2 * nk), dtype=f32, buffer=nl.psum)
-        nisa.nc_transpose(dst=qk_t, data=x_qk32)
-        qk = nl.ndarray((dk, 2 * nk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=qk, src=qk_t)
-        x_v32 = nl.ndarray((nv, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=x_v32, src=x_v)
-        v_t = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
-        nisa.nc_transpose(dst=v_t, data=x_v32)
-
-        # ------------------------------------------------------------ l2 norms over dk (partitions), by a ones matmul
-        sq = nl.ndarray((dk, 2 * nk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=sq, data1=qk, data2=qk, op=nl.multiply)
-        ssum = nl.ndarray((dk, 2 * nk), dtype=f32, buffer=nl.psum)
-        nisa.nc_matmul(dst=ssum, stationary=ones_dk, moving=sq)
-        inv = nl.ndarray((dk, 2 * nk), dtype=f32, buffer=nl.sbuf)
-        nisa.activation(dst=inv, op=nl.rsqrt, data=ssum, bias=eps_col)
-        nisa.tensor_tensor(dst=qk, data1=qk, data2=inv, op=nl.multiply)
-        nisa.tensor_scalar(dst=qk[:, 0:nk], data=qk[:, 0:nk], op0=nl.multiply, operand0=float(dk) ** -0.5)
-        # k . q of each key head, repeated on the dv partitions: ones^T (k * q)
-        kq_prod = nl.ndarray((dk, nk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=kq_prod, data1=qk[:, 0:nk], data2=qk[:, nk:2 * nk], op=nl.multiply)
-        kq = nl.ndarray((dv, nk), dtype=f32, buffer=nl.psum)
-        nisa.nc_matmul(dst=kq, stationary=ones_dk_dv, moving=kq_prod)
-
-        # mem_h = S_h^T k, Sq_h = S_h^T q: [dv, nv, 2]
-        kq_pairs = nl.ndarray((dk, nk, 2), dtype=mm, buffer=nl.sbuf)  # (k, q) of each key head, side by side
-        nisa.tensor_copy(dst=kq_pairs[:, :, 0], src=qk[:, nk:2 * nk])
-        nisa.tensor_copy(dst=kq_pairs[:, :, 1], src=qk[:, 0:nk])
-        msq = nl.ndarray((dv, nv, 2), dtype=f32, buffer=nl.psum)
-        for h in range(nv):
-            gi, jj = h // heads_per_mm, h % heads_per_mm
-            nisa.nc_matmul(dst=msq[:, h, :], stationary=state_mm[gi][:, jj, :], moving=kq_pairs[:, h // group, :])
-
-        # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, nv] for all heads
-        delta = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+        # v^T [dv, nv] (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to
+        # their block's position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
+        v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
+                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
+        v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
         bv = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=bv, data1=v_t, data2=beta[0:dv, bi, :], op=nl.multiply)
-        nbm = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=nbm, data1=msq[:, :, 0], data2=neg_beta_decay[0:dv, bi, :], op=nl.multiply)
-        nisa.tensor_tensor(dst=delta, data1=nbm, data2=bv, op=nl.add)
-        o_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=o_cols, data1=msq[:, :, 1], data2=decay[0:dv, bi, :], op=nl.multiply)
-        kq_sb = nl.ndarray((dv, nk), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=kq_sb, src=kq)
-        kqd = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=kqd.reshape((dv, nk, group)), data1=delta.reshape((dv, nk, group)),
-                           data2=kq_sb.expand_dim(2).broadcast(2, group), op=nl.multiply)
-        nisa.tensor_tensor(dst=o_cols, data1=o_cols, data2=kqd, op=nl.add)
-        o_rows = nl.ndarray((nv, dv), dtype=f32, buffer=nl.psum)
-        nisa.nc_transpose(dst=o_rows, data=o_cols)
-        o_sb = nl.ndarray((nv, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=o_sb, src=o_rows)
-        nisa.dma_copy(dst=o_out[bi], src=o_sb)
+        nisa.tensor_tensor(dst=bv, data1=v_ps, data2=beta[0:dv, bi, :], op=nl.multiply)
 
-        # ------------------------------------------------------------ S = decay S + k delta^T, written back in place
-        # diag(delta_h) (GpSimd), then ones^T diag(delta) puts delta_h on every row (TensorE, four heads a matmul);
-        # decay * S on ScalarE; decay * S + k * rows on VectorE. Each group of heads is stored as soon as it is done.
-        for h0, hn in groups:
-            diag = nl.ndarray((dv, hn, dv), dtype=mm, buffer=nl.sbuf)
-            for j in range(hn):
-                nisa.tensor_scalar(dst=diag[:, j, :], data=ident[0:dv, 0:dv], op0=nl.multiply,
-                                   operand0=delta[:, h0 + j:h0 + j + 1], engine=nisa.engine.gpsimd)
-            rows = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.psum)
-            nisa.nc_matmul(dst=rows, stationary=ones_dv_dk_mm, moving=diag)
-            new_state = nl.ndarray((dk, hn, dv), dtype=f32, buffer=nl.sbuf)
-            for j in range(hn):
-                h = h0 + j
-                kh = h // group
-                decayed = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.activation(dst=decayed, op=nl.copy, data=state[h0 // heads_per_mm][:, j, :],
-                                scale=decay[0:dk, bi, h:h + 1])
-                nisa.scalar_tensor_tensor(dst=new_state[:, j, :], data=rows[:, j, :], op0=nl.multiply,
-                                          operand0=qk[:, nk + kh:nk + kh + 1], op1=nl.add, operand1=decayed)
-            nisa.dma_copy(
-                dst=recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [dk * dv, hn], [1, dv]],
-                                       offset=h0 * dk * dv, scalar_offset=slot, indirect_dim=0),
-                src=new_state, oob_mode=nisa.oob_mode.skip,
-            )
-        states[bi] = None
-    return o_out
+        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, bv=bv, win_qk=win_qk, win_v=win_v)
+
+    def start(bi, pi):
+        h0 = pi * hp
+        gate = slice(h0, h0 + hp)
+        S = states[bi][pi]
+        # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
+        # decay S (GpSimd; it needs no delta)
+        halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
+        S_mm = []
+        for r0, r1 in halves:
+            if mm == f32:
+                S_mm.append((r0, S))
+                continue
+            tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
+            S_mm.append((r0, tile))
+        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=decayed, data=S, op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
+                           engine=nisa.engine.gpsimd)
+
+        return S_mm, halves, decayed
+
+    def finish(bi, pi, started, row):
+        h0 = pi * hp
+        gate = slice(h0, h0 + hp)
+        S_mm, halves, decayed = started
+        sel, qk_n, kq_cols, bv = row['sel'], row['qk_n'], row['kq_cols'], row['bv']
+        # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
+        # (heads x blocks) for one state row of every block
+        msq_ps = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.psum)
+        for r in range(R):
+            r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
+            row = r if mm == f32 else r - r0
+            nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
+        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
+
+        # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
+        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=delta, data1=msq[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=delta, data1=delta, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
+        # delta of each partition's head along the state rows: (delta repeated nb times)^T I -> [Pn, dv]
+        delta_x = nl.ndarray((dv, hp, nb), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=delta_x, src=_spread(delta, (dv, hp, nb), (0, 1)), engine=nisa.engine.gpsimd)
+        rows_ps = nl.ndarray((Pn, dv), dtype=f32, buffer=nl.psum)
+        nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
+
+        o_cols = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=o_cols, data1=msq[:, 1, :], data2=decay[0:dv, bi, gate], op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        kqd = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=kqd, data1=kq_cols[:, gate], data2=delta, op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=o_cols, data1=o_cols, data2=kqd, op=nl.add, engine=nisa.engine.gpsimd)
+
+        return o_cols, rows_ps
+
+    def update(bi, pi, started, row, finished):
+        h0 = pi * hp
+        S_mm, halves, decayed = started
+        o_cols, rows_ps = finished
+        qk_n = row['qk_n']
+        # S = decay S + k delta^T, one state row of every block per instruction (VectorE)
+        new_state = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        k_n = qk_n[:, pi, 1, :]
+        for r in range(R):
+            nisa.scalar_tensor_tensor(dst=new_state[:, r, :], data=rows_ps, op0=nl.multiply,
+                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[:, r, :])
+        nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
+                      src=new_state)
+        o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
+        nisa.nc_transpose(dst=o_rows, data=o_cols, engine=nisa.engine.tensor)
+        o_sb = nl.ndarray((hp, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=o_sb, src=o_rows, engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
+        states[bi][pi] = None
+
+    def row_end(bi, row):
+        win_qk, win_v = row['win_qk'], row['win_v']
+        # The new conv states: the last K - 1 inputs.
+        new_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, :, :, 1:K], engine=nisa.engine.scalar)
+        new_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=new_v, src=win_v[:, :, 1:K], engine=nisa.engine.scalar)
+
+        # the conv states out (queued behind the state loads)
+        copy_qk(new_qk, conv_out, K - 1, bi * C * (K - 1), store=True)
+        nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
+
+    units = [(bi, pi) for bi in range(B) for pi in range(NP)]
+    rows = {0: row_inputs(0)}
+    started = {units[0]: start(*units[0])}
+    for i, (bi, pi) in enumerate(units):
+        unit = started.pop((bi, pi))
+        finished = finish(bi, pi, unit, rows[bi])
+        if i + 1 < len(units):
+            if units[i + 1][1] == 0:
+                rows[units[i + 1][0]] = row_inputs(units[i + 1][0])
+            started[units[i + 1]] = start(*units[i + 1])
+        update(bi, pi, unit, rows[bi], finished)
+        if pi == NP - 1:
+            row_end(bi, rows.pop(bi))
+    return o_out, conv_out, state_out

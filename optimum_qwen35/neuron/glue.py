@@ -16,8 +16,8 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
   (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
   frequencies survive that cast by themselves: `RotaryEmbedding._apply` rebuilds them);
 - `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off);
-- `kernel_backend`: which kernel backend the traced DeltaNet layers call (the PyTorch references; the NKI kernels
-  are refused there until they return their states).
+- `kernel_backend`: which kernel backend the traced DeltaNet layers call, by target (the PyTorch references; the NKI
+  kernels on request, on trn2 and later with the real NKI package).
 """
 
 from __future__ import annotations
@@ -175,38 +175,43 @@ def compiler_args(target: str | None, logical_nc_config: int) -> str:
     return " ".join(flags)
 
 
-# The targets NKI 0.3+ (the API the kernels are written in) compiles for.
-NKI_TARGETS = ("trn2",)
+# The targets NKI 0.3+ (the API the kernels are written in) compiles for: trn2 and later. trn1 and inf2 (NeuronCore-v2)
+# are not among them.
+NKI_TARGETS = ("trn2", "trn3")
 
 
-def kernel_backend(requested: str | None = None, target: str | None = None) -> str:
+def kernel_backend(requested: str | None = None, target: str | None = None, real_nki: bool | None = None) -> str:
     """The kernel backend (`optimum_qwen35.kernels`) the traced module's DeltaNet layers call on `target`.
 
-    "torch" (the PyTorch references, traced op by op into the graph) unless "nki" is requested, which is refused:
-    - on trn1 / inf2: NKI 0.3+, the API of the kernels, compiles for trn2 and later only;
+    "torch" (the PyTorch references, traced op by op into the graph) unless "nki" is requested, which gives the NKI
+    kernels (one custom call per launch; their state outputs go into the slots by the same functional scatter as the
+    references', so the graph aliases them alike) on trn2 and later, and is refused:
+    - on trn1 / inf2: NKI 0.3+, the API of the kernels, compiles for trn2 and later only, so they always run the
+      torch form;
     - without the real NKI package (NKI >= 0.3, Neuron SDK 2.29+): the CPU emulator runs NumPy on host memory,
-      which a traced graph cannot call;
-    - and, for now, everywhere: the kernels write the states they are given in place and return only o, while an NKI
-      custom call in a traced graph has only its outputs as effects, so the new states would be lost (the graphs
-      alias each state output to its input: modeling/state.py).
-    """
-    from ..kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
+      which a traced graph cannot call.
 
+    `real_nki`: whether the real `nki` package is importable; None asks `kernels.nki_import` (its probe's answer).
+    """
     if requested not in (None, "nki", "torch"):
         raise ValueError(f"kernel backend {requested!r}: the Neuron graphs take 'nki' or 'torch'")
     if requested != "nki":
         return "torch"
     if target not in NKI_TARGETS:
-        raise ValueError(f"kernel backend 'nki' on target {target!r}: the NKI kernels run on trn2 only; use 'torch'")
-    if USING_EMULATOR:
+        raise ValueError(
+            f"kernel backend 'nki' on target {target!r}: the NKI kernels run on trn2 and later only "
+            f"({', '.join(NKI_TARGETS)}); use 'torch'"
+        )
+    if real_nki is None:
+        from ..kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
+
+        real_nki = not USING_EMULATOR
+    if not real_nki:
         raise ValueError(
             "kernel backend 'nki' in a Neuron graph needs the real NKI package (NKI >= 0.3, Neuron SDK 2.29+); "
             "`optimum_qwen35.kernels.nki_import` found only the CPU emulator"
         )
-    raise ValueError(
-        "kernel backend 'nki' in a Neuron graph is not supported yet: the NKI kernels update the DeltaNet states in "
-        "place, and a graph needs them as outputs; use 'torch'"
-    )
+    return "nki"
 
 
 def check_neuron_config(neuron_config) -> None:

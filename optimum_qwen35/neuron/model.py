@@ -55,8 +55,8 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
     """The traced module: the decoder over neuronx-distributed's layers, with its state held as parameters."""
 
     # The DeltaNet layers' kernels (`glue.kernel_backend`, by target): None or "torch" traces the PyTorch references;
-    # "nki" is refused there for now. Carried by this model's layer factory, so that it does not change the
-    # process-wide backend of other models.
+    # "nki" calls the NKI kernels on trn2 and later with the real NKI package (refused elsewhere). Carried by this
+    # model's layer factory, so that it does not change the process-wide backend of other models.
     kernel_backend: str | None = None
 
     def __init__(self, config, neuron_config):

@@ -74,25 +74,28 @@ def test_a_model_naming_no_backend_follows_the_process_wide_one():
     assert kernels.calls[("torch", "deltanet_prefill")] > before[0] and nki_calls() == before[1]
 
 
-@pytest.mark.parametrize("target", ["trn2", "trn1"])
+@pytest.mark.parametrize("target", ["trn2", "trn3", "trn1", "inf2", None])
 def test_kernel_backend_of_the_neuron_graphs(monkeypatch, target):
-    # The graphs trace the references by default, on every target.
-    assert glue.kernel_backend(None, target) == "torch"
-    assert glue.kernel_backend("torch", target) == "torch"
-    with pytest.raises(ValueError, match="'nki' or 'torch'"):
-        glue.kernel_backend("emulator", target)
-    if target != "trn2":
-        # NKI 0.3+ compiles for trn2 and later: trn1 / inf2 (target "trn1") always run the torch form.
-        monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
-        with pytest.raises(ValueError, match="trn2 only"):
-            glue.kernel_backend("nki", target)
+    # The graphs trace the references unless asked for the kernels, on every target.
+    for real_nki in (True, False):
+        assert glue.kernel_backend(None, target, real_nki) == "torch"
+        assert glue.kernel_backend("torch", target, real_nki) == "torch"
+        with pytest.raises(ValueError, match="'nki' or 'torch'"):
+            glue.kernel_backend("emulator", target, real_nki)
+    if target not in ("trn2", "trn3"):
+        # NKI 0.3+ compiles for trn2 and later: trn1 / inf2 always run the torch form, real NKI or not.
+        for real_nki in (True, False):
+            with pytest.raises(ValueError, match="trn2 and later only"):
+                glue.kernel_backend("nki", target, real_nki)
         return
-    # This machine has no real NKI: the emulator cannot run inside a traced graph.
+    # Without the real NKI (the emulator cannot run inside a traced graph): refused.
+    with pytest.raises(ValueError, match="real NKI"):
+        glue.kernel_backend("nki", target, real_nki=False)
+    # With it: the kernels (they return their states, which the graph aliases as it does the references').
+    assert glue.kernel_backend("nki", target, real_nki=True) == "nki"
+    # By default the answer is `nki_import`'s probe: here the emulator; with the probe saying real NKI, the kernels.
     assert nki_import.USING_EMULATOR
     with pytest.raises(ValueError, match="real NKI"):
         glue.kernel_backend("nki", target)
-    # With the real NKI, still refused: the kernels write their states in place; the graphs need them as outputs.
     monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
-    assert glue.kernel_backend(None, target) == "torch"
-    with pytest.raises(ValueError, match="not supported yet"):
-        glue.kernel_backend("nki", target)
+    assert glue.kernel_backend("nki", target) == "nki"
