@@ -166,17 +166,20 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             wrapper = getattr(self, name)
             setattr(self, name, Qwen35DecoderWrapper(config, wrapper.neuron_config, traced_model, tag))
 
-    def forward(self, input_ids=None, position_ids=None, seq_ids=None, sampling_params=None, attention_mask=None,
-                labels=None, return_dict=None, **kwargs):
+    def forward(self, input_ids=None, position_ids=None, seq_ids=None, sampling_params=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, attention_mask=None, labels=None, **kwargs):
         """Two callers. optimum-neuron's generation loop passes `seq_ids` and `sampling_params`: its own forward runs
         (context encoding or token generation of the slots named). transformers' `model(input_ids, attention_mask,
         labels)` passes neither: a `CausalLMOutput` with the logits of every position (`optimum.scoring`), each row
         through the per-position logits graph, which reads and writes no slot."""
         if seq_ids is not None or sampling_params is not None:
-            return super().forward(input_ids, position_ids, seq_ids, sampling_params, **kwargs)
+            return super().forward(
+                input_ids, position_ids, seq_ids, sampling_params, output_attentions, output_hidden_states, return_dict
+            )
         return causal_lm_forward(
             self._rows_logits, self.config.vocab_size, input_ids, attention_mask, labels, return_dict,
-            position_ids=position_ids, **kwargs,
+            position_ids=position_ids, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            **kwargs,
         )
 
     def _rows_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
