@@ -291,15 +291,17 @@ class Headlines:
 def trace_headlines(verbose: bool = True) -> Headlines:
     bench = _deltanet_benchmark()
     t0 = time.time()
-    bench.prefill(TOKENS, "bf16", 2)
+    # bf16 activations throughout (a bf16 model): the default operands ("auto": bf16), and fp32 operands
+    bench.prefill(TOKENS, "auto", 2)
     prefill2 = cost.last_trace()
-    bench.prefill(TOKENS, "bf16", 1)
+    bench.prefill(TOKENS, "auto", 1)
     prefill1 = cost.last_trace()
     bench.prefill(TOKENS, "fp32", 2)
     prefill_fp32 = cost.last_trace()
     decode, ideal = {}, {}
     for batch in (1, 8):
-        _, ideal_us = bench.decode(batch)
+        bench.decode(batch)
+        _, ideal_us = bench.state_traffic_us(batch)
         decode[batch] = (cost.last_trace(), ideal_us * 1e-6 * bench.HBM_PER_CORE)
         ideal[batch] = ideal_us
     gdn, where = load_gdn_cte()
