@@ -60,7 +60,8 @@ sensitivity table gives the ranges); busy times of the busier physical core:
     LNC=2, fp32 operands: 1.64 ms (TensorE 1.46 ms busy, 89%; the same with fp32 activations, an fp32 model)
     LNC=1, bf16 operands: 1.58 ms (TensorE 1.11 ms busy, 71%)
 (before this version, under the cost model of its time: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1).
-TensorE per head and chunk, at the bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.
+TensorE per head and chunk, at the bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about
+2800 cycles.
 """
 
 from __future__ import annotations

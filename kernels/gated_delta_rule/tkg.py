@@ -47,10 +47,11 @@ floor is the slots' fp32 states read and written once at the model's DMA rate (0
 (the previous kernel, [dk, dv] per head with 512-byte runs: 16.4 / 86.5 us with tf32 operands, 2.41x / 1.59x of
 this floor). At batch 8, 11 of the 70 us are the model's per-run overhead (256 bytes per contiguous run) on the
 conv inputs and conv-state outputs, which move in the state layout in runs of 16-64 bytes (13,000 runs; the state
-pieces are contiguous in HBM and pay almost none); with those contiguous the model allows 1.07x. Batch 1 cannot reach 1.15x in this model. Besides the 6.81 us, the DMA queue carries the conv states, the token, the conv
-weights, the gates and the output (9.6 us busy in all), and the last store's data lands 1.3 us after its transfer
-(the model's DMA latency, charged to the kernel's end): 10.9 us = 1.60x with all compute hidden (any kernel:
->= 1.26x, with the 143 KB of other traffic in long runs). The rest (2.2 us) is the queue waiting for the first
+pieces are contiguous in HBM and pay almost none); with those contiguous the model allows 1.07x. Batch 1 cannot
+reach 1.15x in this model. Besides the 6.81 us, the DMA queue carries the conv states, the token, the conv weights,
+the gates and the output (9.6 us busy in all), and the last store's data lands 1.3 us after its transfer (the
+model's DMA latency, charged to the kernel's end): 10.9 us = 1.60x with all compute hidden (any kernel: >= 1.26x,
+with the 143 KB of other traffic in long runs). The rest (2.2 us) is the queue waiting for the first
 piece: its store needs its state loaded, landed (1.3 us) and through the matmuls, delta and update (~2 us), while
 the other piece's load keeps the queue busy for about 1.8 us only.
 """
