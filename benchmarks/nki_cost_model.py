@@ -291,15 +291,17 @@ class Headlines:
 def trace_headlines(verbose: bool = True) -> Headlines:
     bench = _deltanet_benchmark()
     t0 = time.time()
-    bench.prefill(TOKENS, "bf16", 2)
+    # bf16 activations throughout (a bf16 model): the default operands ("auto": bf16), and fp32 operands
+    bench.prefill(TOKENS, "auto", 2)
     prefill2 = cost.last_trace()
-    bench.prefill(TOKENS, "bf16", 1)
+    bench.prefill(TOKENS, "auto", 1)
     prefill1 = cost.last_trace()
     bench.prefill(TOKENS, "fp32", 2)
     prefill_fp32 = cost.last_trace()
     decode, ideal = {}, {}
     for batch in (1, 8):
-        _, ideal_us = bench.decode(batch)
+        bench.decode(batch)
+        _, ideal_us = bench.state_traffic_us(batch)
         decode[batch] = (cost.last_trace(), ideal_us * 1e-6 * bench.HBM_PER_CORE)
         ideal[batch] = ideal_us
     gdn, where = load_gdn_cte()
@@ -360,11 +362,14 @@ def print_sensitivity(mid, one, combos):
     figures = list(mid)
     print("\nHeadline figures (trn2, the 2B layer on one rank) over the cost model's parameter ranges "
           "(kernels/emulator/cost.py PARAMETERS):")
-    print("\n| figure | mid | range (envelope) | all low | all high | moved most by (low -> high) |")
+    print("\n| figure | mid | range | all low | all high | moved most by (low -> high) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for f in figures:
         top = "; ".join(f"`{name}` {fmt(lo)} -> {fmt(hi)}" for name, lo, hi in movers(mid, one, f))
-        print(f"| {f} | {fmt(mid[f])} | {fmt(combos['min'][f])} - {fmt(combos['max'][f])} | "
+        # the envelope is built from one-at-a-time effects; parameters acting together (all low, all high) can
+        # fall outside it, so the range is the hull of the three
+        ends = [combos[name][f] for name in ("min", "max", "all low", "all high")]
+        print(f"| {f} | {fmt(mid[f])} | {fmt(min(ends))} - {fmt(max(ends))} | "
               f"{fmt(combos['all low'][f])} | {fmt(combos['all high'][f])} | {top} |")
     print("\nOne parameter at a time (value at the parameter's low / high end; mid in the first row):\n")
     print("| parameter | " + " | ".join(figures) + " |")

@@ -51,15 +51,17 @@ chunk c + 1, then the state chain of chunk c (k S -> R -> v' -> o and k^T v' -> 
 the next), then the cumulative gates and diag(gc) of chunk c + 2; loads run three chunks ahead and each chunk's
 outputs of all heads leave in one transfer.
 
-Cost report (emulator cost model, trn2, bf16 activations, the 2B layer on one rank: 16 heads, dk = dv = 128, 4096
-tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md); busy times of the busier physical core:
-    LNC=2, bf16 operands (the default for bf16 activations): 0.93 ms (TensorE 751 us busy, 81%; ScalarE 584,
-                          VectorE 408, GpSimd 328, DMA 181): the issue's target (<= 1.0 ms, TensorE the busiest
-                          engine) is met; tf32 operands: 0.94 ms
-    LNC=2, fp32 operands: 2.18 ms (TensorE 2.02 ms busy, 93%; the same with fp32 activations, an fp32 model)
-    LNC=1, bf16 operands: 1.85 ms (TensorE 1.50 ms busy, 81%)
-(before this version: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1). TensorE per head and chunk, at the
-bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about 2800 cycles.
+Cost report (emulator cost model at the middle of its parameter ranges, trn2, bf16 activations, the 2B layer on one
+rank: 16 heads, dk = dv = 128, 4096 tokens, batch 1; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose
+sensitivity table gives the ranges); busy times of the busier physical core:
+    LNC=2, bf16 operands (the default for bf16 activations): 0.79 ms, 0.73-1.11 ms over the parameter ranges
+                          (TensorE 556 us busy, 70%; ScalarE 584, VectorE 408, GpSimd 328, DMA 171): under the
+                          1.0 ms target, but ScalarE, not TensorE, is the busiest engine; tf32 operands: 0.80 ms
+    LNC=2, fp32 operands: 1.64 ms (TensorE 1.46 ms busy, 89%; the same with fp32 activations, an fp32 model)
+    LNC=1, bf16 operands: 1.58 ms (TensorE 1.11 ms busy, 71%)
+(before this version, under the cost model of its time: 2.63 ms with tf32 and 6.01 ms with fp32 operands, LNC=1).
+TensorE per head and chunk, at the bf16 rate: the solve 6 x 640 cycles, the other matmuls and transposes about
+2800 cycles.
 """
 
 from __future__ import annotations

@@ -39,19 +39,21 @@ Every row's conv inputs, then every row's state pieces, are requested before any
 Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every exponent is <= 0
 (decay = exp(g), g <= 0). The state is never rounded below fp32 (only the matmul copy of it, for bf16 operands).
 
-Cost report (emulator cost model, trn2, the 2B layer on one rank: 16 heads, dk = dv = 128;
-`benchmarks/deltanet_kernels.py`, docs/kernels.md). The floor is the slots' fp32 states read and written once at
-the model's DMA rate (0.70 x 362.5 GB/s): 8.26 us per row.
-    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.58x), batch 8 74.6 us (1.13x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 16.6 us (2.01x), batch 8 82.5 us (1.25x, TensorE 57 us)
-(the previous kernel, [dk, dv] per head with 512-byte runs: 16.0 / 79.6 us with tf32 operands, 1.94x / 1.20x of
-this floor). Batch 1 cannot reach 1.15x in this model. Besides the 8.26 us, the DMA queue carries the conv states,
-the token, the conv weights, the gates and the output (1.3 us of queue time as this kernel moves them: 9.6 us busy),
-and the last store's data lands 1.3 us after its transfer (the model's DMA latency, charged to the kernel's end):
-8.26 + 1.3 + 1.3 = 10.86 us = 1.31x with all compute hidden (any kernel: >= 1.22x, with the 143 KB of other
-traffic in long runs). The rest (2.2 us) is the queue waiting for the first piece: its store needs its state loaded,
-landed (1.3 us) and through the matmuls, delta and update (~2 us), while the other piece's load keeps the queue busy
-for 2.1 us only. Batch 8 hides all of it behind the other rows' loads.
+Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
+dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
+floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
+    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.92x), batch 8 70.1 us (1.29x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 72.5 us (1.33x, TensorE 39 us)
+(the previous kernel, [dk, dv] per head with 512-byte runs: 16.4 / 86.5 us with tf32 operands, 2.41x / 1.59x of
+this floor). At batch 8, 11 of the 70 us are the model's per-run overhead (256 bytes per contiguous run) on the
+conv inputs and conv-state outputs, which move in the state layout in runs of 16-64 bytes (13,000 runs; the state
+pieces are contiguous in HBM and pay almost none); with those contiguous the model allows 1.07x. Batch 1 cannot
+reach 1.15x in this model. Besides the 6.81 us, the DMA queue carries the conv states, the token, the conv weights,
+the gates and the output (9.6 us busy in all), and the last store's data lands 1.3 us after its transfer (the
+model's DMA latency, charged to the kernel's end): 10.9 us = 1.60x with all compute hidden (any kernel: >= 1.26x,
+with the 143 KB of other traffic in long runs). The rest (2.2 us) is the queue waiting for the first
+piece: its store needs its state loaded, landed (1.3 us) and through the matmuls, delta and update (~2 us), while
+the other piece's load keeps the queue busy for about 1.8 us only.
 """
 
 from __future__ import annotations

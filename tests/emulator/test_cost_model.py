@@ -336,3 +336,23 @@ def test_sensitivity_study_brackets_every_figure():
     assert low["prefill LNC=2 (us)"] < mid["prefill LNC=2 (us)"] < high["prefill LNC=2 (us)"]
     spread = [abs(hi - lo) for _, lo, hi in bench.movers(mid, one, "prefill LNC=2 (us)")]
     assert spread == sorted(spread, reverse=True) and spread[0] > 0
+
+
+@pytest.mark.slow
+def test_sensitivity_traces_the_benchmarks_kernels(monkeypatch):
+    """The sensitivity command traces the DeltaNet kernels through benchmarks/deltanet_kernels.py's own functions
+    (so a change of their signatures breaks this test, not only the command), and its mid figures are the
+    benchmark's: decode over the state traffic at the model's DMA rate and at the raw HBM bandwidth (about 30 s)."""
+    bench = cost_model_benchmark()
+    monkeypatch.setattr(bench, "load_gdn_cte", lambda: (None, "not needed here"))
+    headlines = bench.trace_headlines(verbose=False)
+    figures = headlines.figures(cost.DEFAULT_PARAMS)
+    kernels = bench._deltanet_benchmark()
+    for batch in (1, 8):
+        total = headlines.decode[batch][0].report(cost.DEFAULT_PARAMS).total_us
+        floor, raw = kernels.state_traffic_us(batch)
+        assert figures[f"decode b{batch} / model floor"] == pytest.approx(total / floor)
+        assert figures[f"decode b{batch} / traffic"] == pytest.approx(total / raw)
+    assert figures["prefill LNC=1 (us)"] > figures["prefill LNC=2 (us)"] > 0
+    assert figures["prefill fp32 LNC=2 (us)"] > figures["prefill LNC=2 (us)"]
+    assert not any(name.startswith("gdn_cte") for name in figures)
