@@ -385,7 +385,8 @@ class Qwen35ForCausalLM:
         three components are its positions), image embeddings [B, T, hidden] and their mask [B, T]."""
         B = self.batch_size
         rope = positions[:, None].expand(B, 3, T).clone()
-        embeds = torch.zeros(B, T, self.config.hidden_size, dtype=self.decoder.embed_tokens.weight.dtype)
+        dtype = next(im.embeds.dtype for im in images if im is not None)  # the vision tower's output: the model dtype
+        embeds = torch.zeros(B, T, self.config.hidden_size, dtype=dtype)
         image_mask = torch.zeros(B, T, dtype=torch.int32)
         for i, chunk in chunks.items():
             if images[i] is not None:

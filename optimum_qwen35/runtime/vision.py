@@ -2,7 +2,8 @@
 
     model = Qwen35ForImageTextToText.from_pretrained("path/to/Qwen3.5-checkpoint", max_length=1024)
     inputs = processor(text=[prompt], images=[image], return_tensors="pt")
-    tokens = model.generate([inputs["input_ids"][0].tolist()], inputs["pixel_values"], inputs["image_grid_thw"])
+    tokens = model.generate([inputs["input_ids"][0].tolist()], 32, pixel_values=inputs["pixel_values"],
+                            image_grid_thw=inputs["image_grid_thw"])
 
 An image runs alone in the smallest *image bucket* (a static number of patch rows, `image_buckets`) that holds its
 patches; an image with more patches than the largest bucket is refused before anything runs. Its merged tokens
@@ -80,32 +81,25 @@ def load_vision_encoder(path: str | os.PathLike, vision: VisionConfig, dtype: to
     return encoder.eval()
 
 
-class Qwen35ForImageTextToText(Qwen35ForCausalLM):
-    """`Qwen35ForCausalLM` with the vision tower: `logits` and `generate` take images (CPU, static shapes)."""
+class ImageInputs:
+    """What takes images, over any runtime with the image graphs (`_run_image_context`, `_run_image_token`):
+    the checks, the vision tower's calls (`_run_vision`), the placement of its tokens, `logits` and `generate`.
+    Needs `vision_config` and `image_buckets`."""
 
-    def __init__(self, decoder, vision: VisionEncoder, batch_size: int = 1, max_length: int = 1024, buckets=None,
-                 image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS, trace: bool = False, pack_weights: bool = False):
-        super().__init__(decoder, batch_size, max_length, buckets, trace, pack_weights)
-        self.vision = vision
-        self.vision_config = vision.config
+    vision_config: VisionConfig
+    image_buckets: list[int]
+
+    def _set_image_buckets(self, image_buckets: Sequence[int]) -> None:
         unit = self.vision_config.merge_unit
+        if isinstance(image_buckets, (str, bytes)) or not isinstance(image_buckets, Sequence):
+            raise UsageError(f"image_buckets must be a list of patch counts, got {type(image_buckets).__name__}")
         image_buckets = sorted({validation.positive_int(b, "each image bucket") for b in image_buckets})
         if not image_buckets or any(b % unit for b in image_buckets):
             raise UsageError(f"image_buckets must be patch counts, multiples of {unit}, got {image_buckets}")
         self.image_buckets = image_buckets
 
-    @classmethod
-    def from_pretrained(cls, path, batch_size: int = 1, max_length: int = 1024, dtype=torch.float32, buckets=None,
-                        image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS, trace: bool = False,
-                        pack_weights: bool = False) -> "Qwen35ForImageTextToText":
-        path = validation.model_folder(path, "Qwen35ForImageTextToText.from_pretrained")
-        config = Qwen35Config.from_pretrained(path)
-        vision = VisionConfig.from_dict(config.raw)
-        if vision is None:
-            raise UnsupportedModelError(f"{path} has no vision tower (a text-only config); load it with Qwen35ForCausalLM")
-        decoder = load_decoder(path, dtype, config=config)
-        return cls(decoder, load_vision_encoder(path, vision, dtype), batch_size, max_length, buckets, image_buckets,
-                   trace, pack_weights)
+    def _run_vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ vision
     def image_bucket_for(self, patches: int) -> int:
@@ -166,7 +160,7 @@ class Qwen35ForImageTextToText(Qwen35ForCausalLM):
             n = t * h * w
             bucket = self.image_bucket_for(n)
             inputs = image_bucket_inputs(self.vision_config, pixel_values[row : row + n], (t, h, w), bucket)
-            merged = self.vision(*inputs)
+            merged = self._run_vision(bucket, *inputs)
             features.append(merged[: n // self.vision_config.merge_unit])
             row += n
         return features
@@ -207,9 +201,10 @@ class Qwen35ForImageTextToText(Qwen35ForCausalLM):
             self._check_length(len(p))
         return super().logits(prompts, images=self.image_prompts(prompts, pixel_values, image_grid_thw))
 
-    def generate(self, prompts, pixel_values=None, image_grid_thw=None, max_new_tokens: int = 32, eos_token_id=None,
-                 streamer=None, sampler=None) -> list[list[int]]:
-        """Greedy decoding (as `Qwen35ForCausalLM.generate`) of prompts holding images."""
+    def generate(self, prompts, max_new_tokens: int = 32, eos_token_id=None, streamer=None, sampler=None,
+                 pixel_values=None, image_grid_thw=None) -> list[list[int]]:
+        """`Qwen35ForCausalLM.generate` of prompts holding images: `pixel_values` [patches, patch_dim] and
+        `image_grid_thw` [images, 3] as the processor returns them, the images in prompt order."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
         for p in prompts:  # the length errors come before the vision tower runs
@@ -223,4 +218,33 @@ class Qwen35ForImageTextToText(Qwen35ForCausalLM):
         return super().generate(prompts, max_new_tokens, eos_token_id, streamer, sampler, images=images)
 
 
-__all__ = ["DEFAULT_IMAGE_BUCKETS", "ImagePrompt", "Qwen35ForImageTextToText", "load_vision_encoder"]
+class Qwen35ForImageTextToText(ImageInputs, Qwen35ForCausalLM):
+    """`Qwen35ForCausalLM` with the vision tower: `logits` and `generate` take images (CPU, eager, static shapes)."""
+
+    def __init__(self, decoder, vision: VisionEncoder, batch_size: int = 1, max_length: int = 1024, buckets=None,
+                 image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS, trace: bool = False, pack_weights: bool = False):
+        super().__init__(decoder, batch_size, max_length, buckets, trace, pack_weights)
+        self.vision = vision
+        self.vision_config = vision.config
+        self._set_image_buckets(image_buckets)
+
+    @classmethod
+    def from_pretrained(cls, path, batch_size: int = 1, max_length: int = 1024, dtype=torch.float32, buckets=None,
+                        image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS, trace: bool = False,
+                        pack_weights: bool = True) -> "Qwen35ForImageTextToText":
+        """Load a checkpoint folder holding the vision tower; the decoder's linears prepacked for the CPU GEMM unless
+        `pack_weights=False`, as `Qwen35ForCausalLM.from_pretrained`."""
+        path = validation.model_folder(path, "Qwen35ForImageTextToText.from_pretrained")
+        config = Qwen35Config.from_pretrained(path)
+        vision = VisionConfig.from_dict(config.raw)
+        if vision is None:
+            raise UnsupportedModelError(f"{path} has no vision tower (a text-only config); load it with Qwen35ForCausalLM")
+        decoder = load_decoder(path, dtype, config=config)
+        return cls(decoder, load_vision_encoder(path, vision, dtype), batch_size, max_length, buckets, image_buckets,
+                   trace, pack_weights)
+
+    def _run_vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.vision(*inputs)
+
+
+__all__ = ["DEFAULT_IMAGE_BUCKETS", "ImageInputs", "ImagePrompt", "Qwen35ForImageTextToText", "load_vision_encoder"]
