@@ -186,11 +186,12 @@ def test_rope_index_places_image_tokens_on_their_grid():
         (lambda p, x, g: (p, torch.zeros(64 * 64, PATCH_DIM), torch.tensor([[1, 64, 64]])), "larger than the largest image bucket"),
         (lambda p, x, g: (p, x, torch.tensor([[1, 4, 8]])), "pixel_values has shape"),
         (lambda p, x, g: (p + [IMAGE], x, g), "image tokens"),
+        (lambda p, x, g: (p[:16] + [7] + p[16:], x, g), "image tokens in runs"),
         (lambda p, x, g: (p, x, torch.tensor([[2, 2, 6]])), "is not an image grid"),
         (lambda p, x, g: (p, x[:, :10], g), "pixel_values has shape"),
         (lambda p, x, g: (p, None, g), "together"),
     ],
-    ids=["too_large", "grid_mismatch", "token_count", "not_an_image_grid", "patch_width", "grid_without_pixels"],
+    ids=["too_large", "grid_mismatch", "token_count", "split_image", "not_an_image_grid", "patch_width", "grid_without_pixels"],
 )
 def test_bad_image_inputs_are_refused_before_anything_runs(ours, change, message):
     prompt, pixels, grids = _case("image_in_the_middle_of_text")

@@ -116,11 +116,20 @@ class ImageInputs:
         """Check that the images match the prompts (before anything runs); returns each image's (t, h, w)."""
         v = self.vision_config
         grids = self._check_grids(pixel_values, image_grid_thw)
-        tokens = sum(sum(1 for x in p if x == v.image_token_id) for p in input_ids)
-        expected = sum(t * h * w for t, h, w in grids) // v.merge_unit
-        if tokens != expected:
+        # Each run of image tokens is one image, in order: its length must be that image's merged token count.
+        runs = []
+        for p in input_ids:
+            run = 0
+            for x in list(p) + [None]:
+                if x == v.image_token_id:
+                    run += 1
+                elif run:
+                    runs.append(run)
+                    run = 0
+        expected = [t * h * w // v.merge_unit for t, h, w in grids]
+        if runs != expected:
             raise UsageError(
-                f"the prompts hold {tokens} image tokens, but image_grid_thw {grids} gives {expected}; "
+                f"the prompts hold image tokens in runs of {runs}, but image_grid_thw {grids} gives {expected}; "
                 "build the prompt and the images with the same processor call"
             )
         return grids
