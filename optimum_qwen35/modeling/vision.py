@@ -143,6 +143,25 @@ def convert_vision_tensor(name: str, tensor: torch.Tensor) -> dict[str, torch.Te
     return {name: tensor}
 
 
+# The encoder's column-parallel linears (split by output rows: q/k/v by heads) and row-parallel ones (split by input
+# columns, their bias added once after the sum); everything else is replicated.
+VISION_COLUMN_PARALLEL = ("attn.q_proj.", "attn.k_proj.", "attn.v_proj.", "mlp.linear_fc1.", "merger.linear_fc1.")
+VISION_ROW_PARALLEL = ("attn.proj.weight", "mlp.linear_fc2.weight", "merger.linear_fc2.weight")
+
+
+def shard_vision_params(params: dict[str, torch.Tensor], tp_degree: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s share of the encoder's (converted) parameters: contiguous blocks, the layer factory's split
+    contract (modeling/parallel.py)."""
+    out = {}
+    for name, tensor in params.items():
+        if any(k in name for k in VISION_COLUMN_PARALLEL):
+            tensor = tensor.chunk(tp_degree, dim=0)[rank]
+        elif name.endswith(VISION_ROW_PARALLEL):
+            tensor = tensor.chunk(tp_degree, dim=1)[rank]
+        out[name] = tensor.contiguous()
+    return out
+
+
 class LayerNorm(nn.LayerNorm):
     """LayerNorm (eps 1e-6) computed in fp32 whatever the weights' dtype; returns fp32 (the policy's norms)."""
 
