@@ -116,3 +116,30 @@ def test_images_without_a_vision_export_and_bad_vision_options_are_refused(expor
     )
     with pytest.raises(UsageError, match="image_buckets"):
         Qwen35NeuronModelForCausalLM.export(source, one, vision=True, image_buckets=[30])
+
+
+LOAD_BY_ID = """
+import json, sys, torch
+from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+model = Model.from_pretrained(sys.argv[1])
+ids, pixels, grids = torch.load(sys.argv[2])
+out = model.generate(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grids, max_new_tokens=8, do_sample=False,
+                     eos_token_id=None)
+print(json.dumps(out[0, len(ids):].tolist()))
+"""
+
+
+def test_hub_push_carries_the_vision_export(hub_server, vision_export, model, tmp_path):
+    """push_to_hub -> from_pretrained(repo id) in a fresh process with an empty cache -> the same greedy tokens."""
+    from optimum_qwen35 import hub
+
+    from .conftest import last_json_line, run_python
+
+    hub.push_to_hub(vision_export, "alice/qwen35-tiny-vision", token="hf_alice_write", endpoint=hub_server.url)
+    ids, pixels = _prompt()
+    torch.save((ids, pixels, GRIDS), tmp_path / "inputs.pt")
+    user = hub_server.client_env(tmp_path / "user-home")
+    tokens = last_json_line(run_python(LOAD_BY_ID, "alice/qwen35-tiny-vision", str(tmp_path / "inputs.pt"), env=user).stdout)
+    expected = model.generate(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=GRIDS, max_new_tokens=8,
+                              do_sample=False, eos_token_id=None)[0, len(ids) :].tolist()
+    assert tokens == expected
