@@ -21,7 +21,7 @@ from .conftest import FIXTURES
 
 LOGIT_ATOL = 1e-4  # the fp32 tolerance, max |dlogit| at every position
 FEATURE_ATOL = 1e-4
-LAYOUTS = ("tiny-2b", "tiny-nv3x")  # 2B-shaped (tied, sharded files) and 27B-shaped (untied, dk != dv)
+LAYOUTS = ("tiny-2b", "tiny-nv2x", "tiny-nv3x")  # 2B-, 4B/9B- and 27B-shaped (tests/conftest.py)
 IMAGE_BUCKETS = [32, 128]  # patch rows; the images below have 24 and 80 patches
 IMAGE, START, END = (special_token_id(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
 GRIDS = torch.tensor([[1, 4, 6], [1, 8, 10]])  # (t, h, w) in patches: 6 and 20 merged tokens
