@@ -143,3 +143,19 @@ def test_hub_push_carries_the_vision_export(hub_server, vision_export, model, tm
     expected = model.generate(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=GRIDS, max_new_tokens=8,
                               do_sample=False, eos_token_id=None)[0, len(ids) :].tolist()
     assert tokens == expected
+
+
+def test_command_line_vision_export(source, tmp_path):
+    """`optimum-qwen35 export --vision --image_buckets 32,128`; --image_buckets without --vision is one line, exit 2."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli-export"
+    common = [sys.executable, "-m", "optimum_qwen35", "export", "--model", str(source), "--sequence_length", "64",
+              "--torch_dtype", "float32", "--target", "cpu"]
+    refused = subprocess.run([*common, "--image_buckets", "32,128", str(tmp_path / "refused")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "pass vision=True" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    done = subprocess.run([*common, "--vision", "--image_buckets", "32,128", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    graphs = json.loads((out / "compiled" / "graphs.json").read_text())
+    assert graphs["vision"]["image_buckets"] == [32, 128] and "vision_32" in graphs["graphs"]
