@@ -112,6 +112,14 @@ def cmd_generate(args) -> int:
     return _generate(Path(args.model), args.prompt, args.max_new_tokens, args.dtype, raw=args.raw)
 
 
+def _int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (argparse type)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def cmd_export(args) -> int:
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
@@ -133,7 +141,9 @@ def cmd_export(args) -> int:
         dtype=args.torch_dtype,
         target=args.target,
     )
-    model = Qwen35NeuronModelForCausalLM.export(args.model, neuron_config, revision=args.revision)
+    model = Qwen35NeuronModelForCausalLM.export(
+        args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets
+    )
     model.save_pretrained(out, overwrite=args.overwrite)
     print(
         f"exported {args.model} for {neuron_config.target} (batch {neuron_config.batch_size}, sequence length "
@@ -278,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    p.add_argument("--vision", action="store_true", help="also export the vision tower's graphs (cpu target, TP 1; docs/vision.md)")
+    p.add_argument("--image_buckets", "--image-buckets", type=_int_list,
+                   help="with --vision: image buckets in 16x16-pixel patches, comma-separated (default 256,1024,4096)")
     p.add_argument("out", help="the export folder to write")
     p.set_defaults(func=cmd_export)
 

@@ -1,9 +1,9 @@
 """Lazy, tensor-by-tensor reading of a Qwen3.5 safetensors checkpoint folder (a Hub snapshot is one).
 
-Single file (`model.safetensors`) or sharded (`model.safetensors.index.json` + shards). Only the text
-decoder is read: `model.language_model.*` in the vision-language checkpoints Qwen ships, or bare
-`model.*` in text-only ones; the vision tower (`model.visual.*`) and the multi-token-prediction head
-(`mtp.*`) are skipped without being read.
+Single file (`model.safetensors`) or sharded (`model.safetensors.index.json` + shards). The text decoder
+(`model.language_model.*` in the vision-language checkpoints Qwen ships, or bare `model.*` in text-only ones)
+is what `names`/`get` serve; the vision tower (`model.visual.*`) is served apart (`vision_names`/`get_vision`),
+read only when a vision export asks for it; the multi-token-prediction head (`mtp.*`) is never read.
 
 Files are read directly (the JSON header, then plain reads of each tensor's bytes) rather than through
 the safetensors library's memory map: the mapped pages a long conversion touches all count in its RSS,
@@ -41,7 +41,8 @@ def _torch_dtype(code: str, where: str) -> torch.dtype:
         raise CheckpointError(f"{where}: safetensors dtype {code!r} is not supported (supported: {sorted(SAFETENSORS_DTYPES)})")
     return SAFETENSORS_DTYPES[code]
 
-SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+VISION_PREFIX = "model.visual."
+SKIPPED_PREFIXES = (VISION_PREFIX, "mtp.", "model.mtp.")
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
@@ -90,10 +91,25 @@ class CheckpointReader:
             )
         self._files: dict[str, str] = {}
         self._keys: dict[str, str] = {}
+        self._vision: dict[str, tuple[str, str]] = {}  # name under model.visual. -> (file, key)
         for key, file in weight_map.items():
             name = text_name(key)
             if name is not None:
                 self._files[name], self._keys[name] = file, key
+            elif key.startswith(VISION_PREFIX):
+                self._vision[key[len(VISION_PREFIX) :]] = (file, key)
+
+    def vision_names(self) -> list[str]:
+        """The vision tower's tensors, by name under `model.visual.` (empty for a text-only checkpoint)."""
+        return list(self._vision)
+
+    def vision_shape(self, name: str) -> tuple[int, ...]:
+        file, key = self._vision[name]
+        return tuple(self._header(file)[1][key]["shape"])
+
+    def get_vision(self, name: str) -> torch.Tensor:
+        """Read one vision tensor (named under `model.visual.`)."""
+        return self._read(*self._vision[name])
 
     def names(self) -> list[str]:
         return list(self._files)
@@ -136,20 +152,24 @@ class CheckpointReader:
         Not through a memory map: the pages of a mapping that stays open count in the process's RSS, so
         reading a whole checkpoint through one would hold all of it in memory.
         """
-        base, info = self._info(name)
+        return self._read(self._files[name], self._keys[name])
+
+    def _read(self, file: str, key: str) -> torch.Tensor:
+        base, header = self._header(file)
+        info = header[key]
         start, end = info["data_offsets"]
-        out = torch.empty(info["shape"], dtype=_torch_dtype(info["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}"))
+        out = torch.empty(info["shape"], dtype=_torch_dtype(info["dtype"], f"{self.folder / file}: {key}"))
         nbytes = out.numel() * out.element_size()
         if end - start != nbytes:
-            raise CheckpointError(f"{self.folder / self._files[name]}: tensor {self._keys[name]} has {end - start} bytes, {nbytes} expected")
+            raise CheckpointError(f"{self.folder / file}: tensor {key} has {end - start} bytes, {nbytes} expected")
         if nbytes:
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-            with open(self.folder / self._files[name], "rb", buffering=0) as f:
+            with open(self.folder / file, "rb", buffering=0) as f:
                 f.seek(base + start)
                 done = 0
                 while done < nbytes:
                     n = f.readinto(view[done:])
                     if not n:
-                        raise CheckpointError(f"{self.folder / self._files[name]} is truncated (tensor {self._keys[name]})")
+                        raise CheckpointError(f"{self.folder / file} is truncated (tensor {key})")
                     done += n
         return out

@@ -117,7 +117,7 @@ class Qwen35Decoder(nn.Module):
         self.lm_head = layers.lm_head(config.hidden_size, self.dims.vocab_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
         # In place on CPU (a decode step moves only what it writes), updated copies in the Neuron graphs.
         self.state_in_place = layers.state_in_place
 
@@ -125,14 +125,23 @@ class Qwen35Decoder(nn.Module):
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
 
     def context_encoding(
-        self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None
+        self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None,
+        image=None,
     ):
+        """`image`: None for text, or (rope_position_ids [B, 3, T], image_embeds [B, T, hidden], image_mask [B, T])
+        for prompts holding images: the masked tokens take the vision tower's embeddings instead of their own, and
+        every token rotates by its 3-D position (`position_ids` still places tokens in the cache)."""
         lengths = attention_mask.to(torch.int64).sum(-1)
         starts = position_ids[:, 0].to(torch.int64)
         slots = Slots(seq_ids, fresh=starts == 0, in_place=self.state_in_place)
         key_length = key_length or input_ids.shape[1]
         h = upcast(self.embed_tokens(input_ids))
-        cos, sin = self.rotary(position_ids, h.dtype)
+        if image is None:
+            cos, sin = self.rotary(position_ids, h.dtype)
+        else:
+            rope_position_ids, image_embeds, image_mask = image
+            h = torch.where(image_mask.bool()[..., None], upcast(image_embeds).to(h.dtype), h)
+            cos, sin = self.rotary.multimodal(rope_position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
             h, a, b = layer.context_encoding(
@@ -146,11 +155,13 @@ class Qwen35Decoder(nn.Module):
         logits = self.lm_head(self.norm(h))
         return (logits, *new_state)
 
-    def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None):
+    def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None, rope_position_ids=None):
+        """`rope_position_ids` [B, 1]: the rotary position, when it is not the cache position (after a prompt
+        holding images: the position plus the prompt's rope delta; all three components equal for text)."""
         slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
         key_length = key_length or self._max_length(state)
         h = upcast(self.embed_tokens(input_ids))
-        cos, sin = self.rotary(position_ids, h.dtype)
+        cos, sin = self.rotary(position_ids if rope_position_ids is None else rope_position_ids, h.dtype)
         new_state = []
         for i, layer in enumerate(self.layers):
             h, a, b = layer.token_generation(h, cos, sin, position_ids, key_length, slots, state[2 * i], state[2 * i + 1])
@@ -190,3 +201,25 @@ class TokenGenerationGraph(nn.Module):
 
     def forward(self, input_ids, position_ids, seq_ids, *state):
         return self.decoder.token_generation(input_ids, position_ids, seq_ids, *state, key_length=self.key_length)
+
+
+class ImageContextEncodingGraph(ContextEncodingGraph):
+    """`context_encoding` of prompts holding images: the text graph's inputs, then the 3-D rotary positions
+    [B, 3, T], the image embeddings [B, T, hidden] and their mask [B, T], then the state."""
+
+    def forward(self, input_ids, attention_mask, position_ids, seq_ids, rope_position_ids, image_embeds, image_mask,
+                *state):
+        return self.decoder.context_encoding(
+            input_ids, attention_mask, position_ids, seq_ids, *state, all_logits=self.all_logits,
+            key_length=self.key_length, image=(rope_position_ids, image_embeds, image_mask),
+        )
+
+
+class ImageTokenGenerationGraph(TokenGenerationGraph):
+    """`token_generation` after a prompt holding images: the text graph's inputs, then the rotary positions [B, 1]
+    (cache position + rope delta), then the state."""
+
+    def forward(self, input_ids, position_ids, seq_ids, rope_position_ids, *state):
+        return self.decoder.token_generation(
+            input_ids, position_ids, seq_ids, *state, key_length=self.key_length, rope_position_ids=rope_position_ids
+        )

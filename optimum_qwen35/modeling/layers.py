@@ -60,12 +60,20 @@ class RotaryEmbedding(nn.Module):
 
     Qwen3.5's interleaved multimodal RoPE assigns frequency bands to the temporal, height and width
     position components; for text all three components equal the token position, so it reduces to
-    plain 1-D RoPE, which is what this computes.
+    plain 1-D RoPE, which is what `forward` computes. `multimodal` takes the three components (a prompt
+    holding images) and picks each band's component, interleaved (`mrope_section`).
     """
 
-    def __init__(self, rotary_dim: int, theta: float):
+    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, ...] = (11, 11, 10)):
         super().__init__()
         self.rotary_dim, self.theta = rotary_dim, theta
+        # Which position component (0 time, 1 row, 2 column) turns each frequency band: interleaved, band j takes
+        # row for j % 3 == 1 and column for j % 3 == 2 within the first 3 * section bands of each, time otherwise.
+        component = [0] * (rotary_dim // 2)
+        for axis in (1, 2):
+            for j in range(axis, min(3 * mrope_section[axis], rotary_dim // 2), 3):
+                component[j] = axis
+        self.register_buffer("component", torch.tensor(component, dtype=torch.int64, device="cpu"), persistent=False)
         # Built on the CPU even when the model is built on the meta device (weights are loaded later).
         self._set_frequencies(torch.device("cpu"))
 
@@ -89,6 +97,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq
         freqs = position_ids.to(inv_freq.dtype)[..., None] * inv_freq  # [B, T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+    def multimodal(self, rope_position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_position_ids [B, 3, T] (time, row, column) -> cos, sin [B, 1, T, rotary_dim], as `forward`."""
+        inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq
+        freqs = rope_position_ids.to(inv_freq.dtype)[..., None] * inv_freq  # [B, 3, T, rotary_dim / 2]
+        B, _, T, half = freqs.shape
+        freqs = torch.gather(freqs, 1, self.component.view(1, 1, 1, half).expand(B, 1, T, half))  # [B, 1, T, half]
+        emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
 

@@ -82,7 +82,8 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    """A bias-free linear whose weight can be prepacked for CPU inference (`pack`).
+    """A linear (bias-free unless asked: the decoder's are, the vision tower's are not) whose weight can be
+    prepacked for CPU inference (`pack`).
 
     `F.linear` on CPU hands oneDNN (bf16) or MKL (fp32) the plain [out, in] weight, which they re-block on every
     call; `pack` re-blocks it once, for the batch size the calls will mostly have (the one torch's inductor uses for
@@ -94,8 +95,8 @@ class Linear(nn.Linear):
 
     packed_for: int | None = None  # the batch size the weight is packed for
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
 
     @property
     def packed(self) -> bool:
@@ -111,8 +112,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -133,17 +134,24 @@ def pack_linears(module: nn.Module, batch_size: int) -> int:
 
 
 class RowParallelLinear(Linear):
-    """A linear over this rank's slice of the input features, summed across ranks."""
+    """A linear over this rank's slice of the input features, summed across ranks (a bias is added once, after
+    the sum)."""
 
-    def __init__(self, in_features: int, out_features: int, group_name: str | None = None, tp_degree: int = 1):
-        super().__init__(in_features, out_features)
+    def __init__(self, in_features: int, out_features: int, group_name: str | None = None, tp_degree: int = 1,
+                 bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.group_name, self.tp_degree = group_name, tp_degree
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        if self.tp_degree > 1:
-            y = all_reduce(y, self.group_name)
-        return y
+        if self.tp_degree == 1:
+            return super().forward(x)
+        if self.bias is None:
+            return all_reduce(super().forward(x), self.group_name)
+        if self.packed:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        else:
+            y = F.linear(x, self.weight)
+        return all_reduce(y, self.group_name) + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -231,12 +239,12 @@ class TorchLayers:
         # process-wide one.
         self.kernel_backend = kernel_backend
 
-    def column_linear(self, in_features: int, out_features_per_rank: int) -> nn.Module:
+    def column_linear(self, in_features: int, out_features_per_rank: int, bias: bool = False) -> nn.Module:
         # Column-parallel output stays sharded: the next row-parallel layer consumes it as is.
-        return Linear(in_features, out_features_per_rank)
+        return Linear(in_features, out_features_per_rank, bias)
 
-    def row_linear(self, in_features_per_rank: int, out_features: int) -> nn.Module:
-        return RowParallelLinear(in_features_per_rank, out_features, self.group_name, self.tp_degree)
+    def row_linear(self, in_features_per_rank: int, out_features: int, bias: bool = False) -> nn.Module:
+        return RowParallelLinear(in_features_per_rank, out_features, self.group_name, self.tp_degree, bias)
 
     def embedding(self, vocab_per_rank: int, hidden_size: int) -> nn.Module:
         return VocabParallelEmbedding(vocab_per_rank, hidden_size, self.rank, self.group_name, self.tp_degree)

@@ -54,14 +54,14 @@ class NxDLayers:
         # the `nki.jit` kernels inside the graph, "torch" traces the PyTorch references.
         self.tp_degree, self.dtype, self.kernel_backend = tp_degree, dtype, kernel_backend
 
-    def column_linear(self, in_features: int, out_features_per_rank: int):
+    def column_linear(self, in_features: int, out_features_per_rank: int, bias: bool = False):
         return ColumnParallelLinear(
-            in_features, out_features_per_rank * self.tp_degree, bias=False, gather_output=False, dtype=self.dtype
+            in_features, out_features_per_rank * self.tp_degree, bias=bias, gather_output=False, dtype=self.dtype
         )
 
-    def row_linear(self, in_features_per_rank: int, out_features: int):
+    def row_linear(self, in_features_per_rank: int, out_features: int, bias: bool = False):
         return RowParallelLinear(
-            in_features_per_rank * self.tp_degree, out_features, bias=False, input_is_parallel=True, dtype=self.dtype
+            in_features_per_rank * self.tp_degree, out_features, bias=bias, input_is_parallel=True, dtype=self.dtype
         )
 
     def embedding(self, vocab_per_rank: int, hidden_size: int):

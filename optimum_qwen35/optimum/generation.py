@@ -67,6 +67,15 @@ def _sampler(config):
 def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
     """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config."""
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
+    # Images (a vision export): the processor's outputs, passed to the runtime; mm_token_type_ids is implied by
+    # the image tokens of input_ids.
+    images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
+    kwargs.pop("mm_token_type_ids", None)
+    if images and not hasattr(runtime, "vision_config"):
+        raise UsageError(
+            "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
+            "export the model with vision=True to give it images"
+        )
     unused = {}
     for key, value in kwargs.items():
         if hasattr(config, key):
@@ -119,7 +128,7 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
         def on_step(step, tokens):
             streamer.put(torch.tensor(tokens[:1]))
 
-    new_tokens = runtime.generate(prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config))
+    new_tokens = runtime.generate(prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), **images)
     if streamer is not None:
         streamer.end()
     width = max(len(t) for t in new_tokens)

@@ -65,6 +65,8 @@ SIDE_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+# The processor's files, copied too into a vision export (`export(..., vision=True)`): `AutoProcessor` loads from it.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 # What a Hub download of a source checkpoint needs (no vision-only files are skipped: they are small).
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
 
@@ -240,8 +242,22 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         local_files_only=False,
         trust_remote_code=False,
         load_weights=False,
+        vision: bool = False,
+        image_buckets=None,
         **kwargs,
     ):
+        """`vision=True` (cpu target) adds the vision tower's graphs, one per image bucket of `image_buckets` patch
+        rows (default runtime/vision.py DEFAULT_IMAGE_BUCKETS), and the processor files; without it the export is
+        text-only, as before."""
+        if vision is not True and vision is not False:
+            raise UsageError(f"vision must be True or False, got {vision!r}")
+        if image_buckets is not None and not vision:
+            raise UsageError("image_buckets is an option of a vision export: pass vision=True with it")
+        if vision and neuron_config.target != nc.CPU_TARGET:
+            raise IncompatibleExportError(
+                f"vision=True is not supported for target {neuron_config.target!r} yet: the vision graphs are built for "
+                "the cpu target only; export the text decoder alone (vision=False) or use target='cpu'"
+            )
         if neuron_config.target != nc.CPU_TARGET:
             # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout).
             return _neuron_model_class(neuron_config.target)._export(
@@ -264,19 +280,31 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         qwen_config = Qwen35Config.from_pretrained(source)
         qwen_config.check_tp_degree(neuron_config.tp_degree)
         dtype = neuron_config.torch_dtype
+        vision_config = _vision_export_config(qwen_config, neuron_config, source) if vision else None
+        if vision:
+            from ..runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
+
+            image_buckets = _image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
         work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
         try:
             save_sharded(source, qwen_config, neuron_config.tp_degree, work / CHECKPOINT_DIR, dtype)
             _copy_side_files(source, work)
+            if vision:
+                from ..runtime.compiled import save_vision_weights  # noqa: PLC0415
+
+                save_vision_weights(source, vision_config, dtype, work / CHECKPOINT_DIR)
+                for name in PROCESSOR_FILES:
+                    if (source / name).is_file():
+                        shutil.copy2(source / name, work / name)
             config = _export_config(config, model_id, dtype)
             config.save_pretrained(work)
             nc.save(neuron_config, work)
-            if not _graphs_from_cache(work):
+            if vision or not _graphs_from_cache(work):  # (the compile cache holds text-only graphs)
                 # Context buckets from 128 tokens up: each bucket is one more program to export and load.
                 buckets = default_buckets(neuron_config.sequence_length, smallest=128)
                 compile_graphs(
                     qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
-                    buckets, dtype, work / COMPILED_DIR,
+                    buckets, dtype, work / COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
                 )
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -394,9 +422,14 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def runtime(self):
         """The loaded graphs (`runtime.compiled.CompiledQwen35ForCausalLM`), started on first use."""
         if self._runtime is None:
-            from ..runtime.compiled import CompiledQwen35ForCausalLM  # noqa: PLC0415
+            from ..runtime.compiled import (  # noqa: PLC0415
+                CompiledQwen35ForCausalLM,
+                CompiledQwen35ForImageTextToText,
+                read_graphs_manifest,
+            )
 
-            self._runtime = CompiledQwen35ForCausalLM(self.folder)
+            vision = "vision" in read_graphs_manifest(self.folder)
+            self._runtime = (CompiledQwen35ForImageTextToText if vision else CompiledQwen35ForCausalLM)(self.folder)
         return self._runtime
 
     def can_generate(self) -> bool:
@@ -405,7 +438,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
         """transformers-style generation: greedy or sampled (do_sample, temperature, top_k, top_p), EOS
         stopping, a streamer; returns [batch, prompt + new tokens]. Batches larger than the compiled
-        batch size run in waves."""
+        batch size run in waves. A vision export also takes the processor's `pixel_values` and `image_grid_thw`
+        (`mm_token_type_ids` is accepted: the image tokens are read from input_ids)."""
         from .generation import generate  # noqa: PLC0415
 
         return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer, **kwargs)
@@ -482,6 +516,29 @@ def check_save_directory(save_directory, overwrite: bool = False, source=None) -
             raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
         if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
             raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
+
+
+def _vision_export_config(qwen_config, neuron_config, source: Path):
+    """The vision tower's config for `export(..., vision=True)`: a one-line error when the export cannot have one."""
+    from ..modeling.vision import VisionConfig  # noqa: PLC0415
+
+    vision = VisionConfig.from_dict(qwen_config.raw)
+    if vision is None:
+        raise UsageError(f"vision=True, but {source} has no vision tower (a text-only config.json): export it without vision")
+    if neuron_config.tp_degree != 1:
+        raise UsageError(
+            f"vision=True needs tensor_parallel_size=1 on the cpu target (got {neuron_config.tp_degree}): the vision "
+            "graphs are not sharded yet"
+        )
+    return vision
+
+
+def _image_buckets(image_buckets, vision) -> list[int]:
+    if isinstance(image_buckets, (str, bytes, int)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 and b % vision.merge_unit == 0 for b in image_buckets
+    ):
+        raise UsageError(f"image_buckets must be a list of patch counts, multiples of {vision.merge_unit}, got {image_buckets!r}")
+    return sorted(set(image_buckets))
 
 
 def _export_config(config, model_id, dtype):

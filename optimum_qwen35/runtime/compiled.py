@@ -8,6 +8,13 @@ An export for the cpu target holds, beside its configs and tokenizer:
     compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.shard.save_sharded`)
 
+and, in a vision export (`compile_graphs(..., vision=...)`, tensor_parallel_size 1):
+
+    compiled/vision_<N>.pt2                    the vision tower, one program per image bucket of N patch rows
+    compiled/image_context_encoding_<T>.pt2    context encoding of prompts holding images (runtime/vision.py)
+    compiled/image_token_generation_<L>.pt2    decode steps after them (rotary position = position + rope delta)
+    checkpoint/vision.safetensors              the vision tower's weights (converted: modeling/vision.py)
+
 Each program is exported once, on the meta device, and serves every rank (SPMD, as one Neuron graph
 serves every core): the weights and the state are program inputs, not constants, so a program holds no
 weights (one copy of them, in `checkpoint/`, shared by every graph) and the rank is a weight tensor
@@ -41,11 +48,18 @@ from torch import nn
 from ..config import Qwen35Config
 from .. import validation
 from ..errors import IncompatibleExportError, Qwen35Error, UsageError
-from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
+from ..modeling.decoder import (
+    ContextEncodingGraph,
+    ImageContextEncodingGraph,
+    ImageTokenGenerationGraph,
+    Qwen35Decoder,
+    TokenGenerationGraph,
+)
 from ..modeling.parallel import TorchLayers
 from ..modeling.precision import to_model_dtype
 from ..modeling.state import StateSpec, allocate_state
 from .cpu import Qwen35ForCausalLM, rank_tensors
+from .vision import ImageInputs
 
 COMPILED_DIR = "compiled"
 CHECKPOINT_DIR = "checkpoint"
@@ -68,6 +82,21 @@ def token_graph_name(key_length: int) -> str:
     return f"token_generation_{key_length}"
 
 
+def vision_graph_name(bucket: int) -> str:
+    return f"vision_{bucket}"
+
+
+def image_context_graph_name(length: int) -> str:
+    return f"image_context_encoding_{length}"
+
+
+def image_token_graph_name(key_length: int) -> str:
+    return f"image_token_generation_{key_length}"
+
+
+VISION_WEIGHTS_FILE = "vision.safetensors"
+
+
 def weight_names(decoder: nn.Module) -> list[str]:
     """The decoder's weight inputs, in program order: parameters (tied ones once), then persistent buffers."""
     persistent = decoder.state_dict(keep_vars=True)
@@ -78,13 +107,13 @@ def weight_names(decoder: nn.Module) -> list[str]:
 class WeightsAsInputs(nn.Module):
     """Runs a graph module with its weights given as the first input, so that the program holds none."""
 
-    def __init__(self, graph: nn.Module, names: list[str]):
+    def __init__(self, graph: nn.Module, names: list[str], prefix: str = "decoder."):
         super().__init__()
         self._graph = [graph]  # a list, not a submodule: its weights must not become program constants
-        self.names = names
+        self.names, self.prefix = names, prefix
 
     def forward(self, weights: list[torch.Tensor], *inputs):
-        params = {f"decoder.{n}": w for n, w in zip(self.names, weights)}
+        params = {f"{self.prefix}{n}": w for n, w in zip(self.names, weights)}
         return torch.func.functional_call(self._graph[0], params, inputs)
 
 
@@ -93,16 +122,24 @@ def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
 
 
-def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec]) -> tuple[torch.Tensor, ...]:
-    """The graphs' inputs after the weights: token ids, (mask,) positions, seq_ids, then the state."""
+def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec], image_embeds=None) -> tuple[torch.Tensor, ...]:
+    """The graphs' inputs after the weights: token ids, (mask,) positions, seq_ids, (the image inputs,) then the state
+    (`image_embeds`: (hidden size, dtype) of the image graphs' embeddings)."""
     # Real, contiguous state (the programs write it in place), but never touched: `torch.empty` costs no memory.
     state = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
     seq_ids = torch.arange(batch_size, dtype=torch.int32)
-    if kind == "context":
+    if kind in ("context", "image_context"):
         ids = torch.zeros(batch_size, length, dtype=torch.int32)
         positions = torch.arange(length, dtype=torch.int32).expand(batch_size, length)
+        if kind == "image_context":
+            hidden, dtype = image_embeds
+            rope = positions[:, None].expand(batch_size, 3, length)
+            embeds = torch.zeros(batch_size, length, hidden, dtype=dtype)
+            return (ids, torch.ones_like(ids), positions, seq_ids, rope, embeds, torch.zeros_like(ids), *state)
         return (ids, torch.ones_like(ids), positions, seq_ids, *state)
     ids = torch.zeros(batch_size, 1, dtype=torch.int32)
+    if kind == "image_token":
+        return (ids, torch.zeros_like(ids), seq_ids, torch.zeros_like(ids), *state)
     return (ids, torch.zeros_like(ids), seq_ids, *state)
 
 
@@ -117,10 +154,14 @@ def compile_graphs(
     progress: bool = True,
     token_buckets: list[int] | None = None,
     logits_buckets: list[int] | None = None,
+    vision=None,
+    image_buckets: list[int] | None = None,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
-    `logits_buckets`, by default the context buckets: what `forward()` runs) to `out_dir`.
+    `logits_buckets`, by default the context buckets: what `forward()` runs) to `out_dir`. With `vision` (a
+    `modeling.vision.VisionConfig`; tp_degree 1), also the vision tower's programs (one per image bucket of
+    `image_buckets` patch rows) and the image context-encoding and token-generation programs (same buckets).
 
     Returns the content of `graphs.json`, written last.
     """
@@ -140,17 +181,46 @@ def compile_graphs(
     plan += [(token_graph_name(L), "token", L) for L in token_buckets]
     logits_buckets = sorted(set(buckets if logits_buckets is None else logits_buckets))
     plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
+    vision_manifest = None
+    if vision is not None:
+        from ..modeling.vision import VisionEncoder, image_bucket_inputs  # noqa: PLC0415
+
+        if tp_degree != 1:
+            raise UsageError(f"a vision export needs tensor_parallel_size=1 (got {tp_degree}): the vision graphs are not sharded yet")
+        with torch.device("meta"):
+            encoder = VisionEncoder(vision).to(dtype)
+        vision_names = weight_names(encoder)
+        vision_tensors = {**dict(encoder.named_parameters()), **dict(encoder.named_buffers())}
+        vision_weights = [_shape_only(vision_tensors[n]) for n in vision_names]
+        image_buckets = sorted(set(image_buckets))
+        plan += [(vision_graph_name(N), "vision", N) for N in image_buckets]
+        plan += [(image_context_graph_name(T), "image_context", T) for T in buckets]
+        plan += [(image_token_graph_name(L), "image_token", L) for L in token_buckets]
+        vision_manifest = {"image_buckets": image_buckets, "weights": vision_names, "file": VISION_WEIGHTS_FILE}
     graphs = {}
     bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
     for name, kind, length in bar:
         bar.set_postfix_str(name)  # the graph being compiled now
-        if kind in ("context", "logits"):
-            graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
-            inputs = example_inputs("context", batch_size, length, specs)
+        image_embeds = (config.hidden_size, dtype)
+        if kind == "vision":
+            # Any grid of the bucket's size: the program's shapes are the bucket's, the grid is in the inputs' values.
+            grid = (1, vision.spatial_merge_size, length // vision.spatial_merge_size)
+            example = image_bucket_inputs(vision, torch.zeros(length, vision.patch_dim), grid, length)
+            with torch.no_grad():
+                program = torch.export.export(WeightsAsInputs(encoder, vision_names, prefix=""), (vision_weights, *example))
         else:
-            graph, inputs = TokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
-        with torch.no_grad():
-            program = torch.export.export(WeightsAsInputs(graph, names), (weights, *inputs))
+            if kind in ("context", "logits"):
+                graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
+                inputs = example_inputs("context", batch_size, length, specs)
+            elif kind == "image_context":
+                graph = ImageContextEncodingGraph(decoder)
+                inputs = example_inputs(kind, batch_size, length, specs, image_embeds)
+            elif kind == "image_token":
+                graph, inputs = ImageTokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
+            else:
+                graph, inputs = TokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
+            with torch.no_grad():
+                program = torch.export.export(WeightsAsInputs(graph, names), (weights, *inputs))
         file = out / f"{name}.pt2"
         tmp = file.with_name(f".{name}.tmp-{os.getpid()}.pt2")  # torch.export wants the .pt2 suffix
         torch.export.save(program, tmp)
@@ -172,6 +242,8 @@ def compile_graphs(
         "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in specs],
         "graphs": graphs,
     }
+    if vision_manifest is not None:
+        manifest["vision"] = vision_manifest
     tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / GRAPHS_FILE)
@@ -211,6 +283,34 @@ def load_rank_weights(folder: str | os.PathLike, manifest: dict, rank: int) -> l
     return [params[n] for n in manifest["weights"]]
 
 
+def save_vision_weights(source: str | os.PathLike, vision, dtype: torch.dtype, checkpoint_dir: str | os.PathLike) -> None:
+    """The vision tower's converted weights (modeling/vision.py) into `checkpoint/vision.safetensors`."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from .vision import load_vision_encoder  # noqa: PLC0415
+
+    encoder = load_vision_encoder(source, vision, dtype)
+    tensors = {n: t.contiguous() for n, t in encoder.state_dict().items()}
+    file = Path(checkpoint_dir) / VISION_WEIGHTS_FILE
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+    os.replace(tmp, file)
+
+
+def load_vision_weights(folder: str | os.PathLike, manifest: dict) -> list[torch.Tensor]:
+    """The vision programs' weight inputs, in program order."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    file = Path(folder) / CHECKPOINT_DIR / manifest["vision"]["file"]
+    if not file.is_file():
+        raise IncompatibleExportError(f"{file} is missing: the export's vision graphs have no weights; export the model again")
+    params = load_file(os.fspath(file))
+    missing = [n for n in manifest["vision"]["weights"] if n not in params]
+    if missing:
+        raise IncompatibleExportError(f"{file} lacks weights the vision graphs take: {missing[:5]}; export the model again")
+    return [params[n] for n in manifest["vision"]["weights"]]
+
+
 class CompiledGraphs:
     """One rank's compiled programs, its weights and its state; programs are loaded on first use."""
 
@@ -222,6 +322,9 @@ class CompiledGraphs:
         self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"])) for s in self.manifest["state"]]
         self.state = allocate_state(self.state_specs)
         self._programs: dict[str, nn.Module] = {}
+        self.vision_weights = None
+        if "vision" in self.manifest:
+            self.vision_weights = load_vision_weights(folder, self.manifest)
 
     def program(self, name: str) -> nn.Module:
         if name not in self._programs:
@@ -246,6 +349,11 @@ class CompiledGraphs:
             if saved is not None:
                 for state, before in zip(self.state, saved):
                     state.index_copy_(0, index, before)
+
+    @torch.no_grad()
+    def run_vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        """The vision tower's program of image bucket `bucket` (no state)."""
+        return self.program(vision_graph_name(bucket))(self.vision_weights, *inputs)
 
     def close(self) -> None:
         self._programs.clear()
@@ -447,3 +555,39 @@ class CompiledQwen35ForCausalLM(Qwen35ForCausalLM):
 
     def close(self) -> None:
         self.graphs.close()
+
+
+class CompiledQwen35ForImageTextToText(ImageInputs, CompiledQwen35ForCausalLM):
+    """`CompiledQwen35ForCausalLM` of a vision export: `generate` takes images (runtime/vision.py `ImageInputs`)."""
+
+    def __init__(self, folder: str | os.PathLike):
+        from ..modeling.vision import VisionConfig  # noqa: PLC0415
+
+        super().__init__(folder)
+        manifest = self.graphs.manifest
+        if "vision" not in manifest:
+            raise IncompatibleExportError(f"{folder} is a text-only export (no vision graphs): export it with vision=True")
+        self.vision_config = VisionConfig.from_dict(self.config.raw)
+        self._set_image_buckets(manifest["vision"]["image_buckets"])
+
+    def _run_vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graphs.run_vision(bucket, *inputs)
+
+    def _run_image_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        if key_length is not None or all_logits:
+            raise IncompatibleExportError(
+                "compiled image context-encoding graphs start fresh prompts and return the last token's logits only; "
+                "longer prompts or per-position logits need the eager runtime (runtime/vision.py)"
+            )
+        return self.graphs.run(image_context_graph_name(length), *inputs)
+
+    def _run_image_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graphs.run(image_token_graph_name(key_length), *inputs)
+
+    def logits(self, prompts, pixel_values=None, image_grid_thw=None) -> list[torch.Tensor]:
+        if pixel_values is not None or image_grid_thw is not None:
+            raise IncompatibleExportError(
+                "per-position logits of prompts holding images need the eager runtime (runtime/vision.py "
+                "Qwen35ForImageTextToText); a compiled export generates from them"
+            )
+        return CompiledQwen35ForCausalLM.logits(self, prompts)

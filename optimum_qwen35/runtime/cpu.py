@@ -26,7 +26,13 @@ from ..checkpoint import CheckpointReader, convert_checkpoint
 from ..checkpoint.convert import check_finite
 from ..config import Qwen35Config
 from ..errors import CheckpointError, UsageError
-from ..modeling.decoder import ContextEncodingGraph, Qwen35Decoder, TokenGenerationGraph
+from ..modeling.decoder import (
+    ContextEncodingGraph,
+    ImageContextEncodingGraph,
+    ImageTokenGenerationGraph,
+    Qwen35Decoder,
+    TokenGenerationGraph,
+)
 from ..modeling.parallel import TorchLayers, pack_linears
 from ..modeling.state import allocate_state
 
@@ -150,6 +156,9 @@ class Qwen35ForCausalLM:
         # How many positions of each slot are encoded (prefill sets it, decode extends it): a step that would
         # leave a gap in the cache is refused.
         self.encoded = [0] * self.batch_size
+        # Each slot's rope delta (modeling/vision.py `rope_index`): 0 after a text prompt, and decode steps run the
+        # text graphs; after a prompt holding images, a token at position p rotates as p + delta.
+        self.rope_deltas = [0] * self.batch_size
         if self.buckets[-1] > max_length:
             raise UsageError(
                 f"bucket {self.buckets[-1]} is longer than max_length {max_length}; "
@@ -177,11 +186,14 @@ class Qwen35ForCausalLM:
     def _graph(self, kind: str, length: int, all_logits: bool = False, key_length: int | None = None):
         key = (kind, length, all_logits, key_length)
         if key not in self._graphs:
-            module = (
-                ContextEncodingGraph(self.decoder, all_logits, key_length)
-                if kind == "context"
-                else TokenGenerationGraph(self.decoder, key_length)
-            )
+            if kind == "context":
+                module = ContextEncodingGraph(self.decoder, all_logits, key_length)
+            elif kind == "image_context":
+                module = ImageContextEncodingGraph(self.decoder, all_logits, key_length)
+            elif kind == "image_token":
+                module = ImageTokenGenerationGraph(self.decoder, key_length)
+            else:
+                module = TokenGenerationGraph(self.decoder, key_length)
             if self.trace:
                 example = self._example_inputs(kind, length)
                 with torch.no_grad():
@@ -195,11 +207,18 @@ class Qwen35ForCausalLM:
         state = [torch.zeros_like(t) for t in self.state]
         ids = torch.zeros(B, length, dtype=torch.int32)
         seq_ids = torch.arange(B, dtype=torch.int32)
-        if kind == "context":
+        if kind in ("context", "image_context"):
             mask = torch.ones(B, length, dtype=torch.int32)
             positions = torch.arange(length, dtype=torch.int32).expand(B, length)
+            if kind == "image_context":
+                rope = positions[:, None].expand(B, 3, length)
+                embeds = torch.zeros(B, length, self.config.hidden_size, dtype=self.decoder.embed_tokens.weight.dtype)
+                return (ids, mask, positions, seq_ids, rope, embeds, torch.zeros(B, length, dtype=torch.int32), *state)
             return (ids, mask, positions, seq_ids, *state)
-        return (ids[:, :1], torch.zeros(B, 1, dtype=torch.int32), seq_ids, *state)
+        pos = torch.zeros(B, 1, dtype=torch.int32)
+        if kind == "image_token":
+            return (ids[:, :1], pos, seq_ids, pos, *state)
+        return (ids[:, :1], pos, seq_ids, *state)
 
     def bucket_for(self, length: int) -> int:
         """The context bucket a block of `length` tokens runs in (longer blocks are split by `prefill`)."""
@@ -244,12 +263,16 @@ class Qwen35ForCausalLM:
         slots: Sequence[int],
         all_logits: bool = False,
         starts: Sequence[int] | None = None,
+        images: Sequence | None = None,
     ):
         """Encode `prompts` in `slots` (one prompt per slot). Returns the logits of each prompt's last token
         [n, vocab] (or of every token, [n, len, vocab] padded to the longest prompt, with `all_logits`).
 
         A prompt starts a fresh sequence, or with `starts[i] > 0` continues slot i's sequence, whose first
-        starts[i] tokens are already encoded. Prompts longer than the largest context bucket run in chunks."""
+        starts[i] tokens are already encoded. Prompts longer than the largest context bucket run in chunks.
+        `images`: one entry per prompt, None for a text prompt or the `ImagePrompt` of a fresh prompt holding images
+        (runtime/vision.py: its 3-D rotary positions, image embeddings and rope delta); prompts holding images run
+        the image context graphs, text-only calls the text graphs."""
         prompts = validation.token_ids(prompts, self.config.vocab_size)
         slots = self._check_slots(slots)
         if len(prompts) != len(slots):
@@ -263,6 +286,10 @@ class Qwen35ForCausalLM:
             self._check_length(s + len(p))
             if s > self.encoded[slot]:
                 raise UsageError(self._gap_message("prefill", s, slot))
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts) or any(im is not None and (s or len(im.mask) != len(p)) for im, p, s in zip(images, prompts, starts)):
+            raise UsageError("prefill needs one image entry per prompt, each a fresh prompt (start 0) of its own length")
+        with_images = any(im is not None for im in images)
         B, n, largest = self.batch_size, len(prompts), self.buckets[-1]
         done = [0] * n  # tokens of each prompt encoded so far
         results: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -284,12 +311,18 @@ class Qwen35ForCausalLM:
             end = max(starts[i] + done[i] + len(c) for i, c in chunks.items())
             continuing = any(starts[i] + done[i] > 0 for i in rows)
             key_length = max(T, self.key_bucket_for(end)) if continuing else None
-            out = self._run_context(T, all_logits, key_length, ids, mask, positions, seq_ids)
+            if with_images:
+                extra = self._image_block(images, chunks, done, positions, T)
+                out = self._run_image_context(T, all_logits, key_length, ids, mask, positions, seq_ids, *extra)
+            else:
+                out = self._run_context(T, all_logits, key_length, ids, mask, positions, seq_ids)
             for i, chunk in chunks.items():
                 results[i].append(out[i, : len(chunk)] if all_logits else out[i])
                 done[i] += len(chunk)
-        for p, s, slot in zip(prompts, starts, slots):
+        for p, s, slot, im in zip(prompts, starts, slots, images):
             self.encoded[slot] = s + len(p)
+            if s == 0:
+                self.rope_deltas[slot] = im.rope_delta if im is not None else 0
         if not all_logits:
             return torch.stack([r[-1] for r in results])
         per_prompt = [torch.cat(r) for r in results]
@@ -315,7 +348,13 @@ class Qwen35ForCausalLM:
         ids[: len(tokens), 0] = torch.as_tensor(list(tokens), dtype=torch.int32)
         pos[: len(positions), 0] = torch.as_tensor(list(positions), dtype=torch.int32)
         key_length = self.key_bucket_for(max(positions) + 1)
-        logits = self._run_token(key_length, ids, pos, self._seq_ids(slots))[: len(tokens)]
+        deltas = [self.rope_deltas[slot] for slot in slots]
+        if any(deltas):  # a slot holding an image prompt: rotary positions are the cache positions + its delta
+            rope = pos.clone()
+            rope[: len(deltas), 0] += torch.as_tensor(deltas, dtype=torch.int32)
+            logits = self._run_image_token(key_length, ids, pos, self._seq_ids(slots), rope)[: len(tokens)]
+        else:
+            logits = self._run_token(key_length, ids, pos, self._seq_ids(slots))[: len(tokens)]
         for position, slot in zip(positions, slots):
             self.encoded[slot] = position + 1
         return logits
@@ -335,16 +374,40 @@ class Qwen35ForCausalLM:
     def _run_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
         return self._graph("token", 1, False, key_length)(*inputs, *self.state)[0]
 
+    def _run_image_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        return self._graph("image_context", length, all_logits, key_length)(*inputs, *self.state)[0]
+
+    def _run_image_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._graph("image_token", 1, False, key_length)(*inputs, *self.state)[0]
+
+    def _image_block(self, images, chunks, done, positions, T):
+        """The image context graph's extra inputs for one block: 3-D rotary positions [B, 3, T] (a text row's
+        three components are its positions), image embeddings [B, T, hidden] and their mask [B, T]."""
+        B = self.batch_size
+        rope = positions[:, None].expand(B, 3, T).clone()
+        dtype = next(im.embeds.dtype for im in images if im is not None)  # the vision tower's output: the model dtype
+        embeds = torch.zeros(B, T, self.config.hidden_size, dtype=dtype)
+        image_mask = torch.zeros(B, T, dtype=torch.int32)
+        for i, chunk in chunks.items():
+            if images[i] is not None:
+                part = slice(done[i], done[i] + len(chunk))
+                rope[i, :, : len(chunk)] = images[i].rope_positions[:, part]
+                embeds[i, : len(chunk)] = images[i].embeds[part]
+                image_mask[i, : len(chunk)] = images[i].mask[part]
+        return rope, embeds, image_mask
+
     # ------------------------------------------------------------------ user-level calls
-    def logits(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt."""
+    def logits(self, prompts: Sequence[Sequence[int]], images: Sequence | None = None) -> list[torch.Tensor]:
+        """Teacher-forced logits at every position: one [len(prompt), vocab] fp32 tensor per prompt (`images`: as
+        `prefill`'s)."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         for p in prompts:
             self._check_length(len(p))  # every prompt is checked before the first graph runs
         results = []
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
-            out = self.prefill(group, list(range(len(group))), all_logits=True)
+            group_images = None if images is None else images[start : start + self.batch_size]
+            out = self.prefill(group, list(range(len(group))), all_logits=True, images=group_images)
             results += [out[i, : len(p)].float() for i, p in enumerate(group)]
         return results
 
@@ -355,6 +418,7 @@ class Qwen35ForCausalLM:
         eos_token_id: int | Sequence[int] | None = None,
         streamer=None,
         sampler=None,
+        images: Sequence | None = None,
     ) -> list[list[int]]:
         """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
         (>= 1) new tokens of each prompt, stopping after an EOS token. Prompts beyond `batch_size` run in
@@ -378,7 +442,8 @@ class Qwen35ForCausalLM:
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
             slots = list(range(len(group)))
-            next_tokens = pick(self.prefill(group, slots)).tolist()
+            group_images = None if images is None else images[start : start + self.batch_size]
+            next_tokens = pick(self.prefill(group, slots, images=group_images)).tolist()
             positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
