@@ -52,6 +52,7 @@ DOCUMENTS = {
     "docs/kernels.md": "reference",
     "docs/nki_emulator.md": "reference",
     "docs/tensor_parallel.md": "reference",
+    "docs/vision.md": "optimum",  # its second block exports through optimum-neuron's class
     "docs/model.md": None,
     "docs/neuron_backend.md": None,
     "docs/testing.md": None,
