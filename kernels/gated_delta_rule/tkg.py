@@ -77,7 +77,7 @@ def _spread(t, shape, dims):
     return t.broadcast_to(tuple(shape))
 
 
-def _layout(nv, dk, dv, heads_per_piece=None):
+def _layout(nv, dk, dv, heads_per_piece=None, group=1):
     """The on-chip state layout: R rows of a head's [dk, dv] state per partition (R dv fp32 contiguous in HBM: at least
     4 KiB where dk allows), nb = dk / R partitions per head, and pieces of hp heads (hp divides nv, hp nb <= 128
     partitions: by default as many as fit; a piece's instructions cost the same on fewer partitions)."""
@@ -86,8 +86,14 @@ def _layout(nv, dk, dv, heads_per_piece=None):
         R += 1
     nb = dk // R
     limit = 128 // nb if heads_per_piece is None else min(heads_per_piece, 128 // nb)
-    hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0)
+    hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0 and (d % group == 0 or group % d == 0))
     return R, nb, hp
+
+
+def _load_blocks(nk, nb):
+    """Blocks of R q/k channels per partition in the conv's load layout: the fewest that fit 2 nk nb blocks on 128
+    partitions, dividing nb (so that a piece's key heads start on a partition)."""
+    return min(d for d in range(1, nb + 1) if nb % d == 0 and 2 * nk * nb // d <= 128)
 
 
 @nki.jit
@@ -105,7 +111,11 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     assert dk <= 128 and dv <= 128 and nv <= 128
     qk_ch = 2 * nk * dk
     P = 128
-    R, nb, hp = _layout(nv, dk, dv, heads_per_piece)
+    R, nb, hp = _layout(nv, dk, dv, heads_per_piece, group)
+    assert hp % group == 0 or group % hp == 0, "a piece holds whole GQA groups or part of one"
+    u = _load_blocks(nk, nb)
+    Pl, W = 2 * nk * nb // u, u * R  # load layout: Pl partitions of W consecutive q/k channels
+    kp, gp = max(1, hp // group), min(hp, group)  # a piece's key heads, and its value heads per key head
     # v conv on Pv = nv vb partitions (head, block of jl channels)
     vb = max(d for d in range(1, min(dv, 128 // nv) + 1) if dv % d == 0)
     jl, Pv = dv // vb, nv * vb
@@ -136,26 +146,13 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     dtb_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=dtb_bc, src=_bcast_rows(dt_bias, P, nv))
 
-    # q/k conv in the state layout: partition (head, block) of a piece holds R consecutive channels of that head's q
-    # and k (its key head's), so the normalised q, k come out where the state rows they multiply are: tiles
-    # [Pn, NP, 2, R(, K)], every piece of a row at once. v conv with the piece's heads on partitions: [hp, NP, dv(, K)].
-    # One transfer per tile (an SBUF tile written by several transfers waits for each of them in turn).
-    def qk_pattern(row_elems, heads):
-        return [[R * row_elems, heads * nb], [hp * dk * row_elems, NP if heads == hp else 1],
-                [nk * dk * row_elems, 2], [row_elems, R], [1, row_elems]]
-
-    def copy_qk(tile, src, row_elems, base, slot=None, store=False):
-        """DMA between the SBUF tile [Pn, NP, 2, R, row_elems] and the q, k channels of every piece's heads in src
-        [.., C, row_elems] (one transfer; per value head and q/k when several value heads share a key head, storing
-        from the first of them only)."""
-        indirect = [] if slot is None else [[C * row_elems, 1]]
-        extra = {} if slot is None else dict(scalar_offset=slot, indirect_dim=0)
-        parts = [(tile, base, hp)] if group == 1 else [
-            (tile[hl * nb:(hl + 1) * nb, pi:pi + 1], base + ((pi * hp + hl) // group) * dk * row_elems, 1)
-            for pi in range(NP) for hl in range(hp) if not (store and (pi * hp + hl) % group)]
-        for part, offset, heads in parts:
-            view = src.ap(pattern=indirect + qk_pattern(row_elems, heads), offset=offset, **extra)
-            nisa.dma_copy(dst=view, src=part) if store else nisa.dma_copy(dst=part, src=view)
+    # q/k conv inputs and outputs move in their HBM order, W consecutive channels per partition (one contiguous run
+    # of HBM per transfer: Pl partitions [W, row_elems]); TensorE brings them to the state layout (`to_state`).
+    def qk_view(src, row_elems, base, slot=None):
+        pattern = [[W * row_elems, Pl], [1, W * row_elems]]
+        if slot is None:
+            return src.ap(pattern=pattern, offset=base)
+        return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base, scalar_offset=slot, indirect_dim=0)
 
     def v_view(src, row_elems, base, slot=None):
         """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels),
@@ -166,17 +163,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base + qk_ch * row_elems, scalar_offset=slot,
                       indirect_dim=0)
 
-    w_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    copy_qk(w_qk, conv_weight, K, 0)
+    w_qk_in = nl.ndarray((Pl, W, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w_qk_in, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
     conv_inputs = []
     for bi in range(B):
         slot_read = seq_read[0:1, bi:bi + 1]
-        st_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
-        copy_qk(st_qk, conv_state, K - 1, 0, slot_read)
-        x_in_qk = nl.ndarray((Pn, NP, 2, R, 1), dtype=act, buffer=nl.sbuf)
-        copy_qk(x_in_qk, mixed_qkv, 1, bi * C)
+        st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st_qk, src=qk_view(conv_state, K - 1, 0, slot_read))
+        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
         st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
         x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
@@ -222,6 +219,32 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=ident_mm, src=ident, engine=nisa.engine.gpsimd)
     eps_col = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(eps_col, L2_EPS)
+    # to_state's stationaries: pick[b][m, (g, i, j)] = 1 if block b of load partition m is block j of key head g of
+    # a piece's first load partition (u m + b == nb g + j; i: the value heads of that key head)
+    pick = []
+    for blk in range(u):
+        sel_b = nl.ndarray((kp * nb // u, kp, gp, nb), dtype=act, buffer=nl.sbuf)
+        nisa.memset(sel_b, 1.0)
+        nisa.affine_select(dst=sel_b, pattern=[[-nb, kp], [0, gp], [-1, nb]], channel_multiplier=u, offset=blk,
+                           on_true_tile=sel_b, on_false_value=0.0, cmp_op=nl.equal)
+        pick.append(sel_b.reshape((kp * nb // u, Pn)))
+
+    def to_state(dst, src):
+        """dst[p, pi, c, r, :] = src[m, b R + r, :] for the load partition m and block b holding row r of partition
+        p's block (q: c = 0, k: c = 1; its key head's): u accumulating selection matmuls per piece and q/k (exact;
+        dst PSUM [Pn, NP, 2, R, F], src [Pl, W, F])."""
+        rows = kp * nb // u
+        for blk in range(u):  # one stationary for every piece and q/k
+            for pi in range(NP):
+                for c in range(2):
+                    m0 = (c * nk + pi * hp // group) * nb // u
+                    nisa.nc_matmul(dst=dst[:, pi, c], stationary=pick[blk],
+                                   moving=src[m0:m0 + rows, blk * R:(blk + 1) * R])
+
+    w_ps = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.psum)
+    to_state(w_ps, w_qk_in)
+    w_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=w_qk, src=w_ps, engine=nisa.engine.scalar)
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
     nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1,
@@ -272,13 +295,14 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     def row_inputs(bi):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
-        win_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x]
-        nisa.tensor_tensor(dst=win_qk[:, :, :, :, 0:K - 1], data1=st_qk,
-                           data2=_spread(keep[0:Pn, bi:bi + 1], (Pn, NP, 2, R, K - 1), (0, 1)), op=nl.multiply,
+        win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
+        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_qk[:, :, :, :, K - 1:K], src=x_in_qk, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
+        win_ps = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.psum)  # the window in the state layout
+        to_state(win_ps, win_qk)
         prod_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
+        nisa.tensor_tensor(dst=prod_qk, data1=win_ps, data2=w_qk, op=nl.multiply)
         acc_qk = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=4)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
@@ -424,13 +448,13 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     def row_end(bi, row):
         win_qk, win_v = row['win_qk'], row['win_v']
         # The new conv states: the last K - 1 inputs.
-        new_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, :, :, 1:K], engine=nisa.engine.scalar)
+        new_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, 1:K], engine=nisa.engine.scalar)
         new_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=new_v, src=win_v[:, :, 1:K], engine=nisa.engine.scalar)
 
         # the conv states out (queued behind the state loads)
-        copy_qk(new_qk, conv_out, K - 1, bi * C * (K - 1), store=True)
+        nisa.dma_copy(dst=qk_view(conv_out, K - 1, bi * C * (K - 1)), src=new_qk)
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
