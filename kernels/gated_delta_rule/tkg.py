@@ -132,19 +132,16 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # Initial states: row b starts from slot initial_slots[b], or from zero states where that is -1 (a fresh row).
     # Every row reads slot max(id, 0) (in range) and scales what it read by keep = (id >= 0): the recurrent state
     # enters every formula through decay * S (keep is folded into decay), the conv state through the window.
+    ids = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=initial_slots)
     seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq_read, src=initial_slots)
-    nisa.tensor_scalar(dst=seq_read, data=seq_read, op0=nl.maximum, operand0=0)
-    ids_bc = nl.ndarray((P, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids_bc, src=_bcast_rows(initial_slots, P, B))
-    a_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # gates of every row and head on every partition
-    nisa.dma_copy(dst=a_bc, src=_bcast_rows(a, P, B * nv))
-    b_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=b_bc, src=_bcast_rows(b, P, B * nv))
-    alog_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=alog_bc, src=_bcast_rows(A_log, P, nv))
-    dtb_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=dtb_bc, src=_bcast_rows(dt_bias, P, nv))
+    nisa.tensor_scalar(dst=seq_read, data=ids, op0=nl.maximum, operand0=0)
+    # The gates, loaded once as one contiguous row each (fp32) and repeated on every partition by TensorE (exact).
+    gate_rows = []
+    for src, n in ((a, B * nv), (b, B * nv), (A_log, nv), (dt_bias, nv)):
+        row = nl.ndarray((1, n), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=src.ap(pattern=[[n, 1], [1, n]], offset=0))
+        gate_rows.append(row)
 
     # q/k conv inputs and outputs move in their HBM order, W consecutive channels per partition (one contiguous run
     # of HBM per transfer: Pl partitions [W, row_elems]); TensorE brings them to the state layout (`to_state`).
@@ -163,8 +160,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base + qk_ch * row_elems, scalar_offset=slot,
                       indirect_dim=0)
 
-    w_qk_in = nl.ndarray((Pl, W, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=w_qk_in, src=qk_view(conv_weight, K, 0))
+    w_qk = nl.ndarray((Pl, W, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w_qk, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
     conv_inputs = []
@@ -196,6 +193,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # that head's first partition; same_head = head_of head_of^T (sums over each head's partitions).
     ones = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones, 1.0)
+    keep_row = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep_row, data=ids, op0=nl.greater_equal, operand0=0)
+    ones_row = ones[0:1, 0:P]
+
+    def on_partitions(row):
+        """[1, n] -> [P, n]: the row on every partition (one fp32 matmul with a row of ones per 512 columns)."""
+        n = row.shape[1]
+        out = nl.ndarray((P, n), dtype=f32, buffer=nl.sbuf)
+        for c0 in range(0, n, 512):
+            c1 = min(n, c0 + 512)
+            ps = nl.ndarray((P, c1 - c0), dtype=f32, buffer=nl.psum)
+            nisa.nc_matmul(dst=ps, stationary=ones_row, moving=row[:, c0:c1])
+            nisa.tensor_copy(dst=out[:, c0:c1], src=ps, engine=nisa.engine.scalar)
+        return out
+
+    keep = on_partitions(keep_row)
+    a_bc, b_bc, alog_bc, dtb_bc = (on_partitions(row) for row in gate_rows)
+    a_bc, b_bc = a_bc.reshape((P, B, nv)), b_bc.reshape((P, B, nv))
     head_of = nl.ndarray((Pn, hp), dtype=f32, buffer=nl.sbuf)
     nisa.affine_select(dst=head_of, pattern=[[-nb, hp]], channel_multiplier=1, on_true_tile=ones[0:Pn, 0:hp],
                        on_false_value=0.0, cmp_op=nl.greater_equal)  # p - nb h >= 0
@@ -241,10 +256,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                     nisa.nc_matmul(dst=dst[:, pi, c], stationary=pick[blk],
                                    moving=src[m0:m0 + rows, blk * R:(blk + 1) * R])
 
-    w_ps = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.psum)
-    to_state(w_ps, w_qk_in)
-    w_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=w_qk, src=w_ps, engine=nisa.engine.scalar)
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
     nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1,
@@ -260,53 +271,72 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_copy(dst=head_v, src=head_v32, engine=nisa.engine.gpsimd)
 
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
-    keep = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep, data=ids_bc, op0=nl.greater_equal, operand0=0)
-    rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
-    nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
-    sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
-    nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
-    nisa.activation(dst=sp, op=nl.softplus, data=sp)
-    neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
-    nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
-    decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
-    nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-    nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
-    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
-    beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
-    beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
-    neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                              operand1=decay)
-    # decay of each state partition's head: [Pn, B, NP]
-    sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
-                       data2=_spread(head_of, (Pn, B, NP, hp), (0, 3)), op=nl.multiply, engine=nisa.engine.gpsimd)
-    decay_part = nl.ndarray((Pn, B, NP), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
+
+    # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
+    def gates():
+        """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
+        ([Pn, B, NP]); issued inside the first row's conv (while TensorE moves its window), where the engines wait."""
+        rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
+        nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
+        sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
+        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
+        nisa.activation(dst=sp, op=nl.softplus, data=sp)
+        neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
+        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
+        decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
+        nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
+        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
+        # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
+        beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
+        beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
+        neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                  operand1=decay)
+        # decay of each state partition's head: [Pn, B, NP]
+        sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
+                           data2=_spread(head_of, (Pn, B, NP, hp), (0, 3)), op=nl.multiply, engine=nisa.engine.gpsimd)
+        decay_part = nl.ndarray((Pn, B, NP), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
+        return decay, beta, neg_beta_decay, decay_part
 
     # ---------------------------------------------------------------- per row and piece: the state
     # Per row: the conv, norms and selectors of every piece (`row_inputs`); per row and piece: the state's matmul
     # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
     # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
     # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
-    def row_inputs(bi):
+    def row_inputs(bi, after_conv=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
+        # v first: it is needed last, and its steps fill the engines while q, k go through TensorE
+        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
+        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
         win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
         nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
         nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
-        win_ps = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.psum)  # the window in the state layout
-        to_state(win_ps, win_qk)
-        prod_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_qk, data1=win_ps, data2=w_qk, op=nl.multiply)
-        acc_qk = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=4)
-        x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
-        nisa.activation(dst=x_qk, op=nl.silu, data=acc_qk)
+        prod_qk = nl.ndarray((Pl, W, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
+        acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
+        x_in_order = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
+        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)
+        if after_conv is not None:
+            after_conv()
+        x_ps = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.psum)  # q, k in the state layout (exact)
+        to_state(x_ps, x_in_order)
+        x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
         sq = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply)
@@ -344,16 +374,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
         kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
-        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
-        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
 
         # v^T [dv, nv] (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to
         # their block's position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
@@ -363,14 +383,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                            op=nl.multiply, engine=nisa.engine.gpsimd)
         v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
-        bv = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=bv, data1=v_ps, data2=beta[0:dv, bi, :], op=nl.multiply)
+        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, v_ps=v_ps, win_qk=win_qk, win_v=win_v)
 
-        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, bv=bv, win_qk=win_qk, win_v=win_v)
-
-    def start(bi, pi):
-        h0 = pi * hp
-        gate = slice(h0, h0 + hp)
+    def start(bi, pi, with_decay=True):
         S = states[bi][pi]
         # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
         # decay S (GpSimd; it needs no delta)
@@ -383,16 +398,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
             nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
             S_mm.append((r0, tile))
-        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=decayed, data=S, op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
-                           engine=nisa.engine.gpsimd)
+        started = [S_mm, halves, None]
+        if with_decay:
+            decay_state(bi, pi, started)
+        return started
 
-        return S_mm, halves, decayed
+    def decay_state(bi, pi, started, engine=nisa.engine.gpsimd):
+        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=decayed, data=states[bi][pi], op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
+                           engine=engine)
+        started[2] = decayed
 
     def finish(bi, pi, started, row):
         h0 = pi * hp
         gate = slice(h0, h0 + hp)
         S_mm, halves, decayed = started
+        if 'bv' not in row:  # beta v: [dv, nv]
+            row['bv'] = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=row['bv'], data1=row['v_ps'], data2=beta[0:dv, bi, :], op=nl.multiply)
         sel, qk_n, kq_cols, bv = row['sel'], row['qk_n'], row['kq_cols'], row['bv']
         # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
         # (heads x blocks) for one state row of every block
@@ -458,8 +481,13 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
-    rows = {0: row_inputs(0)}
-    started = {units[0]: start(*units[0])}
+    gate_values = []
+    gate_values.append(gates())
+    decay, beta, neg_beta_decay, decay_part = gate_values[0]
+    started = {}
+    # the first state's matmul copies are issued inside the first row's steps, where ScalarE would wait
+    rows = {0: row_inputs(0, after_conv=lambda: started.update({units[0]: start(*units[0], with_decay=False)}))}
+    decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
         finished = finish(bi, pi, unit, rows[bi])
