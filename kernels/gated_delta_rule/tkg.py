@@ -383,7 +383,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                            op=nl.multiply, engine=nisa.engine.gpsimd)
         v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
-        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, v_ps=v_ps, win_qk=win_qk, win_v=win_v)
+        store_conv_state(bi, win_qk, win_v)
+        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, v_ps=v_ps)
 
     def start(bi, pi, with_decay=True):
         S = states[bi][pi]
@@ -468,8 +469,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
         states[bi][pi] = None
 
-    def row_end(bi, row):
-        win_qk, win_v = row['win_qk'], row['win_v']
+    def store_conv_state(bi, win_qk, win_v):
         # The new conv states: the last K - 1 inputs.
         new_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, 1:K], engine=nisa.engine.scalar)
@@ -482,11 +482,14 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
     gate_values = []
-    gate_values.append(gates())
+    started, gate_values = {}, []
+
+    def after_first_conv():
+        gate_values.append(gates())
+        started[units[0]] = start(*units[0], with_decay=False)
+
+    rows = {0: row_inputs(0, after_conv=after_first_conv)}
     decay, beta, neg_beta_decay, decay_part = gate_values[0]
-    started = {}
-    # the first state's matmul copies are issued inside the first row's steps, where ScalarE would wait
-    rows = {0: row_inputs(0, after_conv=lambda: started.update({units[0]: start(*units[0], with_decay=False)}))}
     decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
@@ -497,5 +500,5 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             started[units[i + 1]] = start(*units[i + 1])
         update(bi, pi, unit, rows[bi], finished)
         if pi == NP - 1:
-            row_end(bi, rows.pop(bi))
+            rows.pop(bi)
     return o_out, conv_out, state_out
