@@ -22,9 +22,12 @@ state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 On chip, the state is laid out so that every transfer of it moves long runs: partition (head, block) holds R
 consecutive rows of a head's [dk, dv] state (R dv fp32 contiguous in HBM: R = 8 at dv = 128, 4 KiB per partition;
 nb = dk / R partitions per head), and a slot's state moves in pieces of hp heads (hp nb <= 128 partitions: two
-512 KiB pieces at the 2B shape). The q/k conv runs in the same layout (each partition convolves the R q and k
-channels of its rows), so the normalised q, k land next to the state rows they multiply; v is convolved on nv vb
-partitions and brought to columns [dv, nv] by one matmul. Per piece:
+512 KiB pieces at the 2B shape). The q/k conv data moves in its HBM order, W = u R consecutive channels per
+partition (Pl = 2 nk dk / W <= 128 partitions: 32 channels at the 2B shape), so every conv transfer (inputs, conv
+state in and out, weights) is one contiguous run of HBM; the conv runs there, and TensorE brings its output to the
+state layout (u accumulating selection matmuls per piece and q/k, exact), so the normalised q, k land next to the
+state rows they multiply; v is convolved on nv vb partitions and brought to columns [dv, nv] by one matmul. The gates
+load as contiguous rows and are repeated on the partitions by TensorE (exact). Per piece:
 
     mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
              row placed in their head's column (a block selector), out [dv, (k|q), heads]
@@ -33,27 +36,30 @@ partitions and brought to columns [dv, nv] by one matmul. Per piece:
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
 l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
-piece's state copies are issued between a piece's short steps and its update, so every engine has queued work.
-Every row's conv inputs, then every row's state pieces, are requested before any store (the DMA queue is in order).
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work; the
+gates and the first piece's copies are issued after the first row's conv (whose chain waits for no state), and each
+row's conv state is stored as soon as it is computed. Every row's conv inputs, then every row's state pieces, are
+requested before any state store (the DMA queue is in order).
 
-Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every exponent is <= 0
+Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
+2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
 (decay = exp(g), g <= 0). The state is never rounded below fp32 (only the matmul copy of it, for bf16 operands).
 
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.92x), batch 8 70.1 us (1.29x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 72.5 us (1.33x, TensorE 39 us)
-(the previous kernel, [dk, dv] per head with 512-byte runs: 16.4 / 86.5 us with tf32 operands, 2.41x / 1.59x of
-this floor). At batch 8, 11 of the 70 us are the model's per-run overhead (256 bytes per contiguous run) on the
-conv inputs and conv-state outputs, which move in the state layout in runs of 16-64 bytes (13,000 runs; the state
-pieces are contiguous in HBM and pay almost none); with those contiguous the model allows 1.07x. Batch 1 cannot
-reach 1.15x in this model. Besides the 6.81 us, the DMA queue carries the conv states, the token, the conv weights,
-the gates and the output (9.6 us busy in all), and the last store's data lands 1.3 us after its transfer (the
-model's DMA latency, charged to the kernel's end): 10.9 us = 1.60x with all compute hidden (any kernel: >= 1.26x,
-with the 143 KB of other traffic in long runs). The rest (2.2 us) is the queue waiting for the first
-piece: its store needs its state loaded, landed (1.3 us) and through the matmuls, delta and update (~2 us), while
-the other piece's load keeps the queue busy for about 1.8 us only.
+    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.72x), batch 8 58.4 us (1.07x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 76.9 us (1.41x, TensorE 57 us)
+(the kernel before this layout of the conv data, which moved it in the state layout in runs of 16-64 bytes: 13.1 /
+70.1 us, 1.92x / 1.29x, and 15.3 / 72.5 us for an fp32 model). Batch 8 is DMA-bound: the queue is busy 57.1 us
+(the state 54.5, everything else 2.7, in single runs) and the last store lands 1.3 us later. fp32 activations make the
+selection matmuls fp32 (4x on TensorE, 16 per row with 8 moving columns each): batching them over the rows would
+recover most of it. Batch 1 cannot reach 1.15x in this model: the DMA queue is busy 7.3 us in all (the state 6.81,
+everything else 0.5 us, 19 transfers in single runs) and the last store lands 1.3 us after its transfer (the
+model's DMA latency), so no kernel does better than 8.6 us = 1.26x. This one starts its first state store at 7.0
+us: the first piece's state lands at 3.3 us, the first row's conv, selection and norms end at 5.0 us, then the
+matmuls, delta and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us) take 2 us more;
+from there the queue is busy with the two 1.7 us stores, and 1.3 us of latency follow.
 """
 
 from __future__ import annotations
