@@ -70,11 +70,6 @@ from .operands import matmul_dtype
 L2_EPS = 1e-6
 
 
-def _bcast_rows(vector_hbm, partitions, n):
-    """An HBM access pattern repeating a contiguous vector of n elements on `partitions` partitions (stride 0)."""
-    return vector_hbm.ap(pattern=[[0, partitions], [1, n]], offset=0)
-
-
 def _spread(t, shape, dims):
     """A view of t with its dims at positions `dims` of `shape`, repeated (stride 0) along the others."""
     for axis in range(len(shape)):
@@ -281,7 +276,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
         """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
-        ([Pn, B, NP]); issued inside the first row's conv (while TensorE moves its window), where the engines wait."""
+        ([Pn, B, NP]); issued right after the first row's conv, while its output goes through TensorE."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
         sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
@@ -487,7 +482,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
-    gate_values = []
     started, gate_values = {}, []
 
     def after_first_conv():
