@@ -22,9 +22,12 @@ state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 On chip, the state is laid out so that every transfer of it moves long runs: partition (head, block) holds R
 consecutive rows of a head's [dk, dv] state (R dv fp32 contiguous in HBM: R = 8 at dv = 128, 4 KiB per partition;
 nb = dk / R partitions per head), and a slot's state moves in pieces of hp heads (hp nb <= 128 partitions: two
-512 KiB pieces at the 2B shape). The q/k conv runs in the same layout (each partition convolves the R q and k
-channels of its rows), so the normalised q, k land next to the state rows they multiply; v is convolved on nv vb
-partitions and brought to columns [dv, nv] by one matmul. Per piece:
+512 KiB pieces at the 2B shape). The q/k conv data moves in its HBM order, W = u R consecutive channels per
+partition (Pl = 2 nk dk / W <= 128 partitions: 32 channels at the 2B shape), so every conv transfer (inputs, conv
+state in and out, weights) is one contiguous run of HBM; the conv runs there, and TensorE brings its output to the
+state layout (u accumulating selection matmuls per piece and q/k, exact), so the normalised q, k land next to the
+state rows they multiply; v is convolved on nv vb partitions and brought to columns [dv, nv] by one matmul. The gates
+load as contiguous rows and are repeated on the partitions by TensorE (exact). Per piece:
 
     mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
              row placed in their head's column (a block selector), out [dv, (k|q), heads]
@@ -33,27 +36,30 @@ partitions and brought to columns [dv, nv] by one matmul. Per piece:
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
 l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
-piece's state copies are issued between a piece's short steps and its update, so every engine has queued work.
-Every row's conv inputs, then every row's state pieces, are requested before any store (the DMA queue is in order).
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work; the
+gates and the first piece's copies are issued after the first row's conv (whose chain waits for no state), and each
+row's conv state is stored as soon as it is computed. Every row's conv inputs, then every row's state pieces, are
+requested before any state store (the DMA queue is in order).
 
-Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; the activation dtype fp32 or bf16. Every exponent is <= 0
+Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
+2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
 (decay = exp(g), g <= 0). The state is never rounded below fp32 (only the matmul copy of it, for bf16 operands).
 
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 13.1 us (1.92x), batch 8 70.1 us (1.29x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 72.5 us (1.33x, TensorE 39 us)
-(the previous kernel, [dk, dv] per head with 512-byte runs: 16.4 / 86.5 us with tf32 operands, 2.41x / 1.59x of
-this floor). At batch 8, 11 of the 70 us are the model's per-run overhead (256 bytes per contiguous run) on the
-conv inputs and conv-state outputs, which move in the state layout in runs of 16-64 bytes (13,000 runs; the state
-pieces are contiguous in HBM and pay almost none); with those contiguous the model allows 1.07x. Batch 1 cannot
-reach 1.15x in this model. Besides the 6.81 us, the DMA queue carries the conv states, the token, the conv weights,
-the gates and the output (9.6 us busy in all), and the last store's data lands 1.3 us after its transfer (the
-model's DMA latency, charged to the kernel's end): 10.9 us = 1.60x with all compute hidden (any kernel: >= 1.26x,
-with the 143 KB of other traffic in long runs). The rest (2.2 us) is the queue waiting for the first
-piece: its store needs its state loaded, landed (1.3 us) and through the matmuls, delta and update (~2 us), while
-the other piece's load keeps the queue busy for about 1.8 us only.
+    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.72x), batch 8 58.4 us (1.07x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 76.9 us (1.41x, TensorE 57 us)
+(the kernel before this layout of the conv data, which moved it in the state layout in runs of 16-64 bytes: 13.1 /
+70.1 us, 1.92x / 1.29x, and 15.3 / 72.5 us for an fp32 model). Batch 8 is DMA-bound: the queue is busy 57.1 us
+(the state 54.5, everything else 2.7, in single runs) and the last store lands 1.3 us later. fp32 activations make the
+selection matmuls fp32 (4x on TensorE, 16 per row with 8 moving columns each): batching them over the rows would
+recover most of it. Batch 1 cannot reach 1.15x in this model: the DMA queue is busy 7.3 us in all (the state 6.81,
+everything else 0.5 us, 19 transfers in single runs) and the last store lands 1.3 us after its transfer (the
+model's DMA latency), so no kernel does better than 8.6 us = 1.26x. This one starts its first state store at 7.0
+us: the first piece's state lands at 3.3 us, the first row's conv, selection and norms end at 5.0 us, then the
+matmuls, delta and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us) take 2 us more;
+from there the queue is busy with the two 1.7 us stores, and 1.3 us of latency follow.
 """
 
 from __future__ import annotations
@@ -64,11 +70,6 @@ from .operands import matmul_dtype
 L2_EPS = 1e-6
 
 
-def _bcast_rows(vector_hbm, partitions, n):
-    """An HBM access pattern repeating a contiguous vector of n elements on `partitions` partitions (stride 0)."""
-    return vector_hbm.ap(pattern=[[0, partitions], [1, n]], offset=0)
-
-
 def _spread(t, shape, dims):
     """A view of t with its dims at positions `dims` of `shape`, repeated (stride 0) along the others."""
     for axis in range(len(shape)):
@@ -77,7 +78,7 @@ def _spread(t, shape, dims):
     return t.broadcast_to(tuple(shape))
 
 
-def _layout(nv, dk, dv, heads_per_piece=None):
+def _layout(nv, dk, dv, heads_per_piece=None, group=1):
     """The on-chip state layout: R rows of a head's [dk, dv] state per partition (R dv fp32 contiguous in HBM: at least
     4 KiB where dk allows), nb = dk / R partitions per head, and pieces of hp heads (hp divides nv, hp nb <= 128
     partitions: by default as many as fit; a piece's instructions cost the same on fewer partitions)."""
@@ -86,8 +87,14 @@ def _layout(nv, dk, dv, heads_per_piece=None):
         R += 1
     nb = dk // R
     limit = 128 // nb if heads_per_piece is None else min(heads_per_piece, 128 // nb)
-    hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0)
+    hp = max(d for d in range(1, min(nv, limit) + 1) if nv % d == 0 and (d % group == 0 or group % d == 0))
     return R, nb, hp
+
+
+def _load_blocks(nk, nb):
+    """Blocks of R q/k channels per partition in the conv's load layout: the fewest that fit 2 nk nb blocks on 128
+    partitions, dividing nb (so that a piece's key heads start on a partition)."""
+    return min(d for d in range(1, nb + 1) if nb % d == 0 and 2 * nk * nb // d <= 128)
 
 
 @nki.jit
@@ -105,7 +112,11 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     assert dk <= 128 and dv <= 128 and nv <= 128
     qk_ch = 2 * nk * dk
     P = 128
-    R, nb, hp = _layout(nv, dk, dv, heads_per_piece)
+    R, nb, hp = _layout(nv, dk, dv, heads_per_piece, group)
+    assert hp % group == 0 or group % hp == 0, "a piece holds whole GQA groups or part of one"
+    u = _load_blocks(nk, nb)
+    Pl, W = 2 * nk * nb // u, u * R  # load layout: Pl partitions of W consecutive q/k channels
+    kp, gp = max(1, hp // group), min(hp, group)  # a piece's key heads, and its value heads per key head
     # v conv on Pv = nv vb partitions (head, block of jl channels)
     vb = max(d for d in range(1, min(dv, 128 // nv) + 1) if dv % d == 0)
     jl, Pv = dv // vb, nv * vb
@@ -122,40 +133,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # Initial states: row b starts from slot initial_slots[b], or from zero states where that is -1 (a fresh row).
     # Every row reads slot max(id, 0) (in range) and scales what it read by keep = (id >= 0): the recurrent state
     # enters every formula through decay * S (keep is folded into decay), the conv state through the window.
+    ids = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=initial_slots)
     seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq_read, src=initial_slots)
-    nisa.tensor_scalar(dst=seq_read, data=seq_read, op0=nl.maximum, operand0=0)
-    ids_bc = nl.ndarray((P, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids_bc, src=_bcast_rows(initial_slots, P, B))
-    a_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # gates of every row and head on every partition
-    nisa.dma_copy(dst=a_bc, src=_bcast_rows(a, P, B * nv))
-    b_bc = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=b_bc, src=_bcast_rows(b, P, B * nv))
-    alog_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=alog_bc, src=_bcast_rows(A_log, P, nv))
-    dtb_bc = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=dtb_bc, src=_bcast_rows(dt_bias, P, nv))
+    nisa.tensor_scalar(dst=seq_read, data=ids, op0=nl.maximum, operand0=0)
+    # The gates, loaded once as one contiguous row each (fp32) and repeated on every partition by TensorE (exact).
+    gate_rows = []
+    for src, n in ((a, B * nv), (b, B * nv), (A_log, nv), (dt_bias, nv)):
+        row = nl.ndarray((1, n), dtype=f32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=src.ap(pattern=[[n, 1], [1, n]], offset=0))
+        gate_rows.append(row)
 
-    # q/k conv in the state layout: partition (head, block) of a piece holds R consecutive channels of that head's q
-    # and k (its key head's), so the normalised q, k come out where the state rows they multiply are: tiles
-    # [Pn, NP, 2, R(, K)], every piece of a row at once. v conv with the piece's heads on partitions: [hp, NP, dv(, K)].
-    # One transfer per tile (an SBUF tile written by several transfers waits for each of them in turn).
-    def qk_pattern(row_elems, heads):
-        return [[R * row_elems, heads * nb], [hp * dk * row_elems, NP if heads == hp else 1],
-                [nk * dk * row_elems, 2], [row_elems, R], [1, row_elems]]
-
-    def copy_qk(tile, src, row_elems, base, slot=None, store=False):
-        """DMA between the SBUF tile [Pn, NP, 2, R, row_elems] and the q, k channels of every piece's heads in src
-        [.., C, row_elems] (one transfer; per value head and q/k when several value heads share a key head, storing
-        from the first of them only)."""
-        indirect = [] if slot is None else [[C * row_elems, 1]]
-        extra = {} if slot is None else dict(scalar_offset=slot, indirect_dim=0)
-        parts = [(tile, base, hp)] if group == 1 else [
-            (tile[hl * nb:(hl + 1) * nb, pi:pi + 1], base + ((pi * hp + hl) // group) * dk * row_elems, 1)
-            for pi in range(NP) for hl in range(hp) if not (store and (pi * hp + hl) % group)]
-        for part, offset, heads in parts:
-            view = src.ap(pattern=indirect + qk_pattern(row_elems, heads), offset=offset, **extra)
-            nisa.dma_copy(dst=view, src=part) if store else nisa.dma_copy(dst=part, src=view)
+    # q/k conv inputs and outputs move in their HBM order, W consecutive channels per partition (one contiguous run
+    # of HBM per transfer: Pl partitions [W, row_elems]); TensorE brings them to the state layout (`to_state`).
+    def qk_view(src, row_elems, base, slot=None):
+        pattern = [[W * row_elems, Pl], [1, W * row_elems]]
+        if slot is None:
+            return src.ap(pattern=pattern, offset=base)
+        return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base, scalar_offset=slot, indirect_dim=0)
 
     def v_view(src, row_elems, base, slot=None):
         """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels),
@@ -166,17 +161,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base + qk_ch * row_elems, scalar_offset=slot,
                       indirect_dim=0)
 
-    w_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
-    copy_qk(w_qk, conv_weight, K, 0)
+    w_qk = nl.ndarray((Pl, W, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=w_qk, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
     conv_inputs = []
     for bi in range(B):
         slot_read = seq_read[0:1, bi:bi + 1]
-        st_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
-        copy_qk(st_qk, conv_state, K - 1, 0, slot_read)
-        x_in_qk = nl.ndarray((Pn, NP, 2, R, 1), dtype=act, buffer=nl.sbuf)
-        copy_qk(x_in_qk, mixed_qkv, 1, bi * C)
+        st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=st_qk, src=qk_view(conv_state, K - 1, 0, slot_read))
+        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
         st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
         x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
@@ -199,6 +194,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # that head's first partition; same_head = head_of head_of^T (sums over each head's partitions).
     ones = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones, 1.0)
+    keep_row = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=keep_row, data=ids, op0=nl.greater_equal, operand0=0)
+    ones_row = ones[0:1, 0:P]
+
+    def on_partitions(row):
+        """[1, n] -> [P, n]: the row on every partition (one fp32 matmul with a row of ones per 512 columns)."""
+        n = row.shape[1]
+        out = nl.ndarray((P, n), dtype=f32, buffer=nl.sbuf)
+        for c0 in range(0, n, 512):
+            c1 = min(n, c0 + 512)
+            ps = nl.ndarray((P, c1 - c0), dtype=f32, buffer=nl.psum)
+            nisa.nc_matmul(dst=ps, stationary=ones_row, moving=row[:, c0:c1])
+            nisa.tensor_copy(dst=out[:, c0:c1], src=ps, engine=nisa.engine.scalar)
+        return out
+
+    keep = on_partitions(keep_row)
+    a_bc, b_bc, alog_bc, dtb_bc = (on_partitions(row) for row in gate_rows)
+    a_bc, b_bc = a_bc.reshape((P, B, nv)), b_bc.reshape((P, B, nv))
     head_of = nl.ndarray((Pn, hp), dtype=f32, buffer=nl.sbuf)
     nisa.affine_select(dst=head_of, pattern=[[-nb, hp]], channel_multiplier=1, on_true_tile=ones[0:Pn, 0:hp],
                        on_false_value=0.0, cmp_op=nl.greater_equal)  # p - nb h >= 0
@@ -222,6 +235,28 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=ident_mm, src=ident, engine=nisa.engine.gpsimd)
     eps_col = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
     nisa.memset(eps_col, L2_EPS)
+    # to_state's stationaries: pick[b][m, (g, i, j)] = 1 if block b of load partition m is block j of key head g of
+    # a piece's first load partition (u m + b == nb g + j; i: the value heads of that key head)
+    pick = []
+    for blk in range(u):
+        sel_b = nl.ndarray((kp * nb // u, kp, gp, nb), dtype=act, buffer=nl.sbuf)
+        nisa.memset(sel_b, 1.0)
+        nisa.affine_select(dst=sel_b, pattern=[[-nb, kp], [0, gp], [-1, nb]], channel_multiplier=u, offset=blk,
+                           on_true_tile=sel_b, on_false_value=0.0, cmp_op=nl.equal)
+        pick.append(sel_b.reshape((kp * nb // u, Pn)))
+
+    def to_state(dst, src):
+        """dst[p, pi, c, r, :] = src[m, b R + r, :] for the load partition m and block b holding row r of partition
+        p's block (q: c = 0, k: c = 1; its key head's): u accumulating selection matmuls per piece and q/k (exact;
+        dst PSUM [Pn, NP, 2, R, F], src [Pl, W, F])."""
+        rows = kp * nb // u
+        for blk in range(u):  # one stationary for every piece and q/k
+            for pi in range(NP):
+                for c in range(2):
+                    m0 = (c * nk + pi * hp // group) * nb // u
+                    nisa.nc_matmul(dst=dst[:, pi, c], stationary=pick[blk],
+                                   moving=src[m0:m0 + rows, blk * R:(blk + 1) * R])
+
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
     nisa.affine_select(dst=at_bh, pattern=[[-1, vb], [-vb, nv]], channel_multiplier=1,
@@ -237,52 +272,72 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_copy(dst=head_v, src=head_v32, engine=nisa.engine.gpsimd)
 
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
-    keep = nl.ndarray((P, B), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep, data=ids_bc, op0=nl.greater_equal, operand0=0)
-    rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
-    nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
-    sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
-    nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
-    nisa.activation(dst=sp, op=nl.softplus, data=sp)
-    neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
-    nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
-    decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
-    nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-    nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
-    # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
-    beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
-    beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
-    neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                              operand1=decay)
-    # decay of each state partition's head: [Pn, B, NP]
-    sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
-                       data2=_spread(head_of, (Pn, B, NP, hp), (0, 3)), op=nl.multiply, engine=nisa.engine.gpsimd)
-    decay_part = nl.ndarray((Pn, B, NP), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
+
+    # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
+    def gates():
+        """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
+        ([Pn, B, NP]); issued right after the first row's conv, while its output goes through TensorE."""
+        rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
+        nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
+        sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
+        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
+        nisa.activation(dst=sp, op=nl.softplus, data=sp)
+        neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
+        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
+        decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
+        nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
+        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
+        # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
+        beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
+        beta = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
+        neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                  operand1=decay)
+        # decay of each state partition's head: [Pn, B, NP]
+        sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
+                           data2=_spread(head_of, (Pn, B, NP, hp), (0, 3)), op=nl.multiply, engine=nisa.engine.gpsimd)
+        decay_part = nl.ndarray((Pn, B, NP), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=decay_part, op=nl.add, data=sel_decay, axis=3)
+        return decay, beta, neg_beta_decay, decay_part
 
     # ---------------------------------------------------------------- per row and piece: the state
     # Per row: the conv, norms and selectors of every piece (`row_inputs`); per row and piece: the state's matmul
     # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
     # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
     # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
-    def row_inputs(bi):
+    def row_inputs(bi, after_conv=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
-        win_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x]
-        nisa.tensor_tensor(dst=win_qk[:, :, :, :, 0:K - 1], data1=st_qk,
-                           data2=_spread(keep[0:Pn, bi:bi + 1], (Pn, NP, 2, R, K - 1), (0, 1)), op=nl.multiply,
+        # v first: it is needed last, and its steps fill the engines while q, k go through TensorE
+        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_qk[:, :, :, :, K - 1:K], src=x_in_qk, engine=nisa.engine.gpsimd)
-        prod_qk = nl.ndarray((Pn, NP, 2, R, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
+        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
+        win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
+        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
+        prod_qk = nl.ndarray((Pl, W, K), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
-        acc_qk = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=4)
-        x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
-        nisa.activation(dst=x_qk, op=nl.silu, data=acc_qk)
+        acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
+        x_in_order = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
+        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)
+        if after_conv is not None:
+            after_conv()
+        x_ps = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.psum)  # q, k in the state layout (exact)
+        to_state(x_ps, x_in_order)
+        x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
         sq = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply)
@@ -320,16 +375,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
         kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
-        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
-        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
 
         # v^T [dv, nv] (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to
         # their block's position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
@@ -339,14 +384,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                            op=nl.multiply, engine=nisa.engine.gpsimd)
         v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
-        bv = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=bv, data1=v_ps, data2=beta[0:dv, bi, :], op=nl.multiply)
+        store_conv_state(bi, win_qk, win_v)
+        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, v_ps=v_ps)
 
-        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, bv=bv, win_qk=win_qk, win_v=win_v)
-
-    def start(bi, pi):
-        h0 = pi * hp
-        gate = slice(h0, h0 + hp)
+    def start(bi, pi, with_decay=True):
         S = states[bi][pi]
         # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
         # decay S (GpSimd; it needs no delta)
@@ -359,16 +400,24 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
             nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
             S_mm.append((r0, tile))
-        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=decayed, data=S, op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
-                           engine=nisa.engine.gpsimd)
+        started = [S_mm, halves, None]
+        if with_decay:
+            decay_state(bi, pi, started)
+        return started
 
-        return S_mm, halves, decayed
+    def decay_state(bi, pi, started, engine=nisa.engine.gpsimd):
+        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=decayed, data=states[bi][pi], op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
+                           engine=engine)
+        started[2] = decayed
 
     def finish(bi, pi, started, row):
         h0 = pi * hp
         gate = slice(h0, h0 + hp)
         S_mm, halves, decayed = started
+        if 'bv' not in row:  # beta v: [dv, nv]
+            row['bv'] = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=row['bv'], data1=row['v_ps'], data2=beta[0:dv, bi, :], op=nl.multiply)
         sel, qk_n, kq_cols, bv = row['sel'], row['qk_n'], row['kq_cols'], row['bv']
         # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
         # (heads x blocks) for one state row of every block
@@ -421,21 +470,27 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
         states[bi][pi] = None
 
-    def row_end(bi, row):
-        win_qk, win_v = row['win_qk'], row['win_v']
+    def store_conv_state(bi, win_qk, win_v):
         # The new conv states: the last K - 1 inputs.
-        new_qk = nl.ndarray((Pn, NP, 2, R, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, :, :, 1:K], engine=nisa.engine.scalar)
+        new_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, 1:K], engine=nisa.engine.scalar)
         new_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=new_v, src=win_v[:, :, 1:K], engine=nisa.engine.scalar)
 
         # the conv states out (queued behind the state loads)
-        copy_qk(new_qk, conv_out, K - 1, bi * C * (K - 1), store=True)
+        nisa.dma_copy(dst=qk_view(conv_out, K - 1, bi * C * (K - 1)), src=new_qk)
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
-    rows = {0: row_inputs(0)}
-    started = {units[0]: start(*units[0])}
+    started, gate_values = {}, []
+
+    def after_first_conv():
+        gate_values.append(gates())
+        started[units[0]] = start(*units[0], with_decay=False)
+
+    rows = {0: row_inputs(0, after_conv=after_first_conv)}
+    decay, beta, neg_beta_decay, decay_part = gate_values[0]
+    decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
         finished = finish(bi, pi, unit, rows[bi])
@@ -445,5 +500,5 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             started[units[i + 1]] = start(*units[i + 1])
         update(bi, pi, unit, rows[bi], finished)
         if pi == NP - 1:
-            row_end(bi, rows.pop(bi))
+            rows.pop(bi)
     return o_out, conv_out, state_out
