@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VOCAB = 32000
+from cpu_vs_transformers import TEXT_0_8B_8_LAYERS, VOCAB  # noqa: E402  (a sibling script)
 VISION_0_8B = dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, num_position_embeddings=2304,
                    out_hidden_size=1024, patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
 
@@ -35,13 +35,7 @@ VISION_0_8B = dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=
 def build(folder: str) -> None:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(
-        vocab_size=VOCAB, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                             mrope_section=[11, 11, 10], mrope_interleaved=True),
-    )
+    text = TEXT_0_8B_8_LAYERS
     torch.manual_seed(0)
     config = Qwen3_5Config(text_config=text, vision_config=VISION_0_8B, tie_word_embeddings=True,
                            image_token_id=VOCAB - 4, vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 2,
