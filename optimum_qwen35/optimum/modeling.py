@@ -195,9 +195,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             batch_size = 1
         if sequence_length is None:
             sequence_length = min(qwen_config.max_position_embeddings, 4096)
-        for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("tensor_parallel_size", tensor_parallel_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        nc.check_shape(batch_size, sequence_length, tensor_parallel_size)
         try:
             qwen_config.check_tp_degree(tensor_parallel_size)
         except ValueError as error:

@@ -49,6 +49,13 @@ def normalize_dtype(dtype) -> torch.dtype:
     return parsed
 
 
+def check_shape(batch_size, sequence_length, tensor_parallel_size) -> None:
+    """The three sizes of an export: positive integers (a bool, a float or a string is refused)."""
+    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("tensor_parallel_size", tensor_parallel_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
 def nxd_neuron_config(checkpoint_id, checkpoint_revision, target, batch_size, sequence_length, tp_degree, dtype):
     """The `NxDNeuronConfig` of a Qwen3.5 export, for any target (the cpu one and the Neuron ones alike)."""
     from optimum.neuron.models.inference.backend.config import NxDNeuronConfig  # noqa: PLC0415
@@ -59,9 +66,7 @@ def nxd_neuron_config(checkpoint_id, checkpoint_revision, target, batch_size, se
             f"no Neuron cores found on this machine to size target {target!r} (tensor_parallel_size=0): pass "
             "tensor_parallel_size, or export for this machine with instance_type='cpu'"
         )
-    for name, value in (("batch_size", batch_size), ("sequence_length", sequence_length), ("tensor_parallel_size", tp_degree)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    check_shape(batch_size, sequence_length, tp_degree)
 
     return NxDNeuronConfig(
         checkpoint_id=checkpoint_id,
