@@ -41,6 +41,7 @@ def run_collectives(rank: int, store: str):
         head = layers.lm_head(2, 2, 3)
         head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]) * (rank + 1))
         logits = head(torch.tensor([[[3.0, 5.0]]]))
+        dist.barrier()  # leave together (see runtime/tp.py): a rank tearing gloo down early can abort its peer
         return gathered, gathered_2d, reduced, looked_up, summed, logits
     finally:
         dist.destroy_process_group()

@@ -45,6 +45,9 @@ def _rank(rank, tp_degree, store, out_file):
                 results[str(dtype)] = encoder(*_inputs(vision))
         if rank == 0:
             torch.save(results, out_file)
+        # Leave together: a rank that tears gloo down while its peer is still in a collective aborts the peer
+        # ("terminate called without an active exception"), as runtime/tp.py's workers do.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
