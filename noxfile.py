@@ -44,8 +44,8 @@ def _install_startup_file(session):
 
 @nox.session
 def optimum(session):
-    """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK)."""
-    session.install(TORCH, "-e", ".[tests,optimum]")
+    """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
+    session.install(TORCH, "-e", ".[tests,optimum,vision]")
     _install_startup_file(session)
     # The NKI emulator and the kernels use neither transformers nor optimum-neuron: the reference session runs them.
     _pytest(session, "-m", "not reference", "--ignore=tests/emulator", "--ignore=tests/kernels")

@@ -5,6 +5,9 @@
   the machine, noise for the cpu target, printed by every command. `optimum_neuron_import()` hides both while this
   package imports optimum-neuron (the override itself still happens; a program that imported optimum-neuron first
   sees them as before).
+- transformers' `pipeline("image-text-to-text")` checks the model's class name against a fixed list of its own
+  classes and logs an error for any other, then runs it. `image_text_to_text_pipeline()` drops that record for this
+  package's model classes only.
 - huggingface_hub logs two warnings per retry of a failed request (five retries: a push whose connection drops prints
   a screen of them before this package's one-line error). `hub_retries()` hides those while a Hub call runs.
 
@@ -22,6 +25,7 @@ VERBOSE_ENV = "OPTIMUM_QWEN35_VERBOSE"
 NEURON_PROBE_LOGGER = "optimum.neuron.utils.system"
 TARGET_OVERRIDE_WARNING = "It seems this is running on a CPU-only machine"
 HUB_HTTP_LOGGER = "huggingface_hub.utils._http"
+PIPELINE_LOGGER = "transformers.pipelines.base"
 
 
 def verbose() -> bool:
@@ -65,3 +69,14 @@ def hub_retries():
     """Around a Hub call: huggingface_hub's per-retry warnings are not shown (the outcome is, once)."""
     with _filtered(HUB_HTTP_LOGGER, "thrown while requesting", "Retrying in"):
         yield
+
+
+def image_text_to_text_pipeline(class_names: list[str]) -> None:
+    """For the life of the process (the user builds the pipeline, not this package): no "The model '...' is not
+    supported for image-text-to-text" error for the named classes. Idempotent; `--verbose` keeps it."""
+    if verbose():
+        return
+    logger = logging.getLogger(PIPELINE_LOGGER)
+    fragments = tuple(f"The model '{name}' is not supported for image-text-to-text" for name in class_names)
+    if not any(isinstance(f, _DropMessages) and f.fragments == fragments for f in logger.filters):
+        logger.addFilter(_DropMessages(*fragments))

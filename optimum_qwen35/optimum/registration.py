@@ -68,6 +68,10 @@ def register_model_class(cls) -> None:
     text_config = CONFIG_MAPPING["qwen3_5_text"]
     if text_config.__module__.startswith("optimum_qwen35."):
         AutoModelForCausalLM.register(text_config, cls, exist_ok=True)
+    # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
+    from ..quiet import image_text_to_text_pipeline  # noqa: PLC0415
+
+    image_text_to_text_pipeline([cls.__name__])
 
 
 def _dispatch_qwen35_first() -> None:

@@ -620,14 +620,29 @@ def _write_json(file: Path, obj: Any) -> None:
         f.write("\n")
 
 
+# The image processor config a Qwen3.5 checkpoint ships (`preprocessor_config.json`: 16-pixel patches, 2 x 2 merge,
+# 2 frames per temporal patch, mean and std 0.5), with smaller pixel bounds so that the tiny tests' images fit
+# small image buckets: 16 to 128 patches (64 x 64 to about 181 x 181 pixels of a square image).
+PREPROCESSOR_CONFIG = {
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_size": 2,
+    "patch_size": 16,
+    "processor_class": "Qwen3VLProcessor",
+    "size": {"longest_edge": 32768, "shortest_edge": 4096},
+    "temporal_patch_size": 2,
+}
+
+
 def build_tiny_checkpoint(
     path: str | os.PathLike, layout: str = "tiny-2b", seed: int = 0, dtype: str = "float32"
 ) -> Path:
     """Write a tiny random Qwen3.5 checkpoint into folder `path`, in the exact format of a real Hub snapshot.
 
-    Files: config.json, generation_config.json, the weights (`model-0000i-of-0000n.safetensors` + 
+    Files: config.json, generation_config.json, the weights (`model-0000i-of-0000n.safetensors` +
     `model.safetensors.index.json` for sharded layouts, else `model.safetensors`), tokenizer.json,
-    tokenizer_config.json. `dtype` is the on-disk dtype: "float32", "bfloat16" or "float16".
+    tokenizer_config.json, preprocessor_config.json. `dtype` is the on-disk dtype: "float32", "bfloat16" or "float16".
     Deterministic: the same arguments give byte-identical files on every machine.
     """
     if dtype not in _DTYPES:
@@ -666,4 +681,5 @@ def build_tiny_checkpoint(
         }
         _write_json(path / "model.safetensors.index.json", index)
     build_tiny_tokenizer(path)
+    _write_json(path / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return path
