@@ -120,6 +120,29 @@ def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, 
     return [logits.float()[:, None, :], *layout.to_held(state)]
 
 
+def image_step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, position_ids, seq_ids,
+               rope_position_ids, image_embeds=None, image_mask=None) -> list[torch.Tensor]:
+    """The image graphs' traced forward (`step` for prompts holding images; a vision export).
+
+    Context encoding (more than one token): `rope_position_ids` [B, 3, T] are the 3-D rotary positions of
+    transformers' `get_rope_index` (`modeling.vision.rope_index`), `image_embeds` [B, T, hidden] the vision tower's
+    merged tokens placed at the image tokens, which `image_mask` [B, T] marks. Token generation (one token):
+    `rope_position_ids` [B, 1] is the cache position plus the prompt's rope delta (the three components are equal
+    for text). `position_ids` places the tokens in the cache and marks the padding, as in `step`."""
+    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
+    rope_position_ids = rope_position_ids.to(torch.int64)
+    if input_ids.shape[-1] > 1:
+        mask = context_attention_mask(position_ids)
+        image = (rope_position_ids, image_embeds, image_mask)
+        out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held), image=image)
+    else:
+        out = decoder.token_generation(
+            input_ids, position_ids, seq_ids, *layout.to_decoder(held), rope_position_ids=rope_position_ids
+        )
+    logits, state = out[0], list(out[1:])
+    return [logits.float()[:, None, :], *layout.to_held(state)]
+
+
 def score(decoder, input_ids, position_ids) -> list[torch.Tensor]:
     """The per-position logits graph's forward (`forward()` of a Neuron export): `[logits [B, T, vocab] fp32]` of
     right-padded rows that start at position 0.

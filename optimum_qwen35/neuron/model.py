@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
+from neuronx_distributed.trace.model_builder import BaseModelInstance
+from optimum.neuron.models.inference.backend.graph_builder import NxDGraphBuilder
 from optimum.neuron.models.inference.backend.modules.decoder.decoder_builders import (
     DecoderModelInstanceForCausalLM,
     NxDDecoderBuilderForCausalLM,
@@ -36,9 +38,12 @@ from torch import nn
 
 # The third graph's tag: logits of every position, for forward() (Qwen35LogitsBuilder).
 LOGITS_MODEL_TAG = "context_logits_model"
+# The image graphs of a vision export (`create_vision_graph_builders`), beside one `vision_<N>` graph per image bucket.
+IMAGE_CONTEXT_MODEL_TAG, IMAGE_TOKEN_MODEL_TAG = "image_context_encoding", "image_token_generation"
 
 from ..errors import UsageError
 from ..modeling.decoder import Qwen35Decoder
+from ..modeling.vision import VisionEncoder, image_bucket_inputs
 from ..optimum.neuron_config import nxd_neuron_config
 from ..optimum.scoring import causal_lm_forward
 from . import glue
@@ -77,10 +82,16 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
             nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in self.state_layout.held_specs
         )
 
-    def forward(self, input_ids, position_ids, seq_ids=None, sampling_params=None):
+    def forward(self, input_ids, position_ids, seq_ids=None, sampling_params=None, rope_position_ids=None,
+                image_embeds=None, image_mask=None):
         if seq_ids is None:  # the per-position logits graph (two inputs: Qwen35LogitsBuilder)
             return glue.score(self, input_ids, position_ids)
-        return glue.step(self, self.state_layout, list(self.past_key_values), input_ids, position_ids, seq_ids)
+        held = list(self.past_key_values)
+        if rope_position_ids is not None:  # the image graphs (Qwen35ImageContextBuilder, Qwen35ImageTokenBuilder)
+            return glue.image_step(
+                self, self.state_layout, held, input_ids, position_ids, seq_ids, rope_position_ids, image_embeds, image_mask
+            )
+        return glue.step(self, self.state_layout, held, input_ids, position_ids, seq_ids)
 
 
 class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
@@ -126,6 +137,81 @@ class Qwen35LogitsBuilder(Qwen35DecoderBuilder):
         return Qwen35LogitsModelInstance(
             model_cls=self.model_cls, config=self.config, neuron_config=self.neuron_config, n_positions=self.max_tokens
         )
+
+
+class Qwen35ImageContextBuilder(Qwen35DecoderBuilder):
+    """Context encoding of prompts holding images: the context-encoding graph's four inputs, then the 3-D rotary
+    positions [B, 3, T], the image embeddings [B, T, hidden] (model dtype) and their mask [B, T] (seven inputs: its
+    own shape key for neuronx-distributed's routing). Holds and aliases the same state as the text graphs."""
+
+    def input_generator(self):
+        (input_ids, position_ids, seq_ids, sampling_params), = super().input_generator()
+        batch, length = input_ids.shape
+        rope_position_ids = position_ids[:, None, :].expand(batch, 3, length).contiguous()
+        image_embeds = torch.zeros(batch, length, self.config.hidden_size, dtype=self.neuron_config.torch_dtype)
+        image_mask = torch.zeros(batch, length, dtype=torch.int32)
+        return [(input_ids, position_ids, seq_ids, sampling_params, rope_position_ids, image_embeds, image_mask)]
+
+
+class Qwen35ImageTokenBuilder(Qwen35DecoderBuilder):
+    """Token generation after a prompt holding images: the token-generation graph's four inputs, then the rotary
+    position [B, 1] (cache position + rope delta): five inputs."""
+
+    def input_generator(self):
+        (input_ids, position_ids, seq_ids, sampling_params), = super().input_generator()
+        return [(input_ids, position_ids, seq_ids, sampling_params, position_ids.clone())]
+
+
+class Qwen35NxDVisionModel(nn.Module):
+    """The traced vision module of one image bucket: the one vision tower definition (`modeling.vision`) over
+    neuronx-distributed's layers, under `visual.` so that its weights and the decoder's share one checkpoint's
+    names. Inputs: `modeling.vision.image_bucket_inputs`; output: the merged tokens [bucket / 4, hidden]."""
+
+    def __init__(self, vision_config, neuron_config):
+        super().__init__()
+        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype)
+        self.visual = VisionEncoder(vision_config, neuron_config.tp_degree, layers)
+
+    def forward(self, patches, pos_index, pos_weight, rotary_pos, segment):
+        return [self.visual(patches, pos_index, pos_weight, rotary_pos, segment)]
+
+
+class Qwen35VisionModelInstance(BaseModelInstance):
+    """Builds the vision module in the model dtype (as optimum-neuron builds its decoders: every floating tensor
+    cast); no state, no aliases."""
+
+    def __init__(self, vision_config, neuron_config):
+        self.vision_config, self.neuron_config = vision_config, neuron_config
+        self.module, self.input_output_aliases = None, None
+
+    def load_module(self):
+        module = Qwen35NxDVisionModel(self.vision_config, self.neuron_config).eval()
+        dtype = self.neuron_config.torch_dtype
+        self.module = module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    def get(self, bucket_rank, **kwargs):
+        if bucket_rank != 0:
+            raise ValueError(f"one bucket per graph, got bucket_rank={bucket_rank}")
+        self.input_output_aliases = {}
+        return self.module, self.input_output_aliases
+
+
+class Qwen35VisionBuilder(NxDGraphBuilder):
+    """The vision graph of one image bucket (`bucket` patch rows): an image runs alone in the smallest bucket that
+    holds it (`runtime.vision.ImageInputs`)."""
+
+    def __init__(self, vision_config, neuron_config, bucket: int):
+        super().__init__(priority_model_idx=None)
+        self.vision_config, self.neuron_config, self.bucket = vision_config, neuron_config, bucket
+
+    def input_generator(self):
+        v = self.vision_config
+        patches = torch.zeros(self.bucket, v.patch_dim, dtype=self.neuron_config.torch_dtype)
+        grid = (1, v.spatial_merge_size, self.bucket // v.spatial_merge_size)  # any grid of the bucket's size
+        return [image_bucket_inputs(v, patches, grid, self.bucket)]
+
+    def get_model_instance(self):
+        return Qwen35VisionModelInstance(self.vision_config, self.neuron_config)
 
 
 class Qwen35DecoderWrapper(NxDDecoderWrapperForCausalLM):
@@ -231,6 +317,23 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
                 config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
             ),
         }
+
+    @classmethod
+    def create_vision_graph_builders(cls, config, vision_config, neuron_config, image_buckets) -> dict:
+        """The graphs a vision export adds (`vision_<N>` per image bucket, image context encoding, image token
+        generation), built and lowered on the XLA CPU device by the nox `neuron` session. Not yet part of
+        `create_graph_builders`: the host side that runs them (the vision tower, then the image graphs) is the cpu
+        target's only (docs/vision.md)."""
+        ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
+        tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
+        builders = {f"vision_{bucket}": Qwen35VisionBuilder(vision_config, neuron_config, bucket) for bucket in image_buckets}
+        builders[IMAGE_CONTEXT_MODEL_TAG] = Qwen35ImageContextBuilder(
+            config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
+        )
+        builders[IMAGE_TOKEN_MODEL_TAG] = Qwen35ImageTokenBuilder(
+            config, tkg, max_tokens=tkg.sequence_length, active_tokens=1, model_cls=cls._model_cls
+        )
+        return builders
 
     @classmethod
     def get_compiler_args(cls, neuron_config) -> str:

@@ -35,6 +35,7 @@ from ..optimum import Qwen35NeuronModelForCausalLM
 from ..optimum.modeling import _export_config
 
 CONTEXT, TOKENS, LOGITS = "context_encoding", "token_generation", "context_logits_model"
+IMAGE_CONTEXT, IMAGE_TOKENS = "image_context_encoding", "image_token_generation"
 
 
 def neuron_config(folder: str | os.PathLike, target: str, tp: int = 1, dtype=torch.float32, batch_size: int = 2,
@@ -92,18 +93,34 @@ class Graph:
     example_inputs: tuple
 
 
-def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False) -> dict[str, Graph]:
+def vision_config(folder: str | os.PathLike):
+    from ..modeling.vision import VisionConfig
+
+    return VisionConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+
+def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None) -> dict[str, Graph]:
     """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
-    split), as the runtime loads them; otherwise the modules keep their initial values (enough to lower them)."""
+    split, and the vision tower's shard under `visual.`), as the runtime loads them; otherwise the modules keep their
+    initial values (enough to lower them). `image_buckets`: add the vision export's graphs
+    (`create_vision_graph_builders`)."""
     cls = model_class()
     config = export_config(folder, nc)
     builders = cls.create_graph_builders(config, nc)
+    if image_buckets:
+        builders.update(cls.create_vision_graph_builders(config, vision_config(folder), nc, image_buckets))
     rank0 = None
     if load_weights:
         whole = cls.get_state_dict(str(folder), config, nc)
         rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype)
-    graphs = {}
+        if image_buckets:
+            from ..modeling.vision import shard_vision_params
+            from ..runtime.vision import load_vision_encoder
+
+            tower = load_vision_encoder(folder, vision_config(folder), nc.torch_dtype).state_dict()
+            rank0.update({f"visual.{k}": v for k, v in shard_vision_params(tower, nc.tp_degree, 0).items()})
+    graphs, used = {}, set()
     for key, builder in builders.items():
         instance = builder.get_model_instance()
         instance.load_module()
@@ -111,14 +128,19 @@ def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False) -> d
         names = {id(p): n for n, p in module.named_parameters()}
         alias_names = {names[id(p)]: output for p, output in aliases.items()}
         if rank0 is not None:
-            missing, unexpected = module.load_state_dict(rank0, strict=False)
+            module_names = set(module.state_dict())
+            own = {n: t for n, t in rank0.items() if n in module_names}
+            used |= set(own)
+            missing, _ = module.load_state_dict(own, strict=False)
             # Not loaded: the held state (zeros, as the runtime initialises it) and neuronx-distributed's unsharded
             # `master_weight` copies, which its parallel layers keep on CPU and the forward never reads.
             left = [n for n in missing if not n.startswith("past_key_values.") and not n.endswith(".master_weight")]
-            assert not left and not unexpected, (left, unexpected)
+            assert not left, (key, left)
         # Parameters move to the device as new Parameter objects (CPU and XLA tensors cannot share one), hence the
         # aliases by name.
         graphs[key] = Graph(key, module.to(torch_xla.device()), alias_names, builder.input_generator()[0])
+    if rank0 is not None:
+        assert used == set(rank0), f"tensors no graph takes: {sorted(set(rank0) - used)[:10]}"
     return graphs
 
 
@@ -222,21 +244,30 @@ class XlaGraphs:
     def __init__(self, graphs: dict[str, Graph]):
         self.graphs = graphs
         self.device = torch_xla.device()
-        held = next(iter(graphs.values())).alias_names
-        self.state = {name: dict(g.module.named_parameters())[name].data for g in graphs.values() for name in held}
+        held = graphs[CONTEXT].alias_names
+        self.state = {name: dict(g.module.named_parameters())[name].data for g in graphs.values() for name in held
+                      if name in g.alias_names}
 
-    def __call__(self, key: str, input_ids, position_ids, seq_ids) -> torch.Tensor:
+    def __call__(self, key: str, input_ids, position_ids, seq_ids, *image_inputs) -> torch.Tensor:
+        """A decoder graph: the text graphs' inputs, then the image graphs' (rotary positions, and for context
+        encoding the image embeddings and their mask)."""
         graph = self.graphs[key]
         params = dict(graph.module.named_parameters())
         for name in graph.alias_names:
             params[name].data = self.state[name]
         batch = input_ids.shape[0]
-        inputs = (input_ids, position_ids, seq_ids, torch.zeros(batch, 3))
+        inputs = (input_ids, position_ids, seq_ids, torch.zeros(batch, 3), *image_inputs)
         outputs = graph.module(*(torch.as_tensor(t).to(self.device) for t in inputs))
         for name, output in graph.alias_names.items():
             self.state[name] = outputs[output]
         torch_xla.sync()  # one graph execution: the logits and every state output
         return outputs[0].cpu()[:, 0]  # [B, vocab] fp32
+
+    def vision(self, bucket: int, *inputs) -> torch.Tensor:
+        """The vision graph of an image bucket (no state): the merged tokens [bucket / 4, hidden]."""
+        (merged,) = self.graphs[f"vision_{bucket}"].module(*(torch.as_tensor(t).to(self.device) for t in inputs))
+        torch_xla.sync()
+        return merged.cpu()
 
     def score(self, input_ids, position_ids) -> torch.Tensor:
         """The per-position logits graph (no state in or out): logits [B, T, vocab] fp32."""
@@ -244,3 +275,38 @@ class XlaGraphs:
         torch_xla.sync()
         return logits.cpu()
 
+
+
+class XlaImageHost:
+    """The host side of a vision export's Neuron graphs, with the graphs run on the XLA CPU device: each image through
+    its bucket's vision graph, its tokens placed and the 3-D positions computed by the cpu runtime's own host code
+    (`runtime.vision.ImageInputs.image_prompts`), then the image context graph and token generation at position +
+    rope delta. What a Neuron runtime of a vision export would do; written for the tests (no generation loop)."""
+
+    def __init__(self, run: XlaGraphs, folder: str | os.PathLike, image_buckets, context_length: int, pad_token_id: int = 0):
+        from ..config import Qwen35Config
+        from ..runtime.vision import ImageInputs
+
+        class Host(ImageInputs):
+            def _run_vision(host, bucket, *inputs):
+                return run.vision(bucket, *inputs)
+
+        self.host = Host()
+        self.host.config, self.host.vision_config = Qwen35Config.from_pretrained(folder), vision_config(folder)
+        self.host._set_image_buckets(image_buckets)
+        self.run, self.length, self.pad = run, context_length, pad_token_id
+
+    def prefill(self, prompt: list[int], pixel_values, image_grid_thw, slot: int) -> tuple[torch.Tensor, int]:
+        """The image context graph on one right-padded row: the last token's logits [vocab] and the rope delta."""
+        from ..neuron import glue
+
+        (image,) = self.host.image_prompts([prompt], pixel_values, image_grid_thw)
+        n, extra = len(prompt), self.length - len(prompt)
+        ids, positions = glue.pad_context_inputs(
+            torch.tensor([prompt], dtype=torch.int32), torch.arange(n, dtype=torch.int32)[None], self.length, self.pad
+        )
+        rope = torch.nn.functional.pad(image.rope_positions, (0, extra), value=1)[None].to(torch.int32)
+        embeds = torch.nn.functional.pad(image.embeds, (0, 0, 0, extra))[None]
+        mask = torch.nn.functional.pad(image.mask.to(torch.int32), (0, extra))[None]
+        logits = self.run(IMAGE_CONTEXT, ids, positions, [slot], rope, embeds, mask)
+        return logits[0], image.rope_delta
