@@ -68,22 +68,32 @@ def _image_processor_from_pretrained(path, **kwargs):
 
 
 def _largest_image_bucket(path, hub_kwargs) -> int | None:
-    """The largest image bucket (in patches) of a vision export, None for a checkpoint (no compiled graphs)."""
+    """The largest image bucket (in patches) of a vision export: a cpu-target export names its buckets in
+    `compiled/graphs.json`, a Neuron export in its config.json (`neuron.state_dict.VISION_EXPORT_KEY`). None for a
+    checkpoint or a text-only export."""
+    from .neuron.state_dict import VISION_EXPORT_KEY  # noqa: PLC0415
     from .runtime.compiled import COMPILED_DIR, GRAPHS_FILE  # noqa: PLC0415
 
-    file = Path(path) / COMPILED_DIR / GRAPHS_FILE
-    if not file.is_file():
-        if Path(path).is_dir():
-            return None
-        from huggingface_hub import hf_hub_download  # noqa: PLC0415
-        from huggingface_hub.errors import EntryNotFoundError  # noqa: PLC0415
-
-        try:
-            file = hf_hub_download(str(path), f"{COMPILED_DIR}/{GRAPHS_FILE}", **hub_kwargs)
-        except EntryNotFoundError:
-            return None
-    vision = json.loads(Path(file).read_text()).get("vision")
+    graphs = _export_file(path, f"{COMPILED_DIR}/{GRAPHS_FILE}", hub_kwargs)
+    if graphs is not None:
+        vision = json.loads(graphs.read_text()).get("vision")
+        return max(vision["image_buckets"]) if vision else None
+    config = _export_file(path, "config.json", hub_kwargs)
+    vision = json.loads(config.read_text()).get(VISION_EXPORT_KEY) if config is not None else None
     return max(vision["image_buckets"]) if vision else None
+
+
+def _export_file(path, name: str, hub_kwargs) -> Path | None:
+    """A file of a folder or Hub repo; None when it has none."""
+    if Path(path).is_dir():
+        return Path(path) / name if (Path(path) / name).is_file() else None
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415
+    from huggingface_hub.errors import EntryNotFoundError  # noqa: PLC0415
+
+    try:
+        return Path(hf_hub_download(str(path), name, **hub_kwargs))
+    except EntryNotFoundError:
+        return None
 
 
 class Qwen35Processor(ProcessorMixin):

@@ -5,7 +5,9 @@ graph needs around it:
 
     glue.py        (no Neuron SDK) the traced forward's body, the state order and aliasing, the fp32 re-cast
                    of the recurrent state, the padding/position conventions, the compiler flags
-    state_dict.py  (no Neuron SDK) checkpoint -> the TP layout of `checkpoint/shard.py` -> each rank's tensors
+    state_dict.py  (no Neuron SDK) checkpoint -> the TP layout of `checkpoint/shard.py` -> each rank's tensors;
+                   a vision export's mark in its config and its tower's tensors per rank
+    image_runtime.py  (no Neuron SDK) the host loop of prompts holding images over the traced model's graphs
     layers.py      (SDK) the layer factory over neuronx-distributed's parallel layers
     model.py       (SDK) the traced module, the graph builders, the NxDModelForCausalLM subclass
 

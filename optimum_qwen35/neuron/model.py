@@ -268,6 +268,34 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             **kwargs,
         )
 
+    def generate(self, input_ids, attention_mask=None, generation_config=None, pixel_values=None, image_grid_thw=None,
+                 **kwargs):
+        """optimum-neuron's `generate`; with `pixel_values` / `image_grid_thw` (a vision export), the host loop over
+        the vision and image graphs (`NxDImageRuntime`: the cpu runtime's loop and image handling, the same
+        `generate` options as the cpu target's)."""
+        if pixel_values is None and image_grid_thw is None:
+            kwargs.pop("mm_token_type_ids", None)
+            return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
+        from ..optimum import generation  # noqa: PLC0415
+
+        return generation.generate(
+            self._image_runtime(), self.generation_config, input_ids, attention_mask, generation_config,
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs,
+        )
+
+    def _image_runtime(self):
+        vision = weights.vision_export(self.config)
+        if vision is None:
+            raise UsageError(
+                "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
+                "export the model with vision=True to give it images"
+            )
+        if getattr(self, "_images", None) is None:
+            from .image_runtime import NxDImageRuntime  # noqa: PLC0415
+
+            self._images = NxDImageRuntime(self._traced_model, self.config, vision[0], self.neuron_config, vision[1])
+        return self._images
+
     def _rows_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         length = self.neuron_config.max_context_length
         longest = max(map(len, prompts), default=0)
@@ -303,10 +331,11 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
 
     @classmethod
     def create_graph_builders(cls, config, neuron_config):
+        """The text graphs, and a vision export's graphs (`create_vision_graph_builders`) when its config says so."""
         glue.check_neuron_config(neuron_config)
         ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
         tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
-        return {
+        builders = {
             "context_encoding": Qwen35DecoderBuilder(
                 config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
             ),
@@ -317,13 +346,15 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
                 config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
             ),
         }
+        vision = weights.vision_export(config)
+        if vision is not None:
+            builders.update(cls.create_vision_graph_builders(config, *vision, neuron_config))
+        return builders
 
     @classmethod
-    def create_vision_graph_builders(cls, config, vision_config, neuron_config, image_buckets) -> dict:
-        """The graphs a vision export adds (`vision_<N>` per image bucket, image context encoding, image token
-        generation), built and lowered on the XLA CPU device by the nox `neuron` session. Not yet part of
-        `create_graph_builders`: the host side that runs them (the vision tower, then the image graphs) is the cpu
-        target's only (docs/vision.md)."""
+    def create_vision_graph_builders(cls, config, vision_config, image_buckets, neuron_config) -> dict:
+        """The graphs a vision export adds: `vision_<N>` per image bucket, image context encoding, image token
+        generation (`NxDImageRuntime` runs them)."""
         ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
         tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
         builders = {f"vision_{bucket}": Qwen35VisionBuilder(vision_config, neuron_config, bucket) for bucket in image_buckets}
@@ -349,7 +380,12 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         every safetensors file, prefix stripped, `convert_hf_to_neuron_state_dict`, the tied lm_head)."""
         whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
         nc = self.neuron_config
-        return [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+        ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+        vision = weights.vision_export(self.config)
+        if vision is not None:  # the vision graphs' weights, beside the decoder's in each rank's file
+            for rank, tensors in zip(self._ranks(), ranks):
+                tensors.update(weights.vision_rank_state_dict(checkpoint_path, vision[0], nc.tp_degree, rank, nc.torch_dtype))
+        return ranks
 
     def _load_weights_from_path(self, weights_path):
         if os.path.exists(shard_file(weights_path, self.neuron_config.start_rank_id)):

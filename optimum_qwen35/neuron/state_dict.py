@@ -113,3 +113,37 @@ def rank_state_dict(
         # A copy, so that a rank's tensors do not keep the whole layout alive.
         out[name] = shard.to(dtype=cast, memory_format=torch.contiguous_format, copy=True)
     return out
+
+
+# ------------------------------------------------------------------------------------- vision exports
+# Where a vision export's config (the text config the NxD class is built with) carries the vision tower's config and
+# image buckets: `{"config": VisionConfig fields, "image_buckets": [...]}`, saved in the export's config.json.
+VISION_EXPORT_KEY = "qwen35_vision_export"
+VISION_PREFIX = "visual."
+
+
+def vision_export(config):
+    """(VisionConfig, image buckets) of a vision export's config, None for a text-only one."""
+    from ..modeling.vision import VisionConfig  # noqa: PLC0415
+
+    entry = getattr(config, VISION_EXPORT_KEY, None)
+    if not entry:
+        return None
+    return VisionConfig(**entry["config"]), list(entry["image_buckets"])
+
+
+def with_vision_export(config, vision, image_buckets) -> None:
+    """Mark `config` (the text config handed to the NxD class) as a vision export's."""
+    import dataclasses  # noqa: PLC0415
+
+    setattr(config, VISION_EXPORT_KEY, {"config": dataclasses.asdict(vision), "image_buckets": list(image_buckets)})
+
+
+def vision_rank_state_dict(checkpoint_path, vision, tp_degree: int, rank: int, dtype) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s vision tower tensors (`Qwen35NxDVisionModel`'s names: `visual.` + the tower's), read from the
+    checkpoint and split by heads (`modeling.vision.shard_vision_params`)."""
+    from ..modeling.vision import shard_vision_params  # noqa: PLC0415
+    from ..runtime.vision import load_vision_encoder  # noqa: PLC0415
+
+    tower = load_vision_encoder(checkpoint_path, vision, dtype).state_dict()
+    return {VISION_PREFIX + k: v.contiguous() for k, v in shard_vision_params(tower, tp_degree, rank).items()}

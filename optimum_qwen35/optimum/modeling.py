@@ -244,23 +244,29 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         image_buckets=None,
         **kwargs,
     ):
-        """`vision=True` (cpu target) adds the vision tower's graphs, one per image bucket of `image_buckets` patch
-        rows (default runtime/vision.py DEFAULT_IMAGE_BUCKETS), and the processor files; without it the export is
-        text-only, as before."""
+        """`vision=True` adds the vision tower's graphs, one per image bucket of `image_buckets` patch rows (default
+        runtime/vision.py DEFAULT_IMAGE_BUCKETS), and the image context / token graphs; on the cpu target also the
+        processor files. Without it the export is text-only, as before."""
         if vision is not True and vision is not False:
             raise UsageError(f"vision must be True or False, got {vision!r}")
         if image_buckets is not None and not vision:
             raise UsageError("image_buckets is an option of a vision export: pass vision=True with it")
-        if vision and neuron_config.target != nc.CPU_TARGET:
-            raise IncompatibleExportError(
-                f"vision=True is not supported for target {neuron_config.target!r} yet: the vision graphs are built for "
-                "the cpu target only; export the text decoder alone (vision=False) or use target='cpu'"
-            )
         if neuron_config.target != nc.CPU_TARGET:
-            # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout).
+            # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
+            # export's graphs and tower weights come with it, named in the config it saves.
+            neuron_vision = None
+            if vision:
+                from ..modeling.vision import VisionConfig  # noqa: PLC0415
+                from ..runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
+
+                # `config` is the text part (optimum-neuron's export hands that on): the tower is in the whole one.
+                tower = VisionConfig.from_dict(AutoConfig.from_pretrained(model_id, revision=revision, token=token).to_dict())
+                if tower is None:
+                    raise UsageError(f"vision=True, but {model_id} has no vision tower (a text-only config): export it without vision")
+                neuron_vision = (tower, _image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, tower))
             return _neuron_model_class(neuron_config.target)._export(
                 model_id,
-                _export_config(config, model_id, neuron_config.torch_dtype),
+                _export_config(config, model_id, neuron_config.torch_dtype, neuron_vision),
                 neuron_config,
                 token=token,
                 revision=revision,
@@ -539,14 +545,19 @@ def _image_buckets(image_buckets, vision) -> list[int]:
     return sorted(set(image_buckets))
 
 
-def _export_config(config, model_id, dtype):
-    """The text config as saved next to the export: it names its source and the compiled dtype."""
+def _export_config(config, model_id, dtype, vision=None):
+    """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
+    (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it."""
     import copy  # noqa: PLC0415
 
     config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
     config._name_or_path = os.fspath(model_id)
     config.dtype = dtype
+    if vision is not None:
+        from ..neuron.state_dict import with_vision_export  # noqa: PLC0415
+
+        with_vision_export(config, *vision)
     return config
 
 

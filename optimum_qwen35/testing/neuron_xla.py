@@ -58,9 +58,11 @@ def model_class():
     return Qwen35NxDModelForCausalLM
 
 
-def export_config(folder: str | os.PathLike, nc):
-    """The text config `Qwen35NeuronModelForCausalLM._export` hands the NxD class."""
-    return _export_config(AutoConfig.from_pretrained(folder).get_text_config(), str(folder), nc.torch_dtype)
+def export_config(folder: str | os.PathLike, nc, image_buckets=None):
+    """The text config `Qwen35NeuronModelForCausalLM._export` hands the NxD class (a vision export's with
+    `image_buckets`)."""
+    vision = (vision_config(folder), image_buckets) if image_buckets else None
+    return _export_config(AutoConfig.from_pretrained(folder).get_text_config(), str(folder), nc.torch_dtype, vision)
 
 
 @contextlib.contextmanager
@@ -102,24 +104,17 @@ def vision_config(folder: str | os.PathLike):
 def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None) -> dict[str, Graph]:
     """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
-    split, and the vision tower's shard under `visual.`), as the runtime loads them; otherwise the modules keep their
-    initial values (enough to lower them). `image_buckets`: add the vision export's graphs
-    (`create_vision_graph_builders`)."""
+    split, and a vision export's tower split by heads under `visual.`), as the runtime loads them; otherwise the
+    modules keep their initial values (enough to lower them). `image_buckets`: a vision export's graphs too."""
     cls = model_class()
-    config = export_config(folder, nc)
+    config = export_config(folder, nc, image_buckets)
     builders = cls.create_graph_builders(config, nc)
-    if image_buckets:
-        builders.update(cls.create_vision_graph_builders(config, vision_config(folder), nc, image_buckets))
     rank0 = None
     if load_weights:
         whole = cls.get_state_dict(str(folder), config, nc)
         rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype)
         if image_buckets:
-            from ..modeling.vision import shard_vision_params
-            from ..runtime.vision import load_vision_encoder
-
-            tower = load_vision_encoder(folder, vision_config(folder), nc.torch_dtype).state_dict()
-            rank0.update({f"visual.{k}": v for k, v in shard_vision_params(tower, nc.tp_degree, 0).items()})
+            rank0.update(weights.vision_rank_state_dict(folder, vision_config(folder), nc.tp_degree, 0, nc.torch_dtype))
     graphs, used = {}, set()
     for key, builder in builders.items():
         instance = builder.get_model_instance()
@@ -277,36 +272,21 @@ class XlaGraphs:
 
 
 
-class XlaImageHost:
-    """The host side of a vision export's Neuron graphs, with the graphs run on the XLA CPU device: each image through
-    its bucket's vision graph, its tokens placed and the 3-D positions computed by the cpu runtime's own host code
-    (`runtime.vision.ImageInputs.image_prompts`), then the image context graph and token generation at position +
-    rope delta. What a Neuron runtime of a vision export would do; written for the tests (no generation loop)."""
+class TracedModel:
+    """The loaded `model.pt` as optimum-neuron's model classes call it: one callable that routes each call to the
+    graph whose inputs it has (as neuronx-distributed's runtime does by shapes, `spmd.py` L156), here the XLA run:
+    2 inputs the per-position logits graph; 4 the text graphs; 5 with float patches first a vision graph (by its
+    bucket's row count), else image token generation; 7 image context encoding."""
 
-    def __init__(self, run: XlaGraphs, folder: str | os.PathLike, image_buckets, context_length: int, pad_token_id: int = 0):
-        from ..config import Qwen35Config
-        from ..runtime.vision import ImageInputs
+    def __init__(self, run: XlaGraphs):
+        self.run = run
 
-        class Host(ImageInputs):
-            def _run_vision(host, bucket, *inputs):
-                return run.vision(bucket, *inputs)
+    def __call__(self, input_ids, position_ids, *rest):
+        if not rest:
+            return self.run.score(input_ids, position_ids)
+        if input_ids.is_floating_point():  # patches [bucket, patch_dim]
+            return self.run.vision(input_ids.shape[0], input_ids, position_ids, *rest)
+        seq_ids, image_inputs = rest[0], rest[2:]
+        text, image = (CONTEXT, IMAGE_CONTEXT) if input_ids.shape[-1] > 1 else (TOKENS, IMAGE_TOKENS)
+        return self.run(image if image_inputs else text, input_ids, position_ids, seq_ids, *image_inputs)[:, None]
 
-        self.host = Host()
-        self.host.config, self.host.vision_config = Qwen35Config.from_pretrained(folder), vision_config(folder)
-        self.host._set_image_buckets(image_buckets)
-        self.run, self.length, self.pad = run, context_length, pad_token_id
-
-    def prefill(self, prompt: list[int], pixel_values, image_grid_thw, slot: int) -> tuple[torch.Tensor, int]:
-        """The image context graph on one right-padded row: the last token's logits [vocab] and the rope delta."""
-        from ..neuron import glue
-
-        (image,) = self.host.image_prompts([prompt], pixel_values, image_grid_thw)
-        n, extra = len(prompt), self.length - len(prompt)
-        ids, positions = glue.pad_context_inputs(
-            torch.tensor([prompt], dtype=torch.int32), torch.arange(n, dtype=torch.int32)[None], self.length, self.pad
-        )
-        rope = torch.nn.functional.pad(image.rope_positions, (0, extra), value=1)[None].to(torch.int32)
-        embeds = torch.nn.functional.pad(image.embeds, (0, 0, 0, extra))[None]
-        mask = torch.nn.functional.pad(image.mask.to(torch.int32), (0, extra))[None]
-        logits = self.run(IMAGE_CONTEXT, ids, positions, [slot], rope, embeds, mask)
-        return logits[0], image.rope_delta

@@ -48,14 +48,17 @@ def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
     assert not out.exists()
 
 
-def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypatch, tmp_path):
+@pytest.mark.parametrize("image_buckets", [None, [32, 128]], ids=["text", "vision"])
+def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypatch, tmp_path, image_buckets):
+    """The text export's three graphs; a vision export's seven (a vision graph per image bucket, image context
+    encoding and image token generation besides)."""
     import neuron_sdk_standin
     from optimum.neuron.models.inference.backend.pretrained_model import NxDPreTrainedModel
 
     monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd"))
     nc = neuron_config(FIXTURES / "tiny-2b", "trn2")
     cls = model_class()
-    builders = cls.create_graph_builders(export_config(FIXTURES / "tiny-2b", nc), nc)
+    builders = cls.create_graph_builders(export_config(FIXTURES / "tiny-2b", nc, image_buckets), nc)
     built = []
     for builder in builders.values():
         original = builder.get_model_instance
@@ -68,12 +71,46 @@ def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypa
         builder.get_model_instance = instance
     with pytest.raises(neuron_sdk_standin.NeuronSDKUnavailable, match=r"torch_neuronx\.xla_impl\.trace\.generate_hlo"):
         NxDPreTrainedModel.compile(neuron_config=nc, graph_builders=builders, compiler_args=cls.get_compiler_args(nc))
-    # ModelBuilder took the three graphs; the first (context encoding) was built by this project's model instance,
+    # ModelBuilder took every graph; the first (context encoding) was built by this project's model instance,
     # with the held state restored to its dtypes, and its aliases made, before the closed HLO generation.
-    assert len(built) == 3
+    assert len(built) == (3 if image_buckets is None else 7)
     # neuronx-distributed routes a call to the graph whose example inputs have its shapes (`model_builder.py`
     # L1879-1887, a map keyed by the shapes): the graphs must differ there, or one would hide another.
     keys = [str([list(t.shape) for t in builder.input_generator()[0]]) for builder in builders.values()]
     assert len(set(keys)) == len(keys), keys
     first = built[0]
     assert first.module is not None and len(first.input_output_aliases) == len(first.module.state_layout.held_specs)
+
+
+def test_a_vision_export_to_a_neuron_target_builds_the_vision_graphs_until_the_compile_cache(monkeypatch, tmp_path):
+    """`Qwen35NeuronModelForCausalLM.export(..., vision=True)` for trn2: the NxD class gets the config marked as a
+    vision export (tower config and image buckets, saved in the export's config.json) and builds the seven graphs,
+    then stops at the first closed SDK call, as the text export does."""
+    import neuron_sdk_standin
+
+    from optimum_qwen35.neuron.state_dict import vision_export
+    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+
+    cls = model_class()
+    seen = {}
+    original = cls.create_graph_builders.__func__
+
+    def create_graph_builders(klass, config, neuron_config):
+        builders = original(klass, config, neuron_config)
+        seen.update(vision=vision_export(config), keys=sorted(builders))
+        return builders
+
+    monkeypatch.setattr(cls, "create_graph_builders", classmethod(create_graph_builders))
+    nc = neuron_config(FIXTURES / "tiny-2b", "trn2")
+    with pytest.raises(neuron_sdk_standin.NeuronSDKUnavailable, match=r"CacheUrl\.get_cache_url"):
+        Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", nc, vision=True, image_buckets=[32, 128])
+    tower, buckets = seen["vision"]
+    assert buckets == [32, 128] and tower.depth == 2 and tower.image_token_id == 498
+    # What the loaded export's class reads back: the saved config.json keeps the mark (from_pretrained -> generate).
+    from transformers import AutoConfig
+
+    config = export_config(FIXTURES / "tiny-2b", nc, [32, 128])
+    config.save_pretrained(tmp_path)
+    assert vision_export(AutoConfig.from_pretrained(tmp_path)) == (tower, buckets)
+    assert seen["keys"] == sorted(["context_encoding", "token_generation", "context_logits_model",
+                                   "image_context_encoding", "image_token_generation", "vision_32", "vision_128"])

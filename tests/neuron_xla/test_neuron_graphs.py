@@ -25,7 +25,8 @@ import torch
 
 from optimum_qwen35.neuron import glue
 from optimum_qwen35.testing.neuron_xla import (
-    CONTEXT, LOGITS, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, state_traffic, traced_parallel_state,
+    CONTEXT, LOGITS, TOKENS, TracedModel, XlaGraphs, build_graphs, lower, neuron_config, state_traffic,
+    traced_parallel_state,
 )
 
 from ..conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
@@ -213,20 +214,6 @@ def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
 
 
 # ---------------------------------------------------------------------------------------------- optimum-neuron's loop
-class TracedModel:
-    """The loaded `model.pt` as optimum-neuron's model classes call it: one callable that routes each call to the
-    graph whose input shapes it has (as neuronx-distributed's runtime does, `spmd.py` L156), here the XLA run."""
-
-    def __init__(self, run: XlaGraphs):
-        self.run = run
-
-    def __call__(self, input_ids, position_ids, *rest):
-        if not rest:  # (input_ids, position_ids): the per-position logits graph
-            return self.run.score(input_ids, position_ids)
-        key = CONTEXT if input_ids.shape[-1] > 1 else TOKENS
-        return self.run(key, input_ids, position_ids, rest[0])[:, None]
-
-
 @contextlib.contextmanager
 def model_on_xla(layout: str, target: str = "trn2"):
     """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) around the XLA graphs,

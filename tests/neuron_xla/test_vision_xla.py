@@ -18,12 +18,11 @@ import torch
 import torch_xla
 
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder, image_bucket_inputs
-from optimum_qwen35.neuron import glue
 from optimum_qwen35.neuron.layers import NxDLayers
 from optimum_qwen35.runtime.vision import load_vision_encoder
 from optimum_qwen35.testing.neuron_xla import (
-    CONTEXT, IMAGE_CONTEXT, IMAGE_TOKENS, LOGITS, TOKENS, XlaGraphs, XlaImageHost, build_graphs, lower, neuron_config,
-    traced_parallel_state, vision_config,
+    CONTEXT, IMAGE_CONTEXT, IMAGE_TOKENS, LOGITS, TOKENS, TracedModel, XlaGraphs, build_graphs, export_config, lower,
+    model_class, neuron_config, traced_parallel_state, vision_config,
 )
 
 from ..conftest import FIXTURES
@@ -84,11 +83,13 @@ def test_vision_export_graphs_build_and_lower_with_the_state_aliased(target, tp,
             print(f"\n{target} tp{tp} {dtype} {key}: {lowered.instruction_count} HLO instructions, {len(held)} aliases")
 
 
-def test_image_prompt_through_the_neuron_graphs_on_xla_matches_the_cpu_model():
-    """Two images of different sizes (buckets 32 and 128) and text between them: the vision graphs, the image context
-    graph and token generation at position + rope delta, run on the XLA CPU device at TP 1 in fp32, against the eager
-    CPU model (itself within 1e-4 of transformers 5: tests/test_vision.py): the prompt's last logits and 8 greedy
-    steps' logits within 1e-4, the same tokens. A text sequence decodes beside it in the other slot, unchanged."""
+def test_image_prompts_through_the_neuron_class_on_xla_match_the_cpu_model():
+    """`Qwen35NxDModelForCausalLM` (what `from_pretrained` returns for a Neuron export) of a vision export, around its
+    graphs run on the XLA CPU device (TP 1, fp32): a prompt with two images of different sizes (buckets 32 and 128)
+    and text between them goes through the vision graphs, the image context graph and token generation at position +
+    rope delta (`NxDImageRuntime`), against the eager CPU model (itself within 1e-4 of transformers 5:
+    tests/test_vision.py): the prompt's last logits and 7 decode steps' within 1e-4, the same tokens; a text row
+    decodes beside it, unchanged; `generate(input_ids, pixel_values=, image_grid_thw=)` gives the same tokens."""
     from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText
     from optimum_qwen35.testing.tiny import special_token_id
 
@@ -96,32 +97,30 @@ def test_image_prompt_through_the_neuron_graphs_on_xla_matches_the_cpu_model():
     image, start, end = (special_token_id(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
     grids = torch.tensor([[1, 4, 6], [1, 8, 10]])
     pixels = torch.randn(24 + 80, vision_config(folder).patch_dim, generator=torch.Generator().manual_seed(0))
-    prompt = [5, 6, start] + [image] * 6 + [end, 8, 9, start] + [image] * 20 + [end, 10, 11]
+    prompt, text = [5, 6, start] + [image] * 6 + [end, 8, 9, start] + [image] * 20 + [end, 10, 11], [1, 2, 3]
     eager = Qwen35ForImageTextToText.from_pretrained(folder, max_length=128, image_buckets=IMAGE_BUCKETS)
     expected_tokens = eager.generate([prompt], 8, eos_token_id=[], pixel_values=pixels, image_grid_thw=grids)[0]
     expected = eager.logits([prompt + expected_tokens[:-1]], pixels, grids)[0]  # teacher-forced, every position
 
     nc = neuron_config(folder, "trn2")
+    cls = model_class()
+    config = export_config(folder, nc, IMAGE_BUCKETS)
     with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(folder, nc, load_weights=True, image_buckets=IMAGE_BUCKETS))
-        host = XlaImageHost(run, folder, IMAGE_BUCKETS, nc.max_context_length)
-        logits, delta = host.prefill(prompt, pixels, grids, slot=0)
-        text = [1, 2, 3]
-        text_logits = [run(CONTEXT, *glue.pad_context_inputs(torch.tensor([text], dtype=torch.int32),
-                                                               torch.arange(3, dtype=torch.int32)[None], 128, 0), [1])[0]]
-        worst = (logits - expected[len(prompt) - 1]).abs().max().item()
-        tokens, text_tokens = [int(logits.argmax())], [int(text_logits[0].argmax())]
+        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+        runtime = model._image_runtime()
+        images = runtime.image_prompts([prompt, text], pixels, grids)
+        logits = runtime.prefill([prompt, text], [0, 1], images=images)
+        worst = (logits[0] - expected[len(prompt) - 1]).abs().max().item()
+        tokens, text_tokens = [int(logits[0].argmax())], [int(logits[1].argmax())]
         for step in range(7):
-            position = len(prompt) + step
-            ids = torch.tensor([[tokens[-1]], [text_tokens[-1]]], dtype=torch.int32)
-            positions = torch.tensor([[position], [3 + step]], dtype=torch.int32)
-            rope = positions + torch.tensor([[delta], [0]], dtype=torch.int32)  # the text row: no images, no delta
-            got = run(IMAGE_TOKENS, ids, positions, [0, 1], rope)
-            worst = max(worst, (got[0] - expected[position]).abs().max().item())
+            got = runtime.decode([tokens[-1], text_tokens[-1]], [len(prompt) + step, len(text) + step], [0, 1])
+            worst = max(worst, (got[0] - expected[len(prompt) + step]).abs().max().item())
             tokens.append(int(got[0].argmax()))
             text_tokens.append(int(got[1].argmax()))
+        generated = model.generate(torch.tensor([prompt]), pixel_values=pixels, image_grid_thw=grids, max_new_tokens=8,
+                                   do_sample=False, eos_token_id=None)
     assert worst <= 1e-4, worst
-    assert tokens == expected_tokens
-    text_expected = eager.generate([text], 8, eos_token_id=[])[0]
-    assert text_tokens == text_expected
+    assert tokens == expected_tokens and generated[0, len(prompt) :].tolist() == expected_tokens
+    assert text_tokens == eager.generate([text], 8, eos_token_id=[])[0]
     print(f"\nimage prompt through the Neuron graphs on XLA CPU: max |logit - eager| {worst:.2e} over 8 positions")

@@ -210,6 +210,13 @@ def test_the_processor_resizes_images_to_the_exports_largest_bucket(vision_expor
     grid = Qwen35Processor.from_pretrained(folder)(text=["<|image_pad|>"], images=[_image(300, 200)])["image_grid_thw"]
     assert int(torch.as_tensor(grid).prod()) <= 32
     assert torch.as_tensor(grid).tolist() == [[1, 6, 4]]
+    # A Neuron export names its buckets in its config.json (neuron.state_dict.VISION_EXPORT_KEY): the same cap.
+    from optimum_qwen35.neuron.state_dict import VISION_EXPORT_KEY
+
+    shutil.rmtree(folder / "compiled")
+    (folder / "config.json").write_text(json.dumps({VISION_EXPORT_KEY: {"config": {}, "image_buckets": [32]}}))
+    grid = Qwen35Processor.from_pretrained(folder)(text=["<|image_pad|>"], images=[_image(300, 200)])["image_grid_thw"]
+    assert torch.as_tensor(grid).tolist() == [[1, 6, 4]]
     with pytest.raises(UsageError, match="no preprocessor_config.json"):
         Qwen35Processor.from_pretrained(tmp_path)
 
