@@ -396,6 +396,15 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         start_rank = torch.tensor([self.neuron_config.start_rank_id], dtype=torch.int32, device="cpu")
         self._traced_model.nxd_model.initialize(rank_tensors, start_rank)
 
+    def _save_pretrained(self, save_directory, **kwargs):
+        """optimum-neuron's save; a vision export also gets its checkpoint's processor files (written, not run here:
+        saving needs the compiled graphs)."""
+        super()._save_pretrained(save_directory, **kwargs)
+        if weights.vision_export(self.config) is not None:
+            from ..optimum.modeling import copy_processor_files  # noqa: PLC0415
+
+            copy_processor_files(self.config._name_or_path, save_directory)
+
     def shard_checkpoint(self, src_path, dest_path, debug: bool = False):
         """Write each rank's tensors where `_load_weights_from_path` finds them (called by `save_pretrained` for
         a model exported from a local folder)."""

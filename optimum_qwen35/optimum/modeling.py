@@ -106,6 +106,14 @@ def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, a
     return hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=allow_patterns)
 
 
+def copy_processor_files(model_id, target: str | os.PathLike, revision=None, token=None) -> None:
+    """The checkpoint's processor files into a vision export (a folder, or a Hub id downloaded for them alone)."""
+    source = _local_or_download(model_id, revision, token, allow_patterns=list(PROCESSOR_FILES))
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, Path(target) / name)
+
+
 def _copy_side_files(source: Path, target: Path) -> None:
     for name in SIDE_FILES:
         if (source / name).is_file():
@@ -297,9 +305,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 from ..runtime.compiled import save_vision_weights  # noqa: PLC0415
 
                 save_vision_weights(source, vision_config, dtype, work / CHECKPOINT_DIR)
-                for name in PROCESSOR_FILES:
-                    if (source / name).is_file():
-                        shutil.copy2(source / name, work / name)
+                copy_processor_files(source, work)
             config = _export_config(config, model_id, dtype)
             config.save_pretrained(work)
             nc.save(neuron_config, work)
