@@ -25,7 +25,8 @@ TORCH = "torch==2.13.0"
 
 def _pytest(session, *marks):
     # Exit code 5 means "no test collected": always an error here, since every session selects tests.
-    session.run("pytest", "-q", "-rs", *marks, *session.posargs)
+    # The slowest tests in every log: where CI's time goes.
+    session.run("pytest", "-q", "-rs", "--durations=15", *marks, *session.posargs)
 
 
 @nox.session
@@ -42,13 +43,23 @@ def _install_startup_file(session):
     session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
 
 
+# Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):
+# the same torch and the same code in both environments, so the reference session alone runs them.
+ENVIRONMENT_FREE_TESTS = [
+    "tests/emulator", "tests/kernels", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
+    "tests/test_conversion_memory.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py", "tests/test_kernels_decay.py",
+    "tests/test_kernels_rule.py", "tests/test_long_context.py", "tests/test_packed_linear.py", "tests/test_shard.py",
+    "tests/test_state_in_place.py", "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py",
+    "tests/test_vision_tensor_parallel.py",
+]
+
+
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
     session.install(TORCH, "-e", ".[tests,optimum,vision]")
     _install_startup_file(session)
-    # The NKI emulator and the kernels use neither transformers nor optimum-neuron: the reference session runs them.
-    _pytest(session, "-m", "not reference", "--ignore=tests/emulator", "--ignore=tests/kernels")
+    _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS))
 
 
 # neuronx-distributed 0.15's source (tag v2.26.0), an unchanged copy kept beside the repository (see its README).

@@ -19,6 +19,8 @@ a vision export keeps the checkpoint's processor files unchanged.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,6 +33,23 @@ from .errors import MissingDependencyError, UsageError
 _NO_VIDEO = (
     "videos are not supported: the Qwen3.5 export runs images only (pass images=, or frames as separate images)"
 )
+
+
+# The checkpoint's processor files, copied unchanged into a vision export: `AutoProcessor` (where torchvision works)
+# and `Qwen35Processor` load from it.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def copy_processor_files(model_id, target: str | os.PathLike, revision=None, token=None) -> None:
+    """The checkpoint's processor files into a vision export (from a folder, or a Hub id downloaded for them alone)."""
+    source = Path(model_id)
+    if not source.is_dir():
+        from . import hub  # noqa: PLC0415
+
+        source = hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=list(PROCESSOR_FILES))
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, Path(target) / name)
 
 
 class Qwen35ProcessorKwargs(ProcessingKwargs, total=False):

@@ -401,7 +401,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         saving needs the compiled graphs)."""
         super()._save_pretrained(save_directory, **kwargs)
         if weights.vision_export(self.config) is not None:
-            from ..optimum.modeling import copy_processor_files  # noqa: PLC0415
+            from ..processing import copy_processor_files  # noqa: PLC0415
 
             copy_processor_files(self.config._name_or_path, save_directory)
 

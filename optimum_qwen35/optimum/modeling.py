@@ -65,8 +65,6 @@ SIDE_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-# The processor's files, copied too into a vision export (`export(..., vision=True)`): `AutoProcessor` loads from it.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 # What a Hub download of a source checkpoint needs (no vision-only files are skipped: they are small).
 CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
 
@@ -104,14 +102,6 @@ def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, a
     from .. import hub  # noqa: PLC0415
 
     return hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=allow_patterns)
-
-
-def copy_processor_files(model_id, target: str | os.PathLike, revision=None, token=None) -> None:
-    """The checkpoint's processor files into a vision export (a folder, or a Hub id downloaded for them alone)."""
-    source = _local_or_download(model_id, revision, token, allow_patterns=list(PROCESSOR_FILES))
-    for name in PROCESSOR_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, Path(target) / name)
 
 
 def _copy_side_files(source: Path, target: Path) -> None:
@@ -305,6 +295,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 from ..runtime.compiled import save_vision_weights  # noqa: PLC0415
 
                 save_vision_weights(source, vision_config, dtype, work / CHECKPOINT_DIR)
+                from ..processing import copy_processor_files  # noqa: PLC0415
+
                 copy_processor_files(source, work)
             config = _export_config(config, model_id, dtype)
             config.save_pretrained(work)
