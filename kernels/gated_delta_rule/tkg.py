@@ -276,7 +276,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
         """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
-        ([Pn, B, NP]); issued right after the first row's conv, while its output goes through TensorE."""
+        ([Pn, B, NP]); issued before the first row's conv, whose inputs wait for the slot ids."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
         sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
@@ -308,20 +308,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
     # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
     # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
-    def row_inputs(bi, after_conv=None):
+    def row_inputs(bi, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
-        # v first: it is needed last, and its steps fill the engines while q, k go through TensorE
-        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
-        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
         win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
         nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
@@ -332,10 +321,19 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
         x_in_order = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
         nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)
-        if after_conv is not None:
-            after_conv()
         x_ps = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.psum)  # q, k in the state layout (exact)
         to_state(x_ps, x_in_order)
+        # v: needed last; its steps fill the engines while q, k go through TensorE
+        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
+        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
+        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
@@ -349,24 +347,29 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
         totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
-        totals = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=totals, src=totals_ps, engine=nisa.engine.scalar)
-        inv = nl.ndarray((Pn, NP, 2), dtype=f32, buffer=nl.sbuf)  # rsqrt(|q|^2 + eps) dk^-0.5, rsqrt(|k|^2 + eps)
-        nisa.activation(dst=inv, op=nl.rsqrt, data=totals[:, :, 0:2], bias=eps_col[0:Pn])
-        nisa.activation(dst=inv[:, :, 0], op=nl.copy, data=inv[:, :, 0], scale=float(dk) ** -0.5)
+        # rsqrt(|q|^2 + eps), rsqrt(|k|^2 + eps) straight from PSUM (the q scale dk^-0.5 is applied where q is used:
+        # in sel and in k . q, which saves a step on the way to the first state store)
+        inv = nl.ndarray((Pn, NP, 2), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=inv, op=nl.rsqrt, data=totals_ps[:, :, 0:2], bias=eps_col[0:Pn])
+        qk_dot = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
         kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
-        nisa.tensor_tensor(dst=kq, data1=inv[:, :, 0], data2=inv[:, :, 1], op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=kq, data1=kq, data2=totals[:, :, 2], op=nl.multiply, engine=nisa.engine.gpsimd)
-        qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0), k (1)
+        nisa.scalar_tensor_tensor(dst=kq, data=inv[:, :, 0], op0=nl.multiply, operand0=float(dk) ** -0.5,
+                                  op1=nl.multiply, operand1=inv[:, :, 1], engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=kq, data1=kq, data2=qk_dot, op=nl.multiply, engine=nisa.engine.gpsimd)
+        qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0, without dk^-0.5), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
+        if after_norms is not None:
+            after_norms()
         # the reduction's moving operands: sel[p, piece, r, (k|q), h] = (k|q)[p, r] if p is in head h, else 0
         sel = nl.ndarray((Pn, NP, R, 2, hp), dtype=mm, buffer=nl.sbuf)
         kq_order = qk_n.permute((0, 1, 3, 2))  # [Pn, NP, R, (q|k)]
-        for c, src in ((0, 1), (1, 0)):  # k first, then q
-            nisa.tensor_tensor(dst=sel[:, :, :, c, :],
-                               data1=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
-                               data2=_spread(head_of, (Pn, NP, R, hp), (0, 3)), op=nl.multiply,
-                               engine=nisa.engine.gpsimd if c else nisa.engine.vector)
+        for c, src, scale in ((0, 1, 1.0), (1, 0, float(dk) ** -0.5)):  # k first, then q (times dk^-0.5)
+            nisa.scalar_tensor_tensor(dst=sel[:, :, :, c, :],
+                                      data=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
+                                      op0=nl.multiply, operand0=scale, op1=nl.multiply,
+                                      operand1=_spread(head_of, (Pn, NP, R, hp), (0, 3)),
+                                      engine=nisa.engine.gpsimd if c else nisa.engine.vector)
         # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
         kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
@@ -482,14 +485,13 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
-    started, gate_values = {}, []
+    started = {}
 
-    def after_first_conv():
-        gate_values.append(gates())
+    def after_first_norms():
         started[units[0]] = start(*units[0], with_decay=False)
 
-    rows = {0: row_inputs(0, after_conv=after_first_conv)}
-    decay, beta, neg_beta_decay, decay_part = gate_values[0]
+    decay, beta, neg_beta_decay, decay_part = gates()  # first: they wait only for the gate rows and the slot ids
+    rows = {0: row_inputs(0, after_norms=after_first_norms)}
     decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
