@@ -246,16 +246,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         pick.append(sel_b.reshape((kp * nb // u, Pn)))
 
     def to_state(dst, src):
-        """dst[p, pi, c, r, :] = src[m, b R + r, :] for the load partition m and block b holding row r of partition
-        p's block (q: c = 0, k: c = 1; its key head's): u accumulating selection matmuls per piece and q/k (exact;
-        dst PSUM [Pn, NP, 2, R, F], src [Pl, W, F])."""
+        """dst[p, pi, c, g, r] = src[m, g, b R + r] for the load partition m and block b holding row r of partition
+        p's block (q: c = 0, k: c = 1; its key head's), for every batch row g of the group: u accumulating selection
+        matmuls per piece and q/k, each moving every row of the group (exact; dst PSUM [Pn, NP, 2, G, R], src
+        [Pl, G, W])."""
         rows = kp * nb // u
         for blk in range(u):  # one stationary for every piece and q/k
             for pi in range(NP):
                 for c in range(2):
                     m0 = (c * nk + pi * hp // group) * nb // u
                     nisa.nc_matmul(dst=dst[:, pi, c], stationary=pick[blk],
-                                   moving=src[m0:m0 + rows, blk * R:(blk + 1) * R])
+                                   moving=src[m0:m0 + rows, :, blk * R:(blk + 1) * R])
 
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
@@ -308,9 +309,23 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
     # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
     # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
-    def row_inputs(bi, after_norms=None):
-        # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
-        st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
+    # The q/k conv runs row by row in the load layout; its selection into the state layout runs once for a group of
+    # G rows (every row at batch <= 16: the selection matmuls cost their 64-cycle minimum up to 64 moving columns, 4x
+    # that with fp32 activations, so one matmul per group instead of one per row).
+    G = max(1, min(B, 2048 // (4 * NP * 2 * R), 512 // R))  # one PSUM bank, at most 512 moving columns
+    qk_rows = {}
+
+    def conv_group(g):
+        members = list(range(g * G, min(B, (g + 1) * G)))
+        x_rows = nl.ndarray((Pl, len(members), W), dtype=act, buffer=nl.sbuf)
+        wins = [conv_qk(bi, x_rows[:, i]) for i, bi in enumerate(members)]
+        x_ps = nl.ndarray((Pn, NP, 2, len(members), R), dtype=f32, buffer=nl.psum)  # q, k, state layout (exact)
+        to_state(x_ps, x_rows)
+        for i, bi in enumerate(members):
+            qk_rows[bi] = (x_ps[:, :, :, i, :], wins[i])
+
+    def conv_qk(bi, x_in_order):
+        st_qk, x_in_qk, _, _ = conv_inputs[bi]
         win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
         nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
@@ -319,10 +334,15 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
         acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
-        x_in_order = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
-        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)
-        x_ps = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.psum)  # q, k in the state layout (exact)
-        to_state(x_ps, x_in_order)
+        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)  # rounded as the unfused model rounds it
+        return win_qk
+
+    def row_inputs(bi, after_norms=None):
+        # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
+        if bi not in qk_rows:
+            conv_group(bi // G)
+        x_ps, win_qk = qk_rows.pop(bi)
+        _, _, st_v, x_in_v = conv_inputs[bi]
         # v: needed last; its steps fill the engines while q, k go through TensorE
         win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
