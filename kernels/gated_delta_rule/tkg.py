@@ -273,21 +273,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_copy(dst=head_v, src=head_v32, engine=nisa.engine.gpsimd)
 
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
-
-    # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
         """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
-        ([Pn, B, NP]); issued before the first row's conv, whose inputs wait for the slot ids."""
+        ([Pn, B, NP]); issued after the first rows' q/k conv (elementwise steps on GpSimd, short here)."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
         sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
-        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
+        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add,
+                           engine=nisa.engine.gpsimd)
         nisa.activation(dst=sp, op=nl.softplus, data=sp)
         neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
-        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
+        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
         decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
         nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
+        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
         # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
         beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
         nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
@@ -295,7 +296,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
         neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                  operand1=decay)
+                                  operand1=decay, engine=nisa.engine.gpsimd)
         # decay of each state partition's head: [Pn, B, NP]
         sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
@@ -337,7 +338,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)  # rounded as the unfused model rounds it
         return win_qk
 
-    def row_inputs(bi, after_norms=None):
+    def row_inputs(bi, before_totals=None, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         if bi not in qk_rows:
             conv_group(bi // G)
@@ -365,6 +366,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_tensor(dst=qk_prod, data1=x_qk[:, :, 0], data2=x_qk[:, :, 1], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
+        if before_totals is not None:
+            before_totals()
         totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
         # rsqrt(|q|^2 + eps), rsqrt(|k|^2 + eps) straight from PSUM (the q scale dk^-0.5 is applied where q is used:
@@ -416,9 +419,12 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         # decay S (GpSimd; it needs no delta)
         halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
         S_mm = []
-        for r0, r1 in halves:
+        for i, (r0, r1) in enumerate(halves):
             if mm == f32:
                 S_mm.append((r0, S))
+                continue
+            if (bi, pi, i) in early_copies:  # made on another engine before (the first piece's second half)
+                S_mm.append((r0, early_copies.pop((bi, pi, i))))
                 continue
             tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
             nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
@@ -507,11 +513,23 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
     started = {}
 
+    early_copies = {}
+
+    def first_copy_second_half():
+        # the first piece's second matmul copy on GpSimd, in parallel with the first half's on ScalarE: the first
+        # piece's state lands while the row's norms run, and from then on its chain is the kernel's critical path
+        if mm == f32 or R < 2:
+            return
+        tile = nl.ndarray((Pn, R - R // 2, dv), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=states[0][0][:, R // 2:R, :], engine=nisa.engine.gpsimd)
+        early_copies[(0, 0, 1)] = tile
+
     def after_first_norms():
         started[units[0]] = start(*units[0], with_decay=False)
 
-    decay, beta, neg_beta_decay, decay_part = gates()  # first: they wait only for the gate rows and the slot ids
-    rows = {0: row_inputs(0, after_norms=after_first_norms)}
+    conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
+    decay, beta, neg_beta_decay, decay_part = gates()
+    rows = {0: row_inputs(0, before_totals=first_copy_second_half, after_norms=after_first_norms)}
     decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
