@@ -165,18 +165,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.dma_copy(dst=w_qk, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
+    # the tokens first: they do not wait for the slot ids (which land one DMA latency after their load)
+    tokens = []
+    for bi in range(B):
+        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
+        x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
+        tokens.append((x_in_qk, x_in_v))
     conv_inputs = []
     for bi in range(B):
         slot_read = seq_read[0:1, bi:bi + 1]
         st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_qk, src=qk_view(conv_state, K - 1, 0, slot_read))
-        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
         st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
-        x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
-        conv_inputs.append((st_qk, x_in_qk, st_v, x_in_v))
+        conv_inputs.append((st_qk, tokens[bi][0], st_v, tokens[bi][1]))
     # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition.
     states = []
     for bi in range(B):
@@ -434,11 +438,16 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             decay_state(bi, pi, started)
         return started
 
-    def decay_state(bi, pi, started, engine=nisa.engine.gpsimd):
-        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=decayed, data=states[bi][pi], op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
-                           engine=engine)
-        started[2] = decayed
+    def decay_state(bi, pi, started, engines=(nisa.engine.gpsimd,)):
+        """decay S, its rows split evenly over `engines` (one tile each: the update only reads them)."""
+        parts, n = [], len(engines)
+        for i, engine in enumerate(engines):
+            r0, r1 = i * R // n, (i + 1) * R // n
+            decayed = nl.ndarray((Pn, r1 - r0, dv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=decayed, data=states[bi][pi][:, r0:r1, :], op0=nl.multiply,
+                               operand0=decay_part[:, bi, pi:pi + 1], engine=engine)
+            parts += [(decayed, r - r0) for r in range(r0, r1)]
+        started[2] = parts  # row r of decay S: parts[r] = (tile, row in it)
 
     def finish(bi, pi, started, row):
         h0 = pi * hp
@@ -455,19 +464,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
             row = r if mm == f32 else r - r0
             nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
-        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
-
-        # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
-        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=delta, data1=msq[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=delta, data1=delta, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
-        # delta of each partition's head along the state rows: (delta repeated nb times)^T I -> [Pn, dv]
+        # delta = beta v - beta decay mem: [dv, hp]; -beta decay mem on VectorE straight from PSUM, then the sum
+        # written repeated nb times (GpSimd) as the stationary that spreads each head's delta along its partitions:
+        # (delta repeated nb times)^T I -> [Pn, dv] (the state update's delta rows)
+        bdm = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=bdm, data1=msq_ps[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply)
         delta_x = nl.ndarray((dv, hp, nb), dtype=mm, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=delta_x, src=_spread(delta, (dv, hp, nb), (0, 1)), engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=delta_x, data1=_spread(bdm, (dv, hp, nb), (0, 1)),
+                           data2=_spread(bv[:, gate], (dv, hp, nb), (0, 1)), op=nl.add, engine=nisa.engine.gpsimd)
         rows_ps = nl.ndarray((Pn, dv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
+
+        # o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
+        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
+        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=delta, data1=bdm, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
 
         o_cols = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=o_cols, data1=msq[:, 1, :], data2=decay[0:dv, bi, gate], op=nl.multiply,
@@ -489,7 +501,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         k_n = qk_n[:, pi, 1, :]
         for r in range(R):
             nisa.scalar_tensor_tensor(dst=new_state[:, r, :], data=rows_ps, op0=nl.multiply,
-                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[:, r, :])
+                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[r][0][:, decayed[r][1], :])
         nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
                       src=new_state)
         o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
@@ -530,7 +542,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
     decay, beta, neg_beta_decay, decay_part = gates()
     rows = {0: row_inputs(0, before_totals=first_copy_second_half, after_norms=after_first_norms)}
-    decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
+    # the first piece's decay S on ScalarE and GpSimd (VectorE's stream leads to the first delta)
+    decay_state(*units[0], started[units[0]], engines=(nisa.engine.scalar, nisa.engine.gpsimd))
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
         finished = finish(bi, pi, unit, rows[bi])
