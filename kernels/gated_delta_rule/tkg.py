@@ -31,15 +31,18 @@ load as contiguous rows and are repeated on the partitions by TensorE (exact). P
 
     mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
              row placed in their head's column (a block selector), out [dv, (k|q), heads]
-    delta    on [dv, heads] (GpSimd), then repeated along each head's partitions by one matmul -> [Pn, dv] (PSUM)
+    delta    on [dv, heads] (VectorE from PSUM, GpSimd), repeated along each head's partitions by one matmul ->
+             [Pn, dv] (PSUM)
     S        decay S (GpSimd, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
 l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
-piece's state copies are issued between a piece's short steps and its update, so every engine has queued work; the
-gates and the first piece's copies are issued after the first row's conv (whose chain waits for no state), and each
-row's conv state is stored as soon as it is computed. Every row's conv inputs, then every row's state pieces, are
-requested before any state store (the DMA queue is in order).
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work. The
+tokens, gate rows and weights load first (no wait for the slot ids), then every row's conv states, then every row's
+state pieces, all before any state store (the DMA queue is in order). The first rows' q/k conv, then the gates, then
+row 0's v conv and norms; the first piece's copies (half on GpSimd) and decay S (ScalarE and GpSimd) are issued
+while the norms run, keeping VectorE's stream for the way to the first delta; each row's conv state is stored as
+soon as it is computed.
 
 Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
 2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
@@ -48,18 +51,16 @@ Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA g
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.72x), batch 8 58.4 us (1.07x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 76.9 us (1.41x, TensorE 57 us)
-(the kernel before this layout of the conv data, which moved it in the state layout in runs of 16-64 bytes: 13.1 /
-70.1 us, 1.92x / 1.29x, and 15.3 / 72.5 us for an fp32 model). Batch 8 is DMA-bound: the queue is busy 57.1 us
-(the state 54.5, everything else 2.7, in single runs) and the last store lands 1.3 us later. fp32 activations make the
-selection matmuls fp32 (4x on TensorE, 16 per row with 8 moving columns each): batching them over the rows would
-recover most of it. Batch 1 cannot reach 1.15x in this model: the DMA queue is busy 7.3 us in all (the state 6.81,
-everything else 0.5 us, 19 transfers in single runs) and the last store lands 1.3 us after its transfer (the
-model's DMA latency), so no kernel does better than 8.6 us = 1.26x. This one starts its first state store at 7.0
-us: the first piece's state lands at 3.3 us, the first row's conv, selection and norms end at 5.0 us, then the
-matmuls, delta and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us) take 2 us more;
-from there the queue is busy with the two 1.7 us stores, and 1.3 us of latency follow.
+    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.71x), batch 8 59.3 us (1.09x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.0 us (2.21x), batch 8 61.2 us (1.12x, DMA 100% busy)
+Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model's DMA latency) after their load.
+Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
+on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
+sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. This kernel's first state store starts at 6.93 us: the first piece's
+state lands at 4.49 us, then its bf16 copies (ScalarE and GpSimd, 0.43 us), the 8 matmuls, delta and the update (8
+VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us); from there the queue is busy with the two 1.7 us
+stores, and 1.3 us of latency follow. The q/k selection runs once per group of rows (every row up to batch 16),
+which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
 from __future__ import annotations
