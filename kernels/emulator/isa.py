@@ -244,8 +244,15 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
             dst._mark_written()
     nbytes = dst.size * dst.itemsize
     chunks = max(_chunks(dst), _chunks(src))
-    runtime.record("dma", "dma_copy", reads=[src], writes=[dst], nbytes=nbytes, chunks=chunks)
+    runtime.record("dma", "dma_copy", reads=[src, *_offset_sources(src, dst)], writes=[dst], nbytes=nbytes,
+                   chunks=chunks)
     return dst
+
+
+def _offset_sources(*views):
+    """The on-chip tiles the transfer's runtime addresses come from (``scalar_offset``, ``vector_offset``): the DMA
+    cannot start before they are written."""
+    return [t for v in views for t in getattr(v, "offset_sources", ())]
 
 
 def _dma_indirect(dst, src):
@@ -299,7 +306,7 @@ def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None, 
     # time; the cost model may charge whole tiles (CostParams.dma_transpose_padding).
     rows = dst.shape[0] if dst.ndim > 1 else 1
     tiles = -(-rows // 128) * -(-(dst.size // rows) // 16)
-    runtime.record("dma", "dma_transpose", reads=[src], writes=[dst], nbytes=nbytes,
+    runtime.record("dma", "dma_transpose", reads=[src, *_offset_sources(src, dst)], writes=[dst], nbytes=nbytes,
                    transpose="sbuf" if src.on_chip else "hbm", padded_nbytes=tiles * 128 * 16 * dst.itemsize)
     return dst
 

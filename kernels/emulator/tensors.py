@@ -219,6 +219,8 @@ class NkiTensor:
         # The partition axis: 0 in NKI 0.3. `neuronxcc` tensors may have leading block dims before an
         # `nl.par_dim` axis, e.g. (n_tiles, par_dim(128), 512); indexing the block dims away brings it to 0.
         self.pa = int(partition_axis) if buf.region.on_chip else 0
+        # On-chip tiles a DMA reads its address from (``.ap(scalar_offset=tile)``): read dependencies of the transfer.
+        self.offset_sources = ()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -520,6 +522,9 @@ class NkiTensor:
                 value = int(np.asarray(raw).reshape(-1)[0])
             base += value * pattern[indirect_dim][0]
         view = NkiTensor(self._buf, [n for _, n in pattern], [st for st, _ in pattern], base, new_dtype)
+        if isinstance(scalar_offset, NkiTensor):
+            # the DMA reads its address from this tile: the transfer waits for the tile's writer (cost model)
+            view.offset_sources = (scalar_offset,)
         if isinstance(scalar_offset, NkiTensor) and not view._in_bounds():
             # A dynamic (runtime) offset that leaves the tensor: the DMA checks it when it runs ("in both of these
             # dynamic modes, out-of-bound address checking is turned on automatically during execution", dma_copy
@@ -620,6 +625,7 @@ class _IndirectView:
 
     def __init__(self, view: NkiTensor, index: NkiTensor, dim: int):
         self.view, self.index, self.dim = view, index, dim
+        self.offset_sources = view.offset_sources + (index,)  # the rows' addresses come from this SBUF vector
         self.shape, self.dtype, self.buffer, self.name = view.shape, view.dtype, view.buffer, view.name
         self.on_chip = False
         self.size = view.size

@@ -31,15 +31,18 @@ load as contiguous rows and are repeated on the partitions by TensorE (exact). P
 
     mem, Sq  R accumulating TensorE matmuls: stationary = row r of every block (operand dtype), moving = k, q of that
              row placed in their head's column (a block selector), out [dv, (k|q), heads]
-    delta    on [dv, heads] (GpSimd), then repeated along each head's partitions by one matmul -> [Pn, dv] (PSUM)
+    delta    on [dv, heads] (VectorE from PSUM, GpSimd), repeated along each head's partitions by one matmul ->
+             [Pn, dv] (PSUM)
     S        decay S (GpSimd, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
 l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
-piece's state copies are issued between a piece's short steps and its update, so every engine has queued work; the
-gates and the first piece's copies are issued after the first row's conv (whose chain waits for no state), and each
-row's conv state is stored as soon as it is computed. Every row's conv inputs, then every row's state pieces, are
-requested before any state store (the DMA queue is in order).
+piece's state copies are issued between a piece's short steps and its update, so every engine has queued work. The
+tokens, gate rows and weights load first (no wait for the slot ids), then every row's conv states, then every row's
+state pieces, all before any state store (the DMA queue is in order). The first rows' q/k conv, then the gates, then
+row 0's v conv and norms; the first piece's copies (half on GpSimd) and decay S (ScalarE and GpSimd) are issued
+while the norms run, keeping VectorE's stream for the way to the first delta; each row's conv state is stored as
+soon as it is computed.
 
 Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
 2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
@@ -48,18 +51,16 @@ Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA g
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.72x), batch 8 58.4 us (1.07x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.3 us (2.25x), batch 8 76.9 us (1.41x, TensorE 57 us)
-(the kernel before this layout of the conv data, which moved it in the state layout in runs of 16-64 bytes: 13.1 /
-70.1 us, 1.92x / 1.29x, and 15.3 / 72.5 us for an fp32 model). Batch 8 is DMA-bound: the queue is busy 57.1 us
-(the state 54.5, everything else 2.7, in single runs) and the last store lands 1.3 us later. fp32 activations make the
-selection matmuls fp32 (4x on TensorE, 16 per row with 8 moving columns each): batching them over the rows would
-recover most of it. Batch 1 cannot reach 1.15x in this model: the DMA queue is busy 7.3 us in all (the state 6.81,
-everything else 0.5 us, 19 transfers in single runs) and the last store lands 1.3 us after its transfer (the
-model's DMA latency), so no kernel does better than 8.6 us = 1.26x. This one starts its first state store at 7.0
-us: the first piece's state lands at 3.3 us, the first row's conv, selection and norms end at 5.0 us, then the
-matmuls, delta and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us) take 2 us more;
-from there the queue is busy with the two 1.7 us stores, and 1.3 us of latency follow.
+    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.71x), batch 8 59.3 us (1.09x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.0 us (2.21x), batch 8 61.2 us (1.12x, DMA 100% busy)
+Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model's DMA latency) after their load.
+Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
+on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
+sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. This kernel's first state store starts at 6.93 us: the first piece's
+state lands at 4.49 us, then its bf16 copies (ScalarE and GpSimd, 0.43 us), the 8 matmuls, delta and the update (8
+VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us); from there the queue is busy with the two 1.7 us
+stores, and 1.3 us of latency follow. The q/k selection runs once per group of rows (every row up to batch 16),
+which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
 from __future__ import annotations
@@ -165,18 +166,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.dma_copy(dst=w_qk, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
+    # the tokens first: they do not wait for the slot ids (which land one DMA latency after their load)
+    tokens = []
+    for bi in range(B):
+        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
+        x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
+        tokens.append((x_in_qk, x_in_v))
     conv_inputs = []
     for bi in range(B):
         slot_read = seq_read[0:1, bi:bi + 1]
         st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_qk, src=qk_view(conv_state, K - 1, 0, slot_read))
-        x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_qk, src=qk_view(mixed_qkv, 1, bi * C))
         st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
-        x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
-        conv_inputs.append((st_qk, x_in_qk, st_v, x_in_v))
+        conv_inputs.append((st_qk, tokens[bi][0], st_v, tokens[bi][1]))
     # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition.
     states = []
     for bi in range(B):
@@ -246,16 +251,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         pick.append(sel_b.reshape((kp * nb // u, Pn)))
 
     def to_state(dst, src):
-        """dst[p, pi, c, r, :] = src[m, b R + r, :] for the load partition m and block b holding row r of partition
-        p's block (q: c = 0, k: c = 1; its key head's): u accumulating selection matmuls per piece and q/k (exact;
-        dst PSUM [Pn, NP, 2, R, F], src [Pl, W, F])."""
+        """dst[p, pi, c, g, r] = src[m, g, b R + r] for the load partition m and block b holding row r of partition
+        p's block (q: c = 0, k: c = 1; its key head's), for every batch row g of the group: u accumulating selection
+        matmuls per piece and q/k, each moving every row of the group (exact; dst PSUM [Pn, NP, 2, G, R], src
+        [Pl, G, W])."""
         rows = kp * nb // u
         for blk in range(u):  # one stationary for every piece and q/k
             for pi in range(NP):
                 for c in range(2):
                     m0 = (c * nk + pi * hp // group) * nb // u
                     nisa.nc_matmul(dst=dst[:, pi, c], stationary=pick[blk],
-                                   moving=src[m0:m0 + rows, blk * R:(blk + 1) * R])
+                                   moving=src[m0:m0 + rows, :, blk * R:(blk + 1) * R])
 
     # v layout selectors: block_v[p, blk] = 1 if p = vb h + blk for some head h, head_v[p, h] likewise
     at_bh = nl.ndarray((Pv, vb, nv), dtype=f32, buffer=nl.sbuf)
@@ -272,21 +278,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     nisa.tensor_copy(dst=head_v, src=head_v32, engine=nisa.engine.gpsimd)
 
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
-
-    # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
         """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
-        ([Pn, B, NP]); issued right after the first row's conv, while its output goes through TensorE."""
+        ([Pn, B, NP]); issued after the first rows' q/k conv (elementwise steps on GpSimd, short here)."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
         sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
-        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add)
+        nisa.tensor_tensor(dst=sp, data1=a_bc, data2=dtb_bc.expand_dim(1).broadcast(1, B), op=nl.add,
+                           engine=nisa.engine.gpsimd)
         nisa.activation(dst=sp, op=nl.softplus, data=sp)
         neg_g = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # -g = exp(A_log) * softplus(...) >= 0
-        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply)
+        nisa.tensor_tensor(dst=neg_g, data1=sp, data2=rate.expand_dim(1).broadcast(1, B), op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
         decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
         nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply)
+        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply,
+                           engine=nisa.engine.gpsimd)
         # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
         beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
         nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
@@ -294,7 +301,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
         neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                  operand1=decay)
+                                  operand1=decay, engine=nisa.engine.gpsimd)
         # decay of each state partition's head: [Pn, B, NP]
         sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
@@ -308,10 +315,41 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # copies and decay S (`start`), the reduction, delta and o (`finish`), the state update and stores (`update`); the
     # next piece's `start` is issued between this piece's `finish` and `update`, so that each engine's in-order
     # stream has it queued while this piece's chain waits, without delaying this piece's short steps.
-    def row_inputs(bi, after_conv=None):
+    # The q/k conv runs row by row in the load layout; its selection into the state layout runs once for a group of
+    # G rows (every row at batch <= 16: the selection matmuls cost their 64-cycle minimum up to 64 moving columns, 4x
+    # that with fp32 activations, so one matmul per group instead of one per row).
+    G = max(1, min(B, 2048 // (4 * NP * 2 * R), 512 // R))  # one PSUM bank, at most 512 moving columns
+    qk_rows = {}
+
+    def conv_group(g):
+        members = list(range(g * G, min(B, (g + 1) * G)))
+        x_rows = nl.ndarray((Pl, len(members), W), dtype=act, buffer=nl.sbuf)
+        wins = [conv_qk(bi, x_rows[:, i]) for i, bi in enumerate(members)]
+        x_ps = nl.ndarray((Pn, NP, 2, len(members), R), dtype=f32, buffer=nl.psum)  # q, k, state layout (exact)
+        to_state(x_ps, x_rows)
+        for i, bi in enumerate(members):
+            qk_rows[bi] = (x_ps[:, :, :, i, :], wins[i])
+
+    def conv_qk(bi, x_in_order):
+        st_qk, x_in_qk, _, _ = conv_inputs[bi]
+        win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
+        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
+        prod_qk = nl.ndarray((Pl, W, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
+        acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
+        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)  # rounded as the unfused model rounds it
+        return win_qk
+
+    def row_inputs(bi, before_totals=None, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
-        st_qk, x_in_qk, st_v, x_in_v = conv_inputs[bi]
-        # v first: it is needed last, and its steps fill the engines while q, k go through TensorE
+        if bi not in qk_rows:
+            conv_group(bi // G)
+        x_ps, win_qk = qk_rows.pop(bi)
+        _, _, st_v, x_in_v = conv_inputs[bi]
+        # v: needed last; its steps fill the engines while q, k go through TensorE
         win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
                            engine=nisa.engine.gpsimd)
@@ -322,20 +360,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
         x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
         nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
-        win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
-        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
-        prod_qk = nl.ndarray((Pl, W, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
-        acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
-        x_in_order = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)  # rounded as the unfused model rounds it
-        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)
-        if after_conv is not None:
-            after_conv()
-        x_ps = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.psum)  # q, k in the state layout (exact)
-        to_state(x_ps, x_in_order)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
@@ -347,26 +371,33 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_tensor(dst=qk_prod, data1=x_qk[:, :, 0], data2=x_qk[:, :, 1], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
+        if before_totals is not None:
+            before_totals()
         totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
-        totals = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=totals, src=totals_ps, engine=nisa.engine.scalar)
-        inv = nl.ndarray((Pn, NP, 2), dtype=f32, buffer=nl.sbuf)  # rsqrt(|q|^2 + eps) dk^-0.5, rsqrt(|k|^2 + eps)
-        nisa.activation(dst=inv, op=nl.rsqrt, data=totals[:, :, 0:2], bias=eps_col[0:Pn])
-        nisa.activation(dst=inv[:, :, 0], op=nl.copy, data=inv[:, :, 0], scale=float(dk) ** -0.5)
+        # rsqrt(|q|^2 + eps), rsqrt(|k|^2 + eps) straight from PSUM (the q scale dk^-0.5 is applied where q is used:
+        # in sel and in k . q, which saves a step on the way to the first state store)
+        inv = nl.ndarray((Pn, NP, 2), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=inv, op=nl.rsqrt, data=totals_ps[:, :, 0:2], bias=eps_col[0:Pn])
+        qk_dot = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
         kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
-        nisa.tensor_tensor(dst=kq, data1=inv[:, :, 0], data2=inv[:, :, 1], op=nl.multiply, engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=kq, data1=kq, data2=totals[:, :, 2], op=nl.multiply, engine=nisa.engine.gpsimd)
-        qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0), k (1)
+        nisa.scalar_tensor_tensor(dst=kq, data=inv[:, :, 0], op0=nl.multiply, operand0=float(dk) ** -0.5,
+                                  op1=nl.multiply, operand1=inv[:, :, 1], engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=kq, data1=kq, data2=qk_dot, op=nl.multiply, engine=nisa.engine.gpsimd)
+        qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0, without dk^-0.5), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
+        if after_norms is not None:
+            after_norms()
         # the reduction's moving operands: sel[p, piece, r, (k|q), h] = (k|q)[p, r] if p is in head h, else 0
         sel = nl.ndarray((Pn, NP, R, 2, hp), dtype=mm, buffer=nl.sbuf)
         kq_order = qk_n.permute((0, 1, 3, 2))  # [Pn, NP, R, (q|k)]
-        for c, src in ((0, 1), (1, 0)):  # k first, then q
-            nisa.tensor_tensor(dst=sel[:, :, :, c, :],
-                               data1=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
-                               data2=_spread(head_of, (Pn, NP, R, hp), (0, 3)), op=nl.multiply,
-                               engine=nisa.engine.gpsimd if c else nisa.engine.vector)
+        for c, src, scale in ((0, 1, 1.0), (1, 0, float(dk) ** -0.5)):  # k first, then q (times dk^-0.5)
+            nisa.scalar_tensor_tensor(dst=sel[:, :, :, c, :],
+                                      data=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
+                                      op0=nl.multiply, operand0=scale, op1=nl.multiply,
+                                      operand1=_spread(head_of, (Pn, NP, R, hp), (0, 3)),
+                                      engine=nisa.engine.gpsimd if c else nisa.engine.vector)
         # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
         kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
@@ -393,9 +424,12 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         # decay S (GpSimd; it needs no delta)
         halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
         S_mm = []
-        for r0, r1 in halves:
+        for i, (r0, r1) in enumerate(halves):
             if mm == f32:
                 S_mm.append((r0, S))
+                continue
+            if (bi, pi, i) in early_copies:  # made on another engine before (the first piece's second half)
+                S_mm.append((r0, early_copies.pop((bi, pi, i))))
                 continue
             tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
             nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
@@ -405,11 +439,16 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             decay_state(bi, pi, started)
         return started
 
-    def decay_state(bi, pi, started, engine=nisa.engine.gpsimd):
-        decayed = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=decayed, data=states[bi][pi], op0=nl.multiply, operand0=decay_part[:, bi, pi:pi + 1],
-                           engine=engine)
-        started[2] = decayed
+    def decay_state(bi, pi, started, engines=(nisa.engine.gpsimd,)):
+        """decay S, its rows split evenly over `engines` (one tile each: the update only reads them)."""
+        parts, n = [], len(engines)
+        for i, engine in enumerate(engines):
+            r0, r1 = i * R // n, (i + 1) * R // n
+            decayed = nl.ndarray((Pn, r1 - r0, dv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=decayed, data=states[bi][pi][:, r0:r1, :], op0=nl.multiply,
+                               operand0=decay_part[:, bi, pi:pi + 1], engine=engine)
+            parts += [(decayed, r - r0) for r in range(r0, r1)]
+        started[2] = parts  # row r of decay S: parts[r] = (tile, row in it)
 
     def finish(bi, pi, started, row):
         h0 = pi * hp
@@ -426,19 +465,22 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
             row = r if mm == f32 else r - r0
             nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
-        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
-
-        # delta = beta v - beta decay mem, o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
-        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=delta, data1=msq[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_tensor(dst=delta, data1=delta, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
-        # delta of each partition's head along the state rows: (delta repeated nb times)^T I -> [Pn, dv]
+        # delta = beta v - beta decay mem: [dv, hp]; -beta decay mem on VectorE straight from PSUM, then the sum
+        # written repeated nb times (GpSimd) as the stationary that spreads each head's delta along its partitions:
+        # (delta repeated nb times)^T I -> [Pn, dv] (the state update's delta rows)
+        bdm = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=bdm, data1=msq_ps[:, 0, :], data2=neg_beta_decay[0:dv, bi, gate], op=nl.multiply)
         delta_x = nl.ndarray((dv, hp, nb), dtype=mm, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=delta_x, src=_spread(delta, (dv, hp, nb), (0, 1)), engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=delta_x, data1=_spread(bdm, (dv, hp, nb), (0, 1)),
+                           data2=_spread(bv[:, gate], (dv, hp, nb), (0, 1)), op=nl.add, engine=nisa.engine.gpsimd)
         rows_ps = nl.ndarray((Pn, dv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
+
+        # o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
+        msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
+        delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=delta, data1=bdm, data2=bv[:, gate], op=nl.add, engine=nisa.engine.gpsimd)
 
         o_cols = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=o_cols, data1=msq[:, 1, :], data2=decay[0:dv, bi, gate], op=nl.multiply,
@@ -460,7 +502,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         k_n = qk_n[:, pi, 1, :]
         for r in range(R):
             nisa.scalar_tensor_tensor(dst=new_state[:, r, :], data=rows_ps, op0=nl.multiply,
-                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[:, r, :])
+                                      operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[r][0][:, decayed[r][1], :])
         nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
                       src=new_state)
         o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
@@ -482,15 +524,27 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.dma_copy(dst=v_view(conv_out, K - 1, bi * C * (K - 1)), src=new_v)
 
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
-    started, gate_values = {}, []
+    started = {}
 
-    def after_first_conv():
-        gate_values.append(gates())
+    early_copies = {}
+
+    def first_copy_second_half():
+        # the first piece's second matmul copy on GpSimd, in parallel with the first half's on ScalarE: the first
+        # piece's state lands while the row's norms run, and from then on its chain is the kernel's critical path
+        if mm == f32 or R < 2:
+            return
+        tile = nl.ndarray((Pn, R - R // 2, dv), dtype=mm, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=tile, src=states[0][0][:, R // 2:R, :], engine=nisa.engine.gpsimd)
+        early_copies[(0, 0, 1)] = tile
+
+    def after_first_norms():
         started[units[0]] = start(*units[0], with_decay=False)
 
-    rows = {0: row_inputs(0, after_conv=after_first_conv)}
-    decay, beta, neg_beta_decay, decay_part = gate_values[0]
-    decay_state(*units[0], started[units[0]], engine=nisa.engine.vector)  # VectorE waits for the first delta
+    conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
+    decay, beta, neg_beta_decay, decay_part = gates()
+    rows = {0: row_inputs(0, before_totals=first_copy_second_half, after_norms=after_first_norms)}
+    # the first piece's decay S on ScalarE and GpSimd (VectorE's stream leads to the first delta)
+    decay_state(*units[0], started[units[0]], engines=(nisa.engine.scalar, nisa.engine.gpsimd))
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
         finished = finish(bi, pi, unit, rows[bi])

@@ -356,3 +356,36 @@ def test_sensitivity_traces_the_benchmarks_kernels(monkeypatch):
     assert figures["prefill LNC=1 (us)"] > figures["prefill LNC=2 (us)"] > 0
     assert figures["prefill fp32 LNC=2 (us)"] > figures["prefill LNC=2 (us)"]
     assert not any(name.startswith("gdn_cte") for name in figures)
+
+
+def test_a_transfer_waits_for_the_tile_its_runtime_offset_comes_from():
+    """`.ap(scalar_offset=tile)` / `vector_offset=tile`: the DMA reads its address from the tile, so it starts only
+    after the tile is written (here: the index loaded from HBM, landing one DMA latency later), not at time 0."""
+
+    @nki.jit
+    def gather(table, index):
+        idx = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=idx, src=index)
+        row = nl.ndarray((1, 512), dtype=table.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=table.ap(pattern=[[512, 1], [1, 512]], offset=0, scalar_offset=idx,
+                                            indirect_dim=0))
+        rows = nl.ndarray((4, 1), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=index.ap(pattern=[[0, 4], [1, 1]], offset=0))
+        picked = nl.ndarray((4, 512), dtype=table.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=picked, src=table.ap(pattern=[[512, 4], [1, 512]], offset=0, vector_offset=rows,
+                                               indirect_dim=0))
+        out = nl.ndarray((5, 512), dtype=table.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out[0:1], src=row)
+        nisa.dma_copy(dst=out[1:5], src=picked)
+        return out
+
+    table = np.arange(8 * 512, dtype=np.float32).reshape(8, 512)
+    out, report = estimate(gather, table, np.array([[3]], np.int32), target="trn2")
+    np.testing.assert_array_equal(out, table[[3, 3, 3, 3, 3]])
+    records = [r for r in gather.last_trace.records if r.engine == "dma"]
+    idx_uid = records[0].writes[0]
+    assert idx_uid in records[1].reads and records[2].writes[0] in records[3].reads
+    latency = cost.DEFAULT_PARAMS.dma_latency_us
+    # index load, its latency, then the gather (and the store after it, each landing a latency later): at least
+    # three latencies in a row; without the dependency the gather would overlap the index load (two)
+    assert report.total_us >= 3 * latency

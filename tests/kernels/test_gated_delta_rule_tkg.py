@@ -72,6 +72,23 @@ def test_other_operands_bf16_2b_shape(operands):
     assert rel(nki["recurrent_state"][1], ref["recurrent_state"][1]) <= 2e-2
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_rows_beyond_one_selection_group(dtype, tol):
+    """The q/k selection into the state layout runs for groups of rows (8 at this shape: one PSUM bank); 11 rows,
+    so two groups, one row inactive, slots in shuffled order."""
+    inputs = make(11, 12, 2, 2, 32, 32, dtype, seed=4)
+    seq_ids = torch.tensor([5, 0, 11, -1, 3, 7, 1, 10, 2, 9, 4])
+    o_ref, o_nki, ref, nki = run_both(inputs, seq_ids)
+    for row, slot in enumerate(seq_ids.tolist()):
+        if slot < 0:
+            continue
+        assert rel(o_nki[row], o_ref[row]) <= tol
+        assert rel(nki["recurrent_state"][slot], ref["recurrent_state"][slot]) <= tol
+        assert torch.equal(nki["conv_state"][slot], ref["conv_state"][slot])
+    assert torch.equal(nki["recurrent_state"][6], inputs["recurrent_state"][6])  # no row names slot 6
+    assert torch.equal(nki["conv_state"][8], inputs["conv_state"][8])
+
+
 def test_inactive_rows_touch_nothing():
     inputs = make(3, 4, 2, 4, 16, 16, torch.float32, seed=1)
     seq_ids = torch.tensor([3, -1, 1])
