@@ -38,7 +38,7 @@ from torch import nn
 
 # The third graph's tag: logits of every position, for forward() (Qwen35LogitsBuilder).
 LOGITS_MODEL_TAG = "context_logits_model"
-# The image graphs of a vision export (`create_vision_graph_builders`), beside one `vision_<N>` graph per image bucket.
+# The image graphs of a vision export (`vision_graph_builders`), beside one `vision_<N>` graph per image bucket.
 IMAGE_CONTEXT_MODEL_TAG, IMAGE_TOKEN_MODEL_TAG = "image_context_encoding", "image_token_generation"
 
 from ..errors import UsageError
@@ -214,6 +214,21 @@ class Qwen35VisionBuilder(NxDGraphBuilder):
         return Qwen35VisionModelInstance(self.vision_config, self.neuron_config)
 
 
+def vision_graph_builders(config, vision_config, image_buckets, neuron_config, model_cls) -> dict:
+    """The graphs a vision export adds: `vision_<N>` per image bucket, image context encoding, image token
+    generation (`NxDImageRuntime` runs them)."""
+    ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
+    tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
+    builders = {f"vision_{bucket}": Qwen35VisionBuilder(vision_config, neuron_config, bucket) for bucket in image_buckets}
+    builders[IMAGE_CONTEXT_MODEL_TAG] = Qwen35ImageContextBuilder(
+        config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=model_cls
+    )
+    builders[IMAGE_TOKEN_MODEL_TAG] = Qwen35ImageTokenBuilder(
+        config, tkg, max_tokens=tkg.sequence_length, active_tokens=1, model_cls=model_cls
+    )
+    return builders
+
+
 class Qwen35DecoderWrapper(NxDDecoderWrapperForCausalLM):
     """optimum-neuron's decoder wrapper, with the rows it adds to fill the compiled batch naming no slot.
 
@@ -268,22 +283,24 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             **kwargs,
         )
 
-    def generate(self, input_ids, attention_mask=None, generation_config=None, pixel_values=None, image_grid_thw=None,
-                 **kwargs):
+    def generate(self, input_ids, attention_mask=None, generation_config=None, stopping_criteria=None,
+                 pixel_values=None, image_grid_thw=None, **kwargs):
         """optimum-neuron's `generate`; with `pixel_values` / `image_grid_thw` (a vision export), the host loop over
         the vision and image graphs (`NxDImageRuntime`: the cpu runtime's loop and image handling, the same
         `generate` options as the cpu target's)."""
         if pixel_values is None and image_grid_thw is None:
             kwargs.pop("mm_token_type_ids", None)
-            return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
+            return super().generate(input_ids, attention_mask, generation_config, stopping_criteria, **kwargs)
+        if stopping_criteria is not None:
+            raise UsageError("stopping_criteria is not supported with images: use eos_token_id or max_new_tokens")
         from ..optimum import generation  # noqa: PLC0415
 
         return generation.generate(
-            self._image_runtime(), self.generation_config, input_ids, attention_mask, generation_config,
+            self._runtime_for_images(), self.generation_config, input_ids, attention_mask, generation_config,
             pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs,
         )
 
-    def _image_runtime(self):
+    def _runtime_for_images(self):
         vision = weights.vision_export(self.config)
         if vision is None:
             raise UsageError(
@@ -331,7 +348,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
 
     @classmethod
     def create_graph_builders(cls, config, neuron_config):
-        """The text graphs, and a vision export's graphs (`create_vision_graph_builders`) when its config says so."""
+        """The text graphs, and a vision export's graphs (`vision_graph_builders`) when its config says so."""
         glue.check_neuron_config(neuron_config)
         ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
         tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
@@ -348,22 +365,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         }
         vision = weights.vision_export(config)
         if vision is not None:
-            builders.update(cls.create_vision_graph_builders(config, *vision, neuron_config))
-        return builders
-
-    @classmethod
-    def create_vision_graph_builders(cls, config, vision_config, image_buckets, neuron_config) -> dict:
-        """The graphs a vision export adds: `vision_<N>` per image bucket, image context encoding, image token
-        generation (`NxDImageRuntime` runs them)."""
-        ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
-        tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
-        builders = {f"vision_{bucket}": Qwen35VisionBuilder(vision_config, neuron_config, bucket) for bucket in image_buckets}
-        builders[IMAGE_CONTEXT_MODEL_TAG] = Qwen35ImageContextBuilder(
-            config, ctx, max_tokens=ctx.max_context_length, active_tokens=ctx.max_context_length, model_cls=cls._model_cls
-        )
-        builders[IMAGE_TOKEN_MODEL_TAG] = Qwen35ImageTokenBuilder(
-            config, tkg, max_tokens=tkg.sequence_length, active_tokens=1, model_cls=cls._model_cls
-        )
+            builders.update(vision_graph_builders(config, *vision, neuron_config, cls._model_cls))
         return builders
 
     @classmethod

@@ -2,7 +2,7 @@
 
 - The vision tower over neuronx-distributed's layers (`NxDLayers`), in the traced parallel state at TP 1, against the
   eager CPU tower (itself checked against transformers 5 in tests/test_vision.py).
-- The vision export's NxD graphs (`create_vision_graph_builders`: a vision graph per image bucket, the image context
+- The vision export's NxD graphs (`vision_graph_builders`: a vision graph per image bucket, the image context
   encoding and image token generation graphs), built through their builders and model instances and lowered to HLO
   (TP 1 and 2, fp32 and bf16, trn2 and trn1), then run at TP 1 in fp32 with the cpu runtime's host code for images
   (`XlaImageHost`) against the eager CPU model.
@@ -56,7 +56,7 @@ GRAPH_CASES = [("trn2", 1, torch.float32), ("trn2", 2, torch.bfloat16), ("trn1",
 
 @pytest.mark.parametrize(("target", "tp", "dtype"), GRAPH_CASES, ids=[f"{t}-tp{p}-{str(d)[6:]}" for t, p, d in GRAPH_CASES])
 def test_vision_export_graphs_build_and_lower_with_the_state_aliased(target, tp, dtype):
-    """`create_vision_graph_builders`: one vision graph per image bucket (no state in or out), the image context
+    """`vision_graph_builders`: one vision graph per image bucket (no state in or out), the image context
     encoding and image token generation graphs (every held state an HLO parameter aliased to its output, as in the
     text graphs); input counts that differ from the text graphs' (neuronx-distributed routes calls by them)."""
     nc = neuron_config(FIXTURES / "tiny-2b", target, tp, dtype)
@@ -108,7 +108,7 @@ def test_image_prompts_through_the_neuron_class_on_xla_match_the_cpu_model():
     with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(folder, nc, load_weights=True, image_buckets=IMAGE_BUCKETS))
         model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
-        runtime = model._image_runtime()
+        runtime = model._runtime_for_images()
         images = runtime.image_prompts([prompt, text], pixels, grids)
         logits = runtime.prefill([prompt, text], [0, 1], images=images)
         worst = (logits[0] - expected[len(prompt) - 1]).abs().max().item()
