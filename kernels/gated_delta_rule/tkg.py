@@ -330,18 +330,23 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         for i, bi in enumerate(members):
             qk_rows[bi] = (x_ps[:, :, :, i, :], wins[i])
 
+    def causal_conv(bi, P, width, st, x_in, w, out):
+        """Row bi's depthwise causal conv and SiLU over P partitions x width channels: the window [state * keep | x]
+        (returned: its last K - 1 columns are the new conv state) times the weights, summed, into `out`."""
+        win = nl.ndarray((P, width, K), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=win[:, :, 0:K - 1], data=st, op0=nl.multiply, operand0=keep[0:P, bi:bi + 1],
+                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win[:, :, K - 1], src=x_in, engine=nisa.engine.gpsimd)
+        prod = nl.ndarray((P, width, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod, data1=win, data2=w, op=nl.multiply)
+        acc = nl.ndarray((P, width), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=acc, op=nl.add, data=prod, axis=2)
+        nisa.activation(dst=out, op=nl.silu, data=acc)  # rounded as the unfused model rounds it
+        return win
+
     def conv_qk(bi, x_in_order):
         st_qk, x_in_qk, _, _ = conv_inputs[bi]
-        win_qk = nl.ndarray((Pl, W, K), dtype=act, buffer=nl.sbuf)  # [state * keep | x], load layout
-        nisa.tensor_scalar(dst=win_qk[:, :, 0:K - 1], data=st_qk, op0=nl.multiply, operand0=keep[0:Pl, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_qk[:, :, K - 1], src=x_in_qk, engine=nisa.engine.gpsimd)
-        prod_qk = nl.ndarray((Pl, W, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_qk, data1=win_qk, data2=w_qk, op=nl.multiply)
-        acc_qk = nl.ndarray((Pl, W), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_qk, op=nl.add, data=prod_qk, axis=2)
-        nisa.activation(dst=x_in_order, op=nl.silu, data=acc_qk)  # rounded as the unfused model rounds it
-        return win_qk
+        return causal_conv(bi, Pl, W, st_qk, x_in_qk, w_qk, x_in_order)  # load layout
 
     def row_inputs(bi, before_totals=None, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
@@ -350,16 +355,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         x_ps, win_qk = qk_rows.pop(bi)
         _, _, st_v, x_in_v = conv_inputs[bi]
         # v: needed last; its steps fill the engines while q, k go through TensorE
-        win_v = nl.ndarray((Pv, jl, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win_v[:, :, 0:K - 1], data=st_v, op0=nl.multiply, operand0=keep[0:Pv, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
-        nisa.tensor_copy(dst=win_v[:, :, K - 1], src=x_in_v, engine=nisa.engine.gpsimd)
-        prod_v = nl.ndarray((Pv, jl, K), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod_v, data1=win_v, data2=w_v, op=nl.multiply)
-        acc_v = nl.ndarray((Pv, jl), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=acc_v, op=nl.add, data=prod_v, axis=2)
         x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        nisa.activation(dst=x_v, op=nl.silu, data=acc_v)
+        win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
         nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
