@@ -290,7 +290,9 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         `generate` options as the cpu target's)."""
         if pixel_values is None and image_grid_thw is None:
             kwargs.pop("mm_token_type_ids", None)
-            return super().generate(input_ids, attention_mask, generation_config, stopping_criteria, **kwargs)
+            if stopping_criteria is not None:  # optimum-neuron's loop (NxDGenerationMixin) takes it as a keyword
+                kwargs["stopping_criteria"] = stopping_criteria
+            return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
         if stopping_criteria is not None:
             raise UsageError("stopping_criteria is not supported with images: use eos_token_id or max_new_tokens")
         from ..optimum import generation  # noqa: PLC0415
