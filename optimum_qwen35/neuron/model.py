@@ -305,10 +305,9 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def _runtime_for_images(self):
         vision = weights.vision_export(self.config)
         if vision is None:
-            raise UsageError(
-                "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
-                "export the model with vision=True to give it images"
-            )
+            from ..optimum.generation import TEXT_ONLY_EXPORT  # noqa: PLC0415
+
+            raise UsageError(TEXT_ONLY_EXPORT)
         if getattr(self, "_images", None) is None:
             from .image_runtime import NxDImageRuntime  # noqa: PLC0415
 

@@ -17,6 +17,11 @@ import torch
 from ..errors import UsageError
 
 logger = logging.getLogger(__name__)
+# Images given to an export without vision graphs (the cpu and the Neuron targets).
+TEXT_ONLY_EXPORT = (
+    "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
+    "export the model with vision=True to give it images"
+)
 # What only sampling reads (reset to transformers' defaults for a greedy call).
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
@@ -72,10 +77,7 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
     kwargs.pop("mm_token_type_ids", None)
     if images and not hasattr(runtime, "vision_config"):
-        raise UsageError(
-            "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
-            "export the model with vision=True to give it images"
-        )
+        raise UsageError(TEXT_ONLY_EXPORT)
     unused = {}
     for key, value in kwargs.items():
         if hasattr(config, key):
