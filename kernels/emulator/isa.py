@@ -174,6 +174,15 @@ def _record_vector(name, eng, n_elems, n_inputs, tensors, reads, writes):
     runtime.record(eng, name, cycles, reads=reads, writes=writes)
 
 
+def _no_other_keywords(fn, kwargs):
+    """NKI 0.3's instructions take exactly their documented keywords (nki/api/nki/isa/__init__.py of the Neuron SDK):
+    one that NKI does not take is a TypeError there, so it is one here, not silently ignored (an ``engine=`` given
+    to a VectorE-only instruction would otherwise cost its work on the wrong engine)."""
+    if kwargs:
+        raise TypeError(f"nisa.{fn}() got an unexpected keyword argument {next(iter(kwargs))!r} (NKI 0.3 has no such "
+                        f"parameter{'' if fn != 'scalar_tensor_tensor' else '; scalar_tensor_tensor runs on VectorE only'})")
+
+
 def _arg(args, kwargs, name, index):
     """An argument of a neuronxcc functional call, given by keyword or position."""
     if name in kwargs:
@@ -216,6 +225,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     """``nisa.dma_copy``: ``dst = src`` between HBM and SBUF (either side may be either); casts through float32
     when dtypes differ ("first casting from src.dtype to float32, then from float32 to dst.dtype"). DMA cannot
     access PSUM. Element counts must match."""
+    _no_other_keywords("dma_copy", kwargs)
     _tensor(dst, "dst")
     _tensor(src, "src")
     _no_psum("dma_copy", "dma", dst, src)
@@ -276,10 +286,11 @@ def _dma_indirect(dst, src):
 DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
-def dma_transpose(dst, src, axes=None, dge_mode=None, oob_mode=None, name=None, **kwargs):
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=None, oob_mode=None, name=None, **kwargs):
     """``nisa.dma_transpose(dst, src, axes)``: permute the axes of ``src`` while moving it (DMA engines): dst axis i is
     src axis ``axes[i]``; by default (1, 0), (2, 1, 0) or (3, 1, 2, 0) for a 2-D, 3-D or 4-D source. ``dst`` has the
     permuted shape (or, with another rank, the same element count). SBUF or HBM, not PSUM."""
+    _no_other_keywords("dma_transpose", kwargs)
     _tensor(dst, "dst")
     _tensor(src, "src")
     _no_psum("dma_transpose", "dma", dst, src)
@@ -323,6 +334,7 @@ def tensor_copy(*args, **kwargs):
 
 
 def _tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None, **kwargs):
+    _no_other_keywords("tensor_copy", kwargs)
     _on_chip(dst, "tensor_copy", "dst")
     _on_chip(src, "tensor_copy", "src")
     eng = _engine_name(engine, "vector")
@@ -339,6 +351,7 @@ def _tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None, **kwarg
 
 def memset(dst, value, engine=engine.unknown, name=None, **kwargs):
     """``nisa.memset``: fill ``dst`` with a constant (VectorE or GpSimd)."""
+    _no_other_keywords("memset", kwargs)
     _tensor(dst, "dst")
     eng = _engine_name(engine, "vector")
     if eng == "gpsimd":
@@ -403,6 +416,7 @@ def _check_matmul(dst, stationary, moving, instr="nc_matmul"):
 
 def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
                accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None, **kwargs):
+    _no_other_keywords("nc_matmul", kwargs)
     _check_matmul(dst, stationary, moving)
     if dst.dtype != float32:
         raise NkiRuleError("matmul-psum-dst", f"nc_matmul: dst must be float32 on NeuronCore-v2/v3, got {dst.dtype}")
@@ -468,6 +482,7 @@ def nc_transpose(*args, **kwargs):
 
 
 def _nc_transpose(dst, data, engine=engine.unknown, name=None, **kwargs):
+    _no_other_keywords("nc_transpose", kwargs)
     eng = _engine_name(engine, "tensor" if max(data.partitions, data.free_size) > 32 else "vector")
     limit = 128 if eng == "tensor" else 32
     if data.partitions > limit or data.free_size > limit:
@@ -510,6 +525,7 @@ def tensor_tensor(*args, **kwargs):
 
 
 def _tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None, **kwargs):
+    _no_other_keywords("tensor_tensor", kwargs)
     op = resolve_op(op)
     eng = "gpsimd" if op.engine == "gpsimd" else _engine_name(engine, "vector")
     if eng == "gpsimd":
@@ -540,6 +556,7 @@ def tensor_scalar(*args, **kwargs):
 
 def _tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
                    engine=engine.unknown, name=None, **kwargs):
+    _no_other_keywords("tensor_scalar", kwargs)
     eng = _engine_name(engine, "vector")
     if eng == "gpsimd":
         _no_psum("tensor_scalar", "gpsimd", dst, data, operand0, operand1)
@@ -560,6 +577,7 @@ def _tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None, **kwargs):
     """``nisa.scalar_tensor_tensor``: ``(data op0 operand0) op1 operand1`` on VectorE; ``operand0`` scalar or
     (P, 1); ``operand1`` same shape as ``data``; ``data`` and ``operand1`` not both in PSUM."""
+    _no_other_keywords("scalar_tensor_tensor", kwargs)
     _not_both_psum("scalar_tensor_tensor", data, operand1)
     _same_layout("scalar_tensor_tensor", dst, data, "data")
     _same_layout("scalar_tensor_tensor", dst, operand1, "operand1")
@@ -599,6 +617,7 @@ def tensor_reduce(*args, **kwargs):
 
 
 def _tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None, **kwargs):
+    _no_other_keywords("tensor_reduce", kwargs)
     op = resolve_op(op)
     axes = _normalize_axes(data, axis)
     x = _f32(data, "tensor_reduce")
@@ -628,6 +647,7 @@ def _fold_axis(op, v, ax):
 
 def tensor_partition_reduce(dst, op, data, name=None, **kwargs):
     """``nisa.tensor_partition_reduce``: reduce across partitions on GpSimd (no PSUM)."""
+    _no_other_keywords("tensor_partition_reduce", kwargs)
     op = resolve_op(op)
     _no_psum("tensor_partition_reduce", "gpsimd", dst, data)
     x = _flat(_f32(data, "tensor_partition_reduce"), data)
@@ -652,6 +672,7 @@ def tensor_tensor_scan(*args, **kwargs):
 
 
 def _tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None, **kwargs):
+    _no_other_keywords("tensor_tensor_scan", kwargs)
     _not_both_psum("tensor_tensor_scan", data0, data1)
     _same_layout("tensor_tensor_scan", dst, data0, "data0")
     _same_layout("tensor_tensor_scan", dst, data1, "data1")
@@ -677,6 +698,7 @@ def reciprocal(dst=None, data=None, name=None, **kwargs):
         dst, data = None, dst
     if dst is None:
         dst = allocate(data.shape, kwargs.pop("dtype", None) or data.dtype, sbuf)
+    _no_other_keywords("reciprocal", kwargs)
     _same_layout("reciprocal", dst, data, "data")
     _write(dst, 1.0 / _flat(_f32(data, "reciprocal"), data))
     _record_vector("reciprocal", "vector", data.free_size, 1, [data, dst], [data], [dst])
@@ -686,6 +708,7 @@ def reciprocal(dst=None, data=None, name=None, **kwargs):
 def nc_stream_shuffle(dst, src, shuffle_mask, name=None, **kwargs):
     """``nisa.nc_stream_shuffle``: within each quadrant of 32 partitions, output partition ``i`` copies input
     partition ``shuffle_mask[i]`` (255: leave unmodified); same mask for every quadrant (VectorE)."""
+    _no_other_keywords("nc_stream_shuffle", kwargs)
     if len(shuffle_mask) != 32:
         raise NkiRuleError("shape", f"nc_stream_shuffle: shuffle_mask must have 32 entries, got {len(shuffle_mask)}")
     if dst.dtype != src.dtype or dst.free_size != src.free_size:
@@ -729,6 +752,7 @@ def _pattern_values(dst, pattern, offset, channel_multiplier):
 def iota(dst, pattern=None, offset=0, channel_multiplier=0, name=None, **kwargs):
     """``nisa.iota(dst, pattern, offset, channel_multiplier)``: ``dst[c, ...] = offset + c * channel_multiplier +
     sum(step_k * i_k)`` over the ``[[step, num], ...]`` pattern, int32 math, cast to ``dst.dtype`` (GpSimd, SBUF)."""
+    _no_other_keywords("iota", kwargs)
     if not isinstance(dst, NkiTensor):
         raise NotImplementedError(
             "the neuronxcc index-expression form of iota is not emulated; use iota(dst, pattern, ...)"
@@ -745,6 +769,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
                   **kwargs):
     """``nisa.affine_select``: ``dst = on_true_tile`` where ``cmp_op(affine_value, 0)`` else ``on_false_value``, with
     the affine value of ``iota`` (GpSimd; dst and on_true_tile in SBUF)."""
+    _no_other_keywords("affine_select", kwargs)
     from .language import equal
 
     for t in (dst, on_true_tile):
@@ -780,6 +805,7 @@ def activation(*args, **kwargs):
 
 def _activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                 name=None, **kwargs):
+    _no_other_keywords("activation", kwargs)
     ctx = runtime.current()
     _on_chip(data, "activation", "data")
     _on_chip(dst, "activation", "dst")
@@ -813,6 +839,7 @@ def _activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=
 
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None, **kwargs):
     """``nisa.activation_reduce``: ``activation`` with ``reduce_cmd=reset_reduce`` and ``reduce_res``."""
+    _no_other_keywords("activation_reduce", kwargs)
     return _activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
                        reduce_cmd=reduce_cmd.reset_reduce)
 
@@ -824,6 +851,7 @@ def tensor_scalar_reduce(dst=None, data=None, op0=None, operand0=None, reduce_op
     ``reduce_res`` (VectorE)."""
     if dst is None:  # neuronxcc functional form
         dst = allocate(data.shape, kwargs.pop("dtype", None) or data.dtype, sbuf)
+    _no_other_keywords("tensor_scalar_reduce", kwargs)
     _tensor_scalar(dst, data, op0, operand0, reverse0)
     if reduce_res is not None:
         x = _flat(_f32(dst, "tensor_scalar_reduce"), dst)
@@ -856,6 +884,7 @@ def max8(dst, src, name=None):
 def nc_find_index8(dst, data, vals, name=None, **kwargs):
     """``nisa.nc_find_index8``: per partition, the index of the first occurrence in ``data`` of each of the 8
     ``vals``; all-ones when absent (VectorE)."""
+    _no_other_keywords("nc_find_index8", kwargs)
     x = _flat(_f32(data, "nc_find_index8"), data)
     v = _flat(_f32(vals, "nc_find_index8"), vals)
     if v.shape[1] != 8 or dst.free_size != 8:
@@ -877,6 +906,7 @@ def nc_find_index8(dst, data, vals, name=None, **kwargs):
 def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None, **kwargs):
     """``nisa.nc_match_replace8``: copy ``data`` with the first occurrence of each of the 8 ``vals`` replaced by
     ``imm``; optionally their indices into ``dst_idx`` (VectorE)."""
+    _no_other_keywords("nc_match_replace8", kwargs)
     x = _flat(_f32(data, "nc_match_replace8"), data).copy()
     v = _flat(_f32(vals, "nc_match_replace8"), vals)
     idx = np.zeros((x.shape[0], 8), dtype=np.int64)

@@ -205,6 +205,13 @@ class DynSlice:
         return f"ds({self.start}, {self.size})"
 
 
+# What this emulator's NkiTensor offers beyond NKI 0.3's (nki/api/nki/language/__init__.py of the Neuron SDK): the
+# emulator's own bookkeeping and the `neuronxcc.nki` tile API of published kernels. An NKI 0.3 kernel that uses one of
+# them runs here and fails on a device (tests/kernels/test_nki03_api.py keeps the project's kernels off them).
+NOT_IN_NKI_03 = frozenset({"T", "broadcast_to", "cshape", "free_size", "itemsize", "on_chip", "partitions", "read",
+                           "reinterpret_cast", "transpose", "write"})
+
+
 class NkiTensor:
     """A view (shape, element strides, element offset) on a :class:`Buffer`."""
 

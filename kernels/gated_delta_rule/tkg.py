@@ -72,11 +72,15 @@ L2_EPS = 1e-6
 
 
 def _spread(t, shape, dims):
-    """A view of t with its dims at positions `dims` of `shape`, repeated (stride 0) along the others."""
+    """A view of t with its dims at positions `dims` of `shape`, repeated (stride 0) along the others (NKI 0.3's
+    `expand_dim` and `broadcast` views: no copy)."""
     for axis in range(len(shape)):
         if axis not in dims:
             t = t.expand_dim(axis)
-    return t.broadcast_to(tuple(shape))
+    for axis in range(len(shape)):
+        if axis not in dims and shape[axis] != 1:
+            t = t.broadcast(axis, shape[axis])
+    return t
 
 
 def _layout(nv, dk, dv, heads_per_piece=None, group=1):
@@ -280,7 +284,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
         """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
-        ([Pn, B, NP]); issued after the first rows' q/k conv (elementwise steps on GpSimd, short here)."""
+        ([Pn, B, NP]); issued after the first rows' q/k conv (most elementwise steps on GpSimd, short here)."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
         sp = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # softplus(a + dt_bias)
@@ -301,7 +305,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=beta, src=beta_act, engine=nisa.engine.gpsimd)
         neg_beta_decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=neg_beta_decay, data=beta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                  operand1=decay, engine=nisa.engine.gpsimd)
+                                  operand1=decay)
         # decay of each state partition's head: [Pn, B, NP]
         sel_decay = nl.ndarray((Pn, B, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=sel_decay, data1=decay[0:Pn].reshape((Pn, B, NP, hp)),
@@ -380,7 +384,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
         kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
         nisa.scalar_tensor_tensor(dst=kq, data=inv[:, :, 0], op0=nl.multiply, operand0=float(dk) ** -0.5,
-                                  op1=nl.multiply, operand1=inv[:, :, 1], engine=nisa.engine.gpsimd)
+                                  op1=nl.multiply, operand1=inv[:, :, 1])
         nisa.tensor_tensor(dst=kq, data1=kq, data2=qk_dot, op=nl.multiply, engine=nisa.engine.gpsimd)
         qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0, without dk^-0.5), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
@@ -393,8 +397,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             nisa.scalar_tensor_tensor(dst=sel[:, :, :, c, :],
                                       data=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
                                       op0=nl.multiply, operand0=scale, op1=nl.multiply,
-                                      operand1=_spread(head_of, (Pn, NP, R, hp), (0, 3)),
-                                      engine=nisa.engine.gpsimd if c else nisa.engine.vector)
+                                      operand1=_spread(head_of, (Pn, NP, R, hp), (0, 3)))
         # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
         kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
