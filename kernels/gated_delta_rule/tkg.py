@@ -33,16 +33,19 @@ load as contiguous rows and are repeated on the partitions by TensorE (exact). P
              row placed in their head's column (a block selector), out [dv, (k|q), heads]
     delta    on [dv, heads] (VectorE from PSUM, GpSimd), repeated along each head's partitions by one matmul ->
              [Pn, dv] (PSUM)
-    S        decay S (GpSimd, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
+    S        decay S (ScalarE, fp32) + k * delta row by row (VectorE scalar_tensor_tensor, fp32), one store
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
-l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. The next
-piece's state copies are issued between a piece's short steps and its update, so every engine has queued work. The
-tokens, gate rows and weights load first (no wait for the slot ids), then every row's conv states, then every row's
-state pieces, all before any state store (the DMA queue is in order). The first rows' q/k conv, then the gates, then
-row 0's v conv and norms; the first piece's copies (half on GpSimd) and decay S (ScalarE and GpSimd) are issued
-while the norms run, keeping VectorE's stream for the way to the first delta; each row's conv state is stored as
-soon as it is computed.
+l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. With bf16
+operands the matmul copies of a piece are tiles of 2 state rows, alternately on ScalarE and GpSimd, so the matmuls
+start on the first tiles while the others are copied; decay S follows on ScalarE (GpSimd's next step is delta's). The
+next piece's copies are issued between a piece's short steps and its update, so every engine has queued work; the
+fp32 k . q matmul (only o needs it) follows a row's first state matmuls, and a piece's o transpose the next piece's
+state matmuls, so that neither holds TensorE's in-order stream. The tokens, gate rows and weights load first (no wait
+for the slot ids), then every row's conv states, then every row's state pieces, all before any state store (the DMA
+queue is in order). The first rows' q/k conv, then the gates, then row 0's norms (their copies on ScalarE, their
+squares on GpSimd, the v conv on VectorE while the sums go through TensorE and ScalarE), keeping VectorE's stream for
+the way to the first delta; each row's conv state is stored as soon as it is computed.
 
 Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
 2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
@@ -51,15 +54,17 @@ Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA g
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 11.7 us (1.71x), batch 8 59.3 us (1.09x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.0 us (2.21x), batch 8 61.2 us (1.12x, DMA 100% busy)
+    bf16 activations, default (bf16) operands: batch 1 11.2 us (1.65x), batch 8 59.3 us (1.09x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 15.0 us (2.20x), batch 8 61.2 us (1.12x, DMA 100% busy)
 Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model's DMA latency) after their load.
 Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
 on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
-sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. This kernel's first state store starts at 6.93 us: the first piece's
-state lands at 4.49 us, then its bf16 copies (ScalarE and GpSimd, 0.43 us), the 8 matmuls, delta and the update (8
-VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us); from there the queue is busy with the two 1.7 us
-stores, and 1.3 us of latency follow. The q/k selection runs once per group of rows (every row up to batch 16),
+sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. A kernel that moves the state in two pieces of 4 KiB runs cannot store
+before a piece has landed and been through its chain: bf16 copies (0.43 us on two engines), the last matmuls, delta
+(0.26 us) and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us), at least 1.86 us; the
+first piece lands at 4.49 us, so the first store starts at 6.35 us at best, then two 1.7 us stores and 1.3 us of
+latency: 11.05 us (1.62x). This kernel's first store starts at 6.51 us (its matmuls wait for the q selector, at 4.79
+us): 11.25 us. The q/k selection runs once per group of rows (every row up to batch 16),
 which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
@@ -129,6 +134,11 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     Pn = hp * nb  # partitions of a piece: (head, block of R state rows)
     # TensorE operands (operands.py): by default bf16 for bf16 activations, fp32 for fp32 ones.
     mm = matmul_dtype(operands, act)
+    # the state's matmul copies (bf16 operands): tiles of COPY_ROWS rows, alternately on ScalarE and GpSimd; then
+    # decay S in two tiles, both on ScalarE after bf16 copies (GpSimd's next step is delta's), else on both engines
+    COPY_ENGINES = (nisa.engine.scalar, nisa.engine.gpsimd)
+    COPY_ROWS = 2
+    DECAY_ENGINES = COPY_ENGINES if mm == f32 else (nisa.engine.scalar, nisa.engine.scalar)
 
     o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
     conv_out = nl.ndarray((B, C, K - 1), dtype=conv_state.dtype, buffer=nl.shared_hbm)
@@ -352,28 +362,32 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         st_qk, x_in_qk, _, _ = conv_inputs[bi]
         return causal_conv(bi, Pl, W, st_qk, x_in_qk, w_qk, x_in_order)  # load layout
 
-    def row_inputs(bi, before_totals=None, after_norms=None):
+    def row_inputs(bi, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
         if bi not in qk_rows:
             conv_group(bi // G)
         x_ps, win_qk = qk_rows.pop(bi)
         _, _, st_v, x_in_v = conv_inputs[bi]
-        # v: needed last; its steps fill the engines while q, k go through TensorE
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
         x_qk = nl.ndarray((Pn, NP, 2, R), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.vector)
+        nisa.tensor_copy(dst=x_qk, src=x_ps, engine=nisa.engine.scalar)
         # per partition: sums over its R rows of q^2, k^2 and q k; per head: the same_head matmul (fp32, exact)
         sq = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply)
+        nisa.tensor_tensor(dst=sq, data1=x_qk, data2=x_qk, op=nl.multiply, engine=nisa.engine.gpsimd)
         sums = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_reduce(dst=sums[:, :, 0:2], op=nl.add, data=sq, axis=3)
         qk_prod = nl.ndarray((Pn, NP, R), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=qk_prod, data1=x_qk[:, :, 0], data2=x_qk[:, :, 1], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
-        if before_totals is not None:
-            before_totals()
+        # v: needed last (by delta); its conv fills VectorE while the sums go through TensorE and ScalarE. v^T [dv, nv]
+        # (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to their block's
+        # position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
+        v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
+                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
         totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
         # rsqrt(|q|^2 + eps), rsqrt(|k|^2 + eps) straight from PSUM (the q scale dk^-0.5 is applied where q is used:
@@ -382,10 +396,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.activation(dst=inv, op=nl.rsqrt, data=totals_ps[:, :, 0:2], bias=eps_col[0:Pn])
         qk_dot = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
-        kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
-        nisa.scalar_tensor_tensor(dst=kq, data=inv[:, :, 0], op0=nl.multiply, operand0=float(dk) ** -0.5,
-                                  op1=nl.multiply, operand1=inv[:, :, 1])
-        nisa.tensor_tensor(dst=kq, data1=kq, data2=qk_dot, op=nl.multiply, engine=nisa.engine.gpsimd)
         qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0, without dk^-0.5), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
         if after_norms is not None:
@@ -398,48 +408,47 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                                       data=_spread(kq_order[:, :, :, src], (Pn, NP, R, hp), (0, 1, 2)),
                                       op0=nl.multiply, operand0=scale, op1=nl.multiply,
                                       operand1=_spread(head_of, (Pn, NP, R, hp), (0, 3)))
+        kq = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)  # normalised k . q of the partition's head
+        nisa.scalar_tensor_tensor(dst=kq, data=inv[:, :, 0], op0=nl.multiply, operand0=float(dk) ** -0.5,
+                                  op1=nl.multiply, operand1=inv[:, :, 1])
+        nisa.tensor_tensor(dst=kq, data1=kq, data2=qk_dot, op=nl.multiply, engine=nisa.engine.gpsimd)
         # k . q of each head along the free axis, on the dv partitions: ones^T (first_of * kq) -> [dv, NP, hp]
         kq_first = nl.ndarray((Pn, NP, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=kq_first, data1=_spread(first_of, (Pn, NP, hp), (0, 2)),
                            data2=_spread(kq, (Pn, NP, hp), (0, 1)), op=nl.multiply, engine=nisa.engine.gpsimd)
-        kq_ps = nl.ndarray((dv, NP, hp), dtype=f32, buffer=nl.psum)
-        nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
-        kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
-
-        # v^T [dv, nv] (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to
-        # their block's position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
-        v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
-                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
         v_ps = nl.ndarray((dv, nv), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=v_ps, stationary=v_at, moving=head_v)
         store_conv_state(bi, win_qk, win_v)
-        return dict(sel=sel, qk_n=qk_n, kq_cols=kq_cols, v_ps=v_ps)
+
+        def kq_columns():
+            """k . q as columns [dv, nv], which only o needs: an fp32 matmul issued after the row's first state
+            matmuls and delta's steps, which TensorE's in-order stream would otherwise hold behind it."""
+            kq_ps = nl.ndarray((dv, NP, hp), dtype=f32, buffer=nl.psum)
+            nisa.nc_matmul(dst=kq_ps, stationary=ones[0:Pn, 0:dv], moving=kq_first)
+            kq_cols = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=kq_cols, src=kq_ps.reshape((dv, nv)), engine=nisa.engine.scalar)
+            return kq_cols
+
+        return dict(sel=sel, qk_n=qk_n, v_ps=v_ps, kq_columns=kq_columns)
 
     def start(bi, pi, with_decay=True):
+        """The piece's matmul copies of the state (bf16 operands: tiles of COPY_ROWS rows, alternately on ScalarE and
+        GpSimd, so that the matmuls start on the first tiles while the others are copied) and decay S."""
         S = states[bi][pi]
-        # the matmul copies of the state (ScalarE, two tiles so that the matmuls start on the first half), and
-        # decay S (GpSimd; it needs no delta)
-        halves = [(0, R // 2), (R // 2, R)] if R > 1 else [(0, R)]
-        S_mm = []
-        for i, (r0, r1) in enumerate(halves):
-            if mm == f32:
-                S_mm.append((r0, S))
-                continue
-            if (bi, pi, i) in early_copies:  # made on another engine before (the first piece's second half)
-                S_mm.append((r0, early_copies.pop((bi, pi, i))))
-                continue
-            tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
-            nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=nisa.engine.scalar)
-            S_mm.append((r0, tile))
-        started = [S_mm, halves, None]
+        S_mm = [(0, S)]  # (first row, tile) in the order the matmuls take them
+        if mm != f32:
+            S_mm = []
+            for i, r0 in enumerate(range(0, R, COPY_ROWS)):
+                r1 = min(R, r0 + COPY_ROWS)
+                tile = nl.ndarray((Pn, r1 - r0, dv), dtype=mm, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=tile, src=S[:, r0:r1, :], engine=COPY_ENGINES[i % 2])
+                S_mm.append((r0, tile))
+        started = [S_mm, None]
         if with_decay:
             decay_state(bi, pi, started)
         return started
 
-    def decay_state(bi, pi, started, engines=(nisa.engine.gpsimd,)):
+    def decay_state(bi, pi, started, engines=DECAY_ENGINES):
         """decay S, its rows split evenly over `engines` (one tile each: the update only reads them)."""
         parts, n = [], len(engines)
         for i, engine in enumerate(engines):
@@ -448,23 +457,23 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             nisa.tensor_scalar(dst=decayed, data=states[bi][pi][:, r0:r1, :], op0=nl.multiply,
                                operand0=decay_part[:, bi, pi:pi + 1], engine=engine)
             parts += [(decayed, r - r0) for r in range(r0, r1)]
-        started[2] = parts  # row r of decay S: parts[r] = (tile, row in it)
+        started[1] = parts  # row r of decay S: parts[r] = (tile, row in it)
 
     def finish(bi, pi, started, row):
         h0 = pi * hp
         gate = slice(h0, h0 + hp)
-        S_mm, halves, decayed = started
-        if 'bv' not in row:  # beta v: [dv, nv]
-            row['bv'] = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=row['bv'], data1=row['v_ps'], data2=beta[0:dv, bi, :], op=nl.multiply)
-        sel, qk_n, kq_cols, bv = row['sel'], row['qk_n'], row['kq_cols'], row['bv']
+        S_mm, decayed = started
+        sel = row['sel']
         # mem = S^T k, Sq = S^T q: [dv, (k|q), hp]; R accumulating matmuls, each contracting the partitions
         # (heads x blocks) for one state row of every block
         msq_ps = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.psum)
-        for r in range(R):
-            r0, tile = S_mm[0] if r < halves[0][1] else S_mm[-1]
-            row = r if mm == f32 else r - r0
-            nisa.nc_matmul(dst=msq_ps, stationary=tile[:, row, :], moving=sel[:, pi, r])
+        for r0, tile in S_mm:
+            for r in range(r0, r0 + tile.shape[1]):
+                nisa.nc_matmul(dst=msq_ps, stationary=tile[:, r - r0, :], moving=sel[:, pi, r])
+        if 'bv' not in row:  # beta v: [dv, nv]
+            row['bv'] = nl.ndarray((dv, nv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=row['bv'], data1=row['v_ps'], data2=beta[0:dv, bi, :], op=nl.multiply)
+        bv = row['bv']
         # delta = beta v - beta decay mem: [dv, hp]; -beta decay mem on VectorE straight from PSUM, then the sum
         # written repeated nb times (GpSimd) as the stationary that spreads each head's delta along its partitions:
         # (delta repeated nb times)^T I -> [Pn, dv] (the state update's delta rows)
@@ -477,6 +486,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.nc_matmul(dst=rows_ps, stationary=delta_x, moving=ident_mm[0:dv, 0:dv])
 
         # o = decay Sq + (k . q) delta: [dv, hp] (GpSimd: short instructions)
+        if 'kq_cols' not in row:
+            row['kq_cols'] = row.pop('kq_columns')()
+        kq_cols = row['kq_cols']
         msq = nl.ndarray((dv, 2, hp), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=msq, src=msq_ps, engine=nisa.engine.scalar)
         delta = nl.ndarray((dv, hp), dtype=f32, buffer=nl.sbuf)
@@ -494,7 +506,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
 
     def update(bi, pi, started, row, finished):
         h0 = pi * hp
-        S_mm, halves, decayed = started
+        S_mm, decayed = started
         o_cols, rows_ps = finished
         qk_n = row['qk_n']
         # S = decay S + k delta^T, one state row of every block per instruction (VectorE)
@@ -505,19 +517,25 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                                       operand0=k_n[:, r:r + 1], op1=nl.add, operand1=decayed[r][0][:, decayed[r][1], :])
         nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
                       src=new_state)
-        o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
-        nisa.nc_transpose(dst=o_rows, data=o_cols, engine=nisa.engine.tensor)
-        o_sb = nl.ndarray((hp, dv), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=o_sb, src=o_rows, engine=nisa.engine.scalar)
-        nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
         states[bi][pi] = None
+
+        def store_o():
+            """o to rows and out: issued after the next piece's state matmuls, which TensorE's in-order stream would
+            otherwise hold behind this transpose (o waits for k . q, the last of the piece's steps)."""
+            o_rows = nl.ndarray((hp, dv), dtype=f32, buffer=nl.psum)
+            nisa.nc_transpose(dst=o_rows, data=o_cols, engine=nisa.engine.tensor)
+            o_sb = nl.ndarray((hp, dv), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=o_sb, src=o_rows, engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=o_out.ap(pattern=[[dv, hp], [1, dv]], offset=(bi * nv + h0) * dv), src=o_sb)
+
+        return store_o
 
     def store_conv_state(bi, win_qk, win_v):
         # The new conv states: the last K - 1 inputs.
         new_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, 1:K], engine=nisa.engine.scalar)
+        nisa.tensor_copy(dst=new_qk, src=win_qk[:, :, 1:K], engine=nisa.engine.gpsimd)
         new_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=new_v, src=win_v[:, :, 1:K], engine=nisa.engine.scalar)
+        nisa.tensor_copy(dst=new_v, src=win_v[:, :, 1:K], engine=nisa.engine.gpsimd)
 
         # the conv states out (queued behind the state loads)
         nisa.dma_copy(dst=qk_view(conv_out, K - 1, bi * C * (K - 1)), src=new_qk)
@@ -526,33 +544,26 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     units = [(bi, pi) for bi in range(B) for pi in range(NP)]
     started = {}
 
-    early_copies = {}
-
-    def first_copy_second_half():
-        # the first piece's second matmul copy on GpSimd, in parallel with the first half's on ScalarE: the first
-        # piece's state lands while the row's norms run, and from then on its chain is the kernel's critical path
-        if mm == f32 or R < 2:
-            return
-        tile = nl.ndarray((Pn, R - R // 2, dv), dtype=mm, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=tile, src=states[0][0][:, R // 2:R, :], engine=nisa.engine.gpsimd)
-        early_copies[(0, 0, 1)] = tile
-
     def after_first_norms():
         started[units[0]] = start(*units[0], with_decay=False)
 
     conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
     decay, beta, neg_beta_decay, decay_part = gates()
-    rows = {0: row_inputs(0, before_totals=first_copy_second_half, after_norms=after_first_norms)}
-    # the first piece's decay S on ScalarE and GpSimd (VectorE's stream leads to the first delta)
-    decay_state(*units[0], started[units[0]], engines=(nisa.engine.scalar, nisa.engine.gpsimd))
+    rows = {0: row_inputs(0, after_norms=after_first_norms)}
+    # the first piece's decay S (VectorE's stream leads to the first delta)
+    decay_state(*units[0], started[units[0]])
+    store_o = None
     for i, (bi, pi) in enumerate(units):
         unit = started.pop((bi, pi))
         finished = finish(bi, pi, unit, rows[bi])
+        if store_o is not None:  # the previous piece's o
+            store_o()
         if i + 1 < len(units):
             if units[i + 1][1] == 0:
                 rows[units[i + 1][0]] = row_inputs(units[i + 1][0])
             started[units[i + 1]] = start(*units[i + 1])
-        update(bi, pi, unit, rows[bi], finished)
+        store_o = update(bi, pi, unit, rows[bi], finished)
         if pi == NP - 1:
             rows.pop(bi)
+    store_o()
     return o_out, conv_out, state_out
