@@ -37,15 +37,15 @@ load as contiguous rows and are repeated on the partitions by TensorE (exact). P
     o        decay Sq + (k . q) delta on [dv, heads], one TensorE transpose, one store
 
 l2 norms and k . q are per-partition sums followed by one fp32 matmul with the same-head block matrix. With bf16
-operands the matmul copies of a piece are tiles of 2 state rows, alternately on ScalarE and GpSimd, so the matmuls
-start on the first tiles while the others are copied; decay S follows on ScalarE (GpSimd's next step is delta's). The
+operands the matmul copies of a piece are made row by row, alternately on ScalarE and GpSimd, so the matmuls
+start on the first rows while the others are copied; decay S follows on ScalarE (GpSimd's next step is delta's). The
 next piece's copies are issued between a piece's short steps and its update, so every engine has queued work; the
 fp32 k . q matmul (only o needs it) follows a row's first state matmuls, and a piece's o transpose the next piece's
 state matmuls, so that neither holds TensorE's in-order stream. The tokens, gate rows and weights load first (no wait
 for the slot ids), then every row's conv states, then every row's state pieces, all before any state store (the DMA
 queue is in order). The first rows' q/k conv, then the gates, then row 0's norms (their copies on ScalarE, their
-squares on GpSimd, the v conv on VectorE while the sums go through TensorE and ScalarE), keeping VectorE's stream for
-the way to the first delta; each row's conv state is stored as soon as it is computed.
+squares on GpSimd, the v conv on VectorE while the sums go through TensorE and ScalarE, issued after rsqrt), keeping
+VectorE's stream for the way to the first delta; each row's conv state is stored as soon as it is computed.
 
 Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA groups or part of one (asserted);
 2 nk dk / W <= 128 load partitions; the activation dtype fp32 or bf16. Every exponent is <= 0
@@ -54,8 +54,8 @@ Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA g
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
 floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 11.2 us (1.65x), batch 8 59.3 us (1.09x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 15.0 us (2.20x), batch 8 61.2 us (1.12x, DMA 100% busy)
+    bf16 activations, default (bf16) operands: batch 1 11.1 us (1.64x), batch 8 59.3 us (1.09x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 14.9 us (2.19x), batch 8 61.2 us (1.12x, DMA 100% busy)
 Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model's DMA latency) after their load.
 Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
 on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
@@ -63,8 +63,8 @@ sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. A kernel that moves the state in tw
 before a piece has landed and been through its chain: bf16 copies (0.43 us on two engines), the last matmuls, delta
 (0.26 us) and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us), at least 1.86 us; the
 first piece lands at 4.49 us, so the first store starts at 6.35 us at best, then two 1.7 us stores and 1.3 us of
-latency: 11.05 us (1.62x). This kernel's first store starts at 6.51 us (its matmuls wait for the q selector, at 4.79
-us): 11.25 us. The q/k selection runs once per group of rows (every row up to batch 16),
+latency: 11.05 us (1.62x). This kernel's first store starts at 6.41 us (its 8 matmuls run back to back from the q
+selector, at 4.69 us): 11.14 us. The q/k selection runs once per group of rows (every row up to batch 16),
 which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
@@ -137,7 +137,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # the state's matmul copies (bf16 operands): tiles of COPY_ROWS rows, alternately on ScalarE and GpSimd; then
     # decay S in two tiles, both on ScalarE after bf16 copies (GpSimd's next step is delta's), else on both engines
     COPY_ENGINES = (nisa.engine.scalar, nisa.engine.gpsimd)
-    COPY_ROWS = 2
+    COPY_ROWS = 1
     DECAY_ENGINES = COPY_ENGINES if mm == f32 else (nisa.engine.scalar, nisa.engine.scalar)
 
     o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
@@ -379,15 +379,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.tensor_tensor(dst=qk_prod, data1=x_qk[:, :, 0], data2=x_qk[:, :, 1], op=nl.multiply,
                            engine=nisa.engine.gpsimd)
         nisa.tensor_reduce(dst=sums[:, :, 2], op=nl.add, data=qk_prod, axis=2)
-        # v: needed last (by delta); its conv fills VectorE while the sums go through TensorE and ScalarE. v^T [dv, nv]
-        # (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to their block's
-        # position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
-        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
-        win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
-        v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
-                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
-                           op=nl.multiply, engine=nisa.engine.gpsimd)
         totals_ps = nl.ndarray((Pn, NP, 3), dtype=f32, buffer=nl.psum)
         nisa.nc_matmul(dst=totals_ps, stationary=same_head, moving=sums)
         # rsqrt(|q|^2 + eps), rsqrt(|k|^2 + eps) straight from PSUM (the q scale dk^-0.5 is applied where q is used:
@@ -396,6 +387,15 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.activation(dst=inv, op=nl.rsqrt, data=totals_ps[:, :, 0:2], bias=eps_col[0:Pn])
         qk_dot = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
+        # v: needed last (by delta); its conv fills VectorE while the sums go through TensorE and ScalarE (issued after rsqrt, which ScalarE runs before the conv's SiLU). v^T [dv, nv]
+        # (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to their block's
+        # position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
+        x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
+        win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
+        v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
+                           data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
+                           op=nl.multiply, engine=nisa.engine.gpsimd)
         qk_n = nl.ndarray((Pn, NP, 2, R), dtype=f32, buffer=nl.sbuf)  # normalised q (0, without dk^-0.5), k (1)
         nisa.tensor_tensor(dst=qk_n, data1=x_qk, data2=_spread(inv, (Pn, NP, 2, R), (0, 1, 2)), op=nl.multiply)
         if after_norms is not None:
