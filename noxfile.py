@@ -23,10 +23,19 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 
 
-def _pytest(session, *marks):
+# Two pytest workers (pytest-xdist), each test file on one worker (module fixtures are built once), one torch thread
+# each: on CI's 2 cores the optimum session took 11 minutes this way, 15 with torch's default two threads per worker,
+# 18 to 22 in one process (docs/testing.md). Child interpreters (optimum-cli, the doc snippets) inherit the one thread.
+PARALLEL = ("-n", "2", "--dist", "loadfile")
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _pytest(session, *marks, parallel=False):
     # Exit code 5 means "no test collected": always an error here, since every session selects tests.
     # The slowest tests in every log: where CI's time goes.
-    session.run("pytest", "-q", "-rs", "--durations=15", *marks, *session.posargs)
+    args = (*PARALLEL,) if parallel else ()
+    session.run("pytest", "-q", "-rs", "--durations=15", *args, *marks, *session.posargs,
+                env=ONE_THREAD if parallel else None)
 
 
 @nox.session
@@ -57,9 +66,9 @@ ENVIRONMENT_FREE_TESTS = [
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
-    session.install(TORCH, "-e", ".[tests,optimum,vision]")
+    session.install(TORCH, "-e", ".[tests,optimum,vision]", "pytest-xdist>=3.5")
     _install_startup_file(session)
-    _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS))
+    _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS), parallel=True)
 
 
 # neuronx-distributed 0.15's source (tag v2.26.0), an unchanged copy kept beside the repository (see its README).
