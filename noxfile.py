@@ -24,8 +24,9 @@ TORCH = "torch==2.13.0"
 
 
 # Two pytest workers (pytest-xdist), each test file on one worker (module fixtures are built once), one torch thread
-# each: on CI's 2 cores the optimum session took 11 minutes this way, 15 with torch's default two threads per worker,
-# 18 to 22 in one process (docs/testing.md). Child interpreters (optimum-cli, the doc snippets) inherit the one thread.
+# each: on CI's 2 cores the optimum session's tests took 11 to 13 minutes this way, 15 with torch's default two
+# threads per worker, 18 to 22 in one process (docs/testing.md). Child interpreters (optimum-cli, the doc snippets)
+# inherit the one thread.
 PARALLEL = ("-n", "2", "--dist", "loadfile")
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 

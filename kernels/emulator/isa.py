@@ -179,8 +179,9 @@ def _no_other_keywords(fn, kwargs):
     one that NKI does not take is a TypeError there, so it is one here, not silently ignored (an ``engine=`` given
     to a VectorE-only instruction would otherwise cost its work on the wrong engine)."""
     if kwargs:
+        why = "; scalar_tensor_tensor runs on VectorE only" if fn == "scalar_tensor_tensor" else ""
         raise TypeError(f"nisa.{fn}() got an unexpected keyword argument {next(iter(kwargs))!r} (NKI 0.3 has no such "
-                        f"parameter{'' if fn != 'scalar_tensor_tensor' else '; scalar_tensor_tensor runs on VectorE only'})")
+                        f"parameter{why})")
 
 
 def _arg(args, kwargs, name, index):

@@ -60,12 +60,12 @@ Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model
 Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
 on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
 sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. A kernel that moves the state in two pieces of 4 KiB runs cannot store
-before a piece has landed and been through its chain: bf16 copies (0.43 us on two engines), the last matmuls, delta
-(0.26 us) and the update (8 VectorE instructions on the fp32 [128, 8, 128] piece, 1.07 us), at least 1.86 us; the
-first piece lands at 4.49 us, so the first store starts at 6.35 us at best, then two 1.7 us stores and 1.3 us of
-latency: 11.05 us (1.62x). This kernel's first store starts at 6.41 us (its 8 matmuls run back to back from the q
-selector, at 4.69 us): 11.14 us. The q/k selection runs once per group of rows (every row up to batch 16),
-which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
+before a piece has landed and been through its chain, at least 1.86 us with this kernel's steps: bf16 copies (0.43 us
+on two engines), the last matmuls, delta (0.26 us) and the update (8 VectorE instructions on the fp32 [128, 8, 128]
+piece, 1.07 us); the first piece lands at 4.49 us, so the first store starts at 6.35 us at best, then two 1.7 us
+stores and 1.3 us of latency: 11.05 us (1.62x). This kernel's first store starts at 6.41 us (its 8 matmuls run back to
+back from the q selector, at 4.69 us): 11.14 us. The q/k selection runs once per group of rows (every row up to batch
+16), which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
 from __future__ import annotations
@@ -387,9 +387,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         nisa.activation(dst=inv, op=nl.rsqrt, data=totals_ps[:, :, 0:2], bias=eps_col[0:Pn])
         qk_dot = nl.ndarray((Pn, NP), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=qk_dot, src=totals_ps[:, :, 2], engine=nisa.engine.scalar)
-        # v: needed last (by delta); its conv fills VectorE while the sums go through TensorE and ScalarE (issued after rsqrt, which ScalarE runs before the conv's SiLU). v^T [dv, nv]
-        # (exact: v in its own dtype times 0/1): the stationary spreads each partition's jl values to their block's
-        # position (v_at[p, blk, c] = v[p, c] if blk is p's block), the moving picks p's head
+        # v: needed last (by delta); its conv fills VectorE while the sums go through TensorE and ScalarE, issued after
+        # rsqrt so that ScalarE runs rsqrt before the conv's SiLU. v^T [dv, nv] (exact: v in its own dtype times 0/1):
+        # the stationary spreads each partition's jl values to their block's position (v_at[p, blk, c] = v[p, c] if
+        # blk is p's block), the moving picks p's head
         x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
         win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
         v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
@@ -550,7 +551,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
     decay, beta, neg_beta_decay, decay_part = gates()
     rows = {0: row_inputs(0, after_norms=after_first_norms)}
-    # the first piece's decay S (VectorE's stream leads to the first delta)
+    # the first piece's decay S, after the row's norm steps in ScalarE's stream (its copies were issued among them)
     decay_state(*units[0], started[units[0]])
     store_o = None
     for i, (bi, pi) in enumerate(units):
