@@ -371,6 +371,10 @@ def test_compare_dirs_reports_differences(tmp_path):
     mr = _load_make_reference()
     layout = "tiny-nv2x"
     shutil.copytree(FIXTURES / layout, tmp_path / "new" / layout)
+    # The float64 run the check compares against (here the committed logits themselves: no change of the model).
+    with np.load(FIXTURES / layout / "reference.npz") as z:
+        truth = {k: z[k].astype(np.float64) for k in z.files if k.startswith("logits_")}
+    np.savez(tmp_path / "new" / layout / mr.TRUTH_FILE, **truth)
     assert mr.compare_dirs(tmp_path / "new", FIXTURES, [layout]) == []
 
     file = tmp_path / "new" / layout / "model.safetensors"
@@ -383,7 +387,7 @@ def test_compare_dirs_reports_differences(tmp_path):
     npz = tmp_path / "new" / layout / "reference.npz"
     with np.load(npz) as z:
         arrays = dict(z)
-    arrays["logits_3"] = arrays["logits_3"] + 2e-5
+    arrays["logits_3"] = arrays["logits_3"] + 1e-3  # fp32 output 1e-3 from the float64 truth: not rounding
     arrays["gen_tokens_1"] = arrays["gen_tokens_1"].copy()
     arrays["gen_tokens_1"][7] = (arrays["gen_tokens_1"][7] + 1) % 512
     np.savez_compressed(npz, **arrays)
@@ -391,6 +395,23 @@ def test_compare_dirs_reports_differences(tmp_path):
     diffs = "\n".join(mr.compare_dirs(tmp_path / "new", FIXTURES, [layout]))
     assert "model.language_model.norm.weight" in diffs
     assert "config.json" in diffs
-    assert "logits_3" in diffs
+    assert "logits_3: transformers' fp32 error 0.001" in diffs
     assert "gen_tokens_1: differs first at index 7" in diffs
     assert "logits_2" not in diffs
+
+
+def test_compare_logits_tells_rounding_from_a_change():
+    """make_reference.compare_logits on made-up logits: noise of fp32 size passes, a shift of the truth (a changed
+    model) or an fp32 output further from it than recorded (a less accurate path) fails, each with its own message."""
+    mr = _load_make_reference()
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal((64, 512))
+    rounding = lambda: (truth + rng.uniform(-1.5e-5, 1.5e-5, truth.shape)).astype(np.float32)  # noqa: E731
+    committed, recorded = rounding(), 1.5e-5
+    assert mr.compare_logits("l", rounding(), committed, truth, recorded) == []
+    moved = truth.copy()
+    moved[10, 3] += 1e-4
+    diffs = mr.compare_logits("l", moved.astype(np.float32), committed, moved, recorded)
+    assert ["the reference changed" in d for d in diffs] == [True]
+    worse = (truth + rng.uniform(-1e-4, 1e-4, truth.shape)).astype(np.float32)
+    assert ["less accurate" in d for d in mr.compare_logits("l", worse, committed, truth, recorded)] == [True]
