@@ -10,9 +10,12 @@ wheels), optimum-neuron 0.4.5, neuronx-distributed 0.15 built from its open sour
 a placeholder), and import stand-ins for the SDK's closed modules (tests/neuron_sdk_standin).
 """
 
+import hashlib
 import os
 import shutil
+import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import nox
@@ -21,6 +24,35 @@ nox.options.sessions = ["reference", "optimum", "neuron"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
+
+# Every package each test session installs, pinned (constraints/<session>.txt: `pip freeze` of that session's
+# environment), so that a session builds the same environment whatever PyPI serves that day. They are updated on
+# purpose, in their own commit: `OPTIMUM_QWEN35_UPDATE_PINS=1 nox -s <session> --install-only` installs without the
+# constraints, from today's PyPI, and writes the new freeze (docs/testing.md, "Pinned environments").
+CONSTRAINTS = Path(__file__).parent / "constraints"
+UPDATE_PINS = os.environ.get("OPTIMUM_QWEN35_UPDATE_PINS") == "1"
+# Installed from this repository or from a local source, never from PyPI: not pinned.
+LOCAL_PACKAGES = ("optimum_qwen35", "optimum-qwen35", "neuron_sdk_standin", "neuron-sdk-standin", "torch-neuronx",
+                  "neuronx-cc", "libneuronxla", "neuronx-distributed", "neuronx_distributed")
+
+
+def _install(session, *args, **kwargs):
+    """session.install under the session's constraints (none while the pins are being updated)."""
+    pins = () if UPDATE_PINS else ("-c", str(CONSTRAINTS / f"{session.name}.txt"))
+    session.install(*pins, *args, **kwargs)
+
+
+def _freeze_pins(session):
+    """With OPTIMUM_QWEN35_UPDATE_PINS=1: write the environment just built as the session's constraints."""
+    if not UPDATE_PINS:
+        return
+    frozen = session.run_install("python", "-m", "pip", "freeze", "--exclude-editable", silent=True)
+    pins = [line for line in frozen.splitlines()
+            if line and not line.startswith(LOCAL_PACKAGES) and " @ " not in line and not line.startswith("-e ")]
+    header = (f"# pip freeze of the nox `{session.name}` session "
+              f"(written by OPTIMUM_QWEN35_UPDATE_PINS=1 nox -s {session.name}).\n")
+    (CONSTRAINTS / f"{session.name}.txt").write_text(header + "\n".join(pins) + "\n")
+    session.log(f"wrote {len(pins)} pins to constraints/{session.name}.txt")
 
 
 # Two pytest workers (pytest-xdist), each test file on one worker (module fixtures are built once), one torch thread
@@ -42,7 +74,8 @@ def _pytest(session, *marks, parallel=False):
 @nox.session
 def reference(session):
     """Everything, with transformers >= 5: parity against the reference and the fixture check."""
-    session.install(TORCH, "-e", ".[tests,reference]")
+    _install(session, TORCH, "-e", ".[tests,reference]")
+    _freeze_pins(session)
     _pytest(session)
 
 
@@ -57,40 +90,99 @@ def _install_startup_file(session):
 # the same torch and the same code in both environments, so the reference session alone runs them.
 ENVIRONMENT_FREE_TESTS = [
     "tests/emulator", "tests/kernels", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
-    "tests/test_conversion_memory.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py", "tests/test_kernels_decay.py",
-    "tests/test_kernels_rule.py", "tests/test_long_context.py", "tests/test_packed_linear.py", "tests/test_shard.py",
-    "tests/test_state_in_place.py", "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py",
-    "tests/test_vision_tensor_parallel.py",
+    "tests/test_conversion_memory.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
+    "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_long_context.py",
+    "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_shard.py", "tests/test_state_in_place.py",
+    "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_vision_tensor_parallel.py",
 ]
 
 
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
-    session.install(TORCH, "-e", ".[tests,optimum,vision]", "pytest-xdist>=3.5")
+    _install(session, TORCH, "-e", ".[tests,optimum,vision]", "pytest-xdist>=3.5")
+    _freeze_pins(session)
     _install_startup_file(session)
     _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS), parallel=True)
 
 
-# neuronx-distributed 0.15's source (tag v2.26.0), an unchanged copy kept beside the repository (see its README).
-NXD_SOURCE = os.environ.get(
-    "OPTIMUM_QWEN35_NXD_SOURCE", str(Path(__file__).parent.parent / "shared" / "upstream" / "neuronx-distributed-2.26.0")
-)
+# neuronx-distributed 0.15's source (tag v2.26.0), the version optimum-neuron 0.4.5 pins; PyPI holds a placeholder.
+# Found in this order: OPTIMUM_QWEN35_NXD_SOURCE; the unchanged copy kept beside the repository (../shared/upstream,
+# as in CI); a copy downloaded earlier into NXD_CACHE; else downloaded from GitHub (about 1 MB, at the tag's commit).
+# Whichever it is, its files must hash to NXD_TREE_SHA256 (the tag's LICENSE, setup.py and src/neuronx_distributed).
+NXD_COMMIT = "fecfe75b0d40ff8831718e02584bcac8eb9550ae"  # tag v2.26.0
+NXD_ARCHIVE = os.environ.get(  # a mirror of the same archive may be named instead
+    "OPTIMUM_QWEN35_NXD_ARCHIVE", f"https://github.com/aws-neuron/neuronx-distributed/archive/{NXD_COMMIT}.tar.gz")
+NXD_TREE_SHA256 = "a10229aa9ab345143f6b839ab4a91cd39417d8fedd38ceeca4ca7d5ae48430a1"
+NXD_BESIDE = Path(__file__).parent.parent / "shared" / "upstream" / "neuronx-distributed-2.26.0"
+NXD_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "optimum-qwen35", "neuronx-distributed-2.26.0")
+NXD_HOW = ("set OPTIMUM_QWEN35_NXD_SOURCE to a checkout of github.com/aws-neuron/neuronx-distributed at tag v2.26.0 "
+           f"(commit {NXD_COMMIT[:12]})")
+
+
+def nxd_tree_sha256(root: Path) -> str:
+    """sha256 over the relative paths and bytes of LICENSE, setup.py and src/neuronx_distributed/**/*.py."""
+    digest = hashlib.sha256()
+    files = [root / "LICENSE", root / "setup.py", *sorted((root / "src" / "neuronx_distributed").rglob("*.py"))]
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _download_nxd_source(session) -> str | None:
+    """Download and unpack the tag's archive into NXD_CACHE; the reason it could not be had, or None."""
+    session.log(f"neuronx-distributed's source: downloading {NXD_ARCHIVE} (about 1 MB, 30 s at most)")
+    partial = NXD_CACHE.with_name(NXD_CACHE.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        with urllib.request.urlopen(NXD_ARCHIVE, timeout=30) as response, tempfile.TemporaryFile() as archive:
+            shutil.copyfileobj(response, archive)
+            archive.seek(0)
+            with tarfile.open(fileobj=archive, mode="r:gz") as tar:
+                tar.extractall(partial, filter="data")
+    except (OSError, tarfile.TarError) as error:  # urllib's URLError and timeouts are OSErrors
+        shutil.rmtree(partial, ignore_errors=True)
+        return f"the download failed ({error})"
+    (top,) = partial.iterdir()  # the archive's one folder, neuronx-distributed-<commit>
+    if nxd_tree_sha256(top) != NXD_TREE_SHA256:
+        shutil.rmtree(partial, ignore_errors=True)
+        return "the downloaded files do not hash to the pinned tree"
+    shutil.rmtree(NXD_CACHE, ignore_errors=True)
+    top.rename(NXD_CACHE)  # complete and checked: only now where the next run looks
+    shutil.rmtree(partial, ignore_errors=True)
+    return None
+
+
+def _nxd_source(session) -> Path:
+    """The checked source folder, or the session skipped with one line saying how to provide it."""
+    given = os.environ.get("OPTIMUM_QWEN35_NXD_SOURCE")
+    candidates = [Path(given)] if given else [NXD_BESIDE, NXD_CACHE]
+    for folder in candidates:
+        if (folder / "src" / "neuronx_distributed").is_dir():
+            if nxd_tree_sha256(folder) != NXD_TREE_SHA256:
+                session.error(f"{folder} is not neuronx-distributed 2.26.0's source (its files hash otherwise): {NXD_HOW}")
+            return folder
+    if given:
+        session.error(f"OPTIMUM_QWEN35_NXD_SOURCE={given} holds no src/neuronx_distributed: {NXD_HOW}")
+    reason = _download_nxd_source(session)
+    if reason:
+        session.skip(f"neuronx-distributed 2.26.0's source is not here and {reason}: {NXD_HOW}")
+    return NXD_CACHE
 
 
 @nox.session
 def neuron(session):
     """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
-    if not Path(NXD_SOURCE, "src", "neuronx_distributed").is_dir():
-        session.error(f"neuronx-distributed's source not found at {NXD_SOURCE} (set OPTIMUM_QWEN35_NXD_SOURCE)")
-    session.install("torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
-                    # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
-                    "boto3", "scipy", "tenacity")
+    nxd_source = _nxd_source(session)
+    _install(session, "torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
+             # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
+             "boto3", "scipy", "tenacity")
+    _freeze_pins(session)
     _install_startup_file(session)
     session.install("--no-deps", "tests/neuron_sdk_standin")
     # Built from a writable copy (the source folder is read-only); the version optimum-neuron 0.4.5 pins.
     with tempfile.TemporaryDirectory() as build:
-        shutil.copytree(NXD_SOURCE, build, dirs_exist_ok=True)
+        shutil.copytree(nxd_source, build, dirs_exist_ok=True)
         for folder, _, files in os.walk(build):
             os.chmod(folder, 0o755)
             for name in files:

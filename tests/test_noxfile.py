@@ -1,0 +1,100 @@
+"""noxfile.py's way to neuronx-distributed's source for the `neuron` session: the pinned tree hash, and the download
+path a fresh clone without ../shared takes, run for real against an archive served on 127.0.0.1 (a good one, a
+tampered one, and a closed port)."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import importlib.util
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nox", reason="nox is in the `tests` extra")
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Session:
+    """What _download_nxd_source uses of a nox session: its log."""
+
+    def __init__(self):
+        self.lines = []
+
+    def log(self, line):
+        self.lines.append(line)
+
+
+def _source(noxfile) -> Path:
+    if not (noxfile.NXD_BESIDE / "src" / "neuronx_distributed").is_dir():
+        pytest.skip(f"needs the unchanged copy at {noxfile.NXD_BESIDE} (as in CI)")
+    return noxfile.NXD_BESIDE
+
+
+def _serve(folder: Path):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _archive(source: Path, folder: Path, name: str, tamper: bool = False) -> Path:
+    """The archive GitHub serves for the commit: one top folder neuronx-distributed-<commit>."""
+    top = f"neuronx-distributed-{name}"
+    path = folder / f"{name}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(source, arcname=top)
+        if tamper:
+            changed = folder / "setup.py"
+            changed.write_bytes((source / "setup.py").read_bytes() + b"\n# changed\n")
+            tar.add(changed, arcname=f"{top}/setup.py")  # the later member wins on extraction
+    return path
+
+
+def test_the_kept_copy_is_the_pinned_tree(noxfile):
+    assert noxfile.nxd_tree_sha256(_source(noxfile)) == noxfile.NXD_TREE_SHA256
+
+
+@pytest.mark.parametrize("case", ["good", "tampered", "unreachable"])
+def test_download_is_checked_before_it_is_used(noxfile, tmp_path, monkeypatch, case):
+    source = _source(noxfile)
+    served = tmp_path / "served"
+    served.mkdir()
+    _archive(source, served, "pinned", tamper=case == "tampered")
+    server = _serve(served)
+    port = server.server_address[1]
+    if case == "unreachable":
+        server.shutdown()
+        server.server_close()
+    cache = tmp_path / "cache" / "neuronx-distributed-2.26.0"
+    monkeypatch.setattr(noxfile, "NXD_CACHE", cache)
+    monkeypatch.setattr(noxfile, "NXD_ARCHIVE", f"http://127.0.0.1:{port}/pinned.tar.gz")
+    session = _Session()
+    try:
+        reason = noxfile._download_nxd_source(session)
+    finally:
+        if case != "unreachable":
+            server.shutdown()
+            server.server_close()
+    assert "downloading" in session.lines[0]
+    leftovers = sorted(p.name for p in cache.parent.iterdir()) if cache.parent.exists() else []
+    if case == "good":
+        assert reason is None
+        assert noxfile.nxd_tree_sha256(cache) == noxfile.NXD_TREE_SHA256
+        assert leftovers == [cache.name]  # no partial folder left beside it
+    elif case == "tampered":
+        assert reason == "the downloaded files do not hash to the pinned tree"
+        assert leftovers == []  # nothing that a later run could take for a checked copy
+    else:
+        assert reason.startswith("the download failed")
+        assert leftovers == []
