@@ -47,8 +47,12 @@ def causal_conv1d(
     if lengths is None:
         final_state = padded[:, T:]
     else:
-        index = lengths.to(torch.int64)[:, None, None] + torch.arange(K - 1, device=x.device)[:, None]  # [B, K-1, 1]
-        final_state = torch.gather(padded, 1, index.expand(B, K - 1, C))
+        # Rows of padded [B * (K - 1 + T), C] (an index_select, in the dtype of `lengths`: torch.gather takes int64
+        # indices only, and its per-element index tensor is rank 4 here).
+        span = K - 1 + T
+        columns = torch.arange(K - 1, device=x.device, dtype=lengths.dtype)
+        rows = (torch.arange(B, device=x.device, dtype=lengths.dtype) * span + lengths)[:, None] + columns  # [B, K-1]
+        final_state = padded.reshape(B * span, C).index_select(0, rows.reshape(-1)).view(B, K - 1, C)
     return F.silu(y).to(x.dtype).transpose(1, 2), final_state.transpose(1, 2)
 
 

@@ -33,7 +33,13 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
     """[B, nk, ...] -> [B, nv, ...]: value head h reads key head h // (nv / nk)."""
     groups = num_value_heads // x.shape[1]
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+    if groups == 1:
+        return x
+    # repeat_interleave, with the trailing dims merged so that the broadcast stays rank 4 (XLA lowers
+    # repeat_interleave on [B, nk, T, d] to rank-5 broadcasts); the same copy.
+    B, nk = x.shape[:2]
+    rest = x.shape[2:]
+    return x.reshape(B, nk, 1, -1).expand(B, nk, groups, rest.numel()).reshape(B, nk * groups, *rest)
 
 
 def mask_padding(
@@ -42,8 +48,8 @@ def mask_padding(
     """Padding tokens get g = 0 (no decay) and beta = 0 (no write), so they leave the state unchanged."""
     if lengths is None:
         return g, beta
-    positions = torch.arange(g.shape[-1], device=g.device)
-    valid = (positions[None, :] < lengths[:, None].to(positions.dtype))[:, None, :]  # [B, 1, T]
+    positions = torch.arange(g.shape[-1], device=g.device, dtype=lengths.dtype)
+    valid = (positions[None, :] < lengths[:, None])[:, None, :]  # [B, 1, T]
     return g * valid, beta * valid
 
 

@@ -62,7 +62,7 @@ class GatedAttention(nn.Module):
         k_cache = slots.write_positions(k_cache, k, starts, lengths)
         v_cache = slots.write_positions(v_cache, v, starts, lengths)
         keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
-        cached = torch.arange(key_length, device=x.device)
+        cached = torch.arange(key_length, device=x.device, dtype=position_ids.dtype)
         # Queries in blocks, so that long prompts never hold a [T, key_length] score matrix per head.
         outputs = []
         for start in range(0, T, QUERY_BLOCK):
@@ -80,6 +80,6 @@ class GatedAttention(nn.Module):
         k_cache = slots.write_positions(k_cache, k, position_ids[:, 0], one)
         v_cache = slots.write_positions(v_cache, v, position_ids[:, 0], one)
         keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
-        visible = (torch.arange(key_length, device=x.device)[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
+        visible = (torch.arange(key_length, device=x.device, dtype=position_ids.dtype)[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
         out = self._attend(q, keys, values, visible, gate)
         return out, k_cache, v_cache

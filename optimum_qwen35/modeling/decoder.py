@@ -131,9 +131,9 @@ class Qwen35Decoder(nn.Module):
         """`image`: None for text, or (rope_position_ids [B, 3, T], image_embeds [B, T, hidden], image_mask [B, T])
         for prompts holding images: the masked tokens take the vision tower's embeddings instead of their own, and
         every token rotates by its 3-D position (`position_ids` still places tokens in the cache)."""
-        lengths = attention_mask.to(torch.int64).sum(-1)
-        starts = position_ids[:, 0].to(torch.int64)
-        slots = Slots(seq_ids, fresh=starts == 0, in_place=self.state_in_place)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        lengths = attention_mask.sum(-1, dtype=slots.index_dtype)
+        starts = position_ids[:, 0].to(slots.index_dtype)
         key_length = key_length or input_ids.shape[1]
         h = upcast(self.embed_tokens(input_ids))
         if image is None:
@@ -150,8 +150,10 @@ class Qwen35Decoder(nn.Module):
             new_state += [a, b]
         if not all_logits:
             # Only the last real token of each prompt feeds lm_head.
-            last = (lengths - 1).clamp(min=0)[:, None, None].expand(-1, 1, h.shape[-1])
-            h = torch.gather(h, 1, last)[:, 0]
+            # Rows of h [B * T, hidden] (an index_select: no gather with its per-element index tensor).
+            B, T = h.shape[:2]
+            last = torch.arange(B, device=h.device, dtype=lengths.dtype) * T + (lengths - 1).clamp(min=0)
+            h = h.reshape(B * T, -1).index_select(0, last)
         logits = self.lm_head(self.norm(h))
         return (logits, *new_state)
 

@@ -73,7 +73,7 @@ class RotaryEmbedding(nn.Module):
         for axis in (1, 2):
             for j in range(axis, min(3 * mrope_section[axis], rotary_dim // 2), 3):
                 component[j] = axis
-        self.register_buffer("component", torch.tensor(component, dtype=torch.int64, device="cpu"), persistent=False)
+        self.register_buffer("component", torch.tensor(component, dtype=torch.int32, device="cpu"), persistent=False)
         # Built on the CPU even when the model is built on the meta device (weights are loaded later).
         self._set_frequencies(torch.device("cpu"))
 
@@ -102,9 +102,10 @@ class RotaryEmbedding(nn.Module):
     def multimodal(self, rope_position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """rope_position_ids [B, 3, T] (time, row, column) -> cos, sin [B, 1, T, rotary_dim], as `forward`."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq
-        freqs = rope_position_ids.to(inv_freq.dtype)[..., None] * inv_freq  # [B, 3, T, rotary_dim / 2]
-        B, _, T, half = freqs.shape
-        freqs = torch.gather(freqs, 1, self.component.view(1, 1, 1, half).expand(B, 1, T, half))  # [B, 1, T, half]
+        # Each frequency's position component picked before the product (the same values; a gather of the
+        # [B, 3, T, half] products lowers with rank-5 index tensors).
+        positions = rope_position_ids.transpose(1, 2).index_select(2, self.component)  # [B, T, rotary_dim / 2]
+        freqs = (positions.to(inv_freq.dtype) * inv_freq)[:, None]  # [B, 1, T, rotary_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 

@@ -126,6 +126,8 @@ class NeuronPrecision(TorchPrecision):
         # Query head h = kv * G + g reads KV head kv: a KV head's G query heads are contiguous in q.
         q3 = q.reshape(B * KV, (H // KV) * Tq, hd)
         scores = upcast(torch.bmm(q3, k.reshape(B * KV, Tk, hd).transpose(1, 2))) * scale  # [B * KV, G * Tq, Tk]
-        scores = scores.view(B, H, Tq, Tk).masked_fill(~mask, torch.finfo(scores.dtype).min)
+        # The fill value as a tensor of the scores' dtype: a Python float lowers to an f64 value (no fp64 on Neuron).
+        lowest = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device)
+        scores = scores.view(B, H, Tq, Tk).masked_fill(~mask, lowest)
         probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B * KV, (H // KV) * Tq, Tk)
         return torch.bmm(probs, v.reshape(B * KV, Tk, hd)).view(B, H, Tq, hd)

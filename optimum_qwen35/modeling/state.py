@@ -45,16 +45,22 @@ class Slots:
     in_place: write into the given state tensors (True) or return updated copies (False)."""
 
     def __init__(self, seq_ids: torch.Tensor, fresh: torch.Tensor | None = None, in_place: bool = True):
-        seq_ids = seq_ids.to(torch.int64)
+        # Index tensors: int64 in place (the CPU runtime; `index_copy_` takes no other), int32 in the functional
+        # form (the Neuron graphs: int32 as NxD's own models index, no s64 in the HLO).
+        self.index_dtype = torch.int64 if in_place else torch.int32
+        seq_ids = seq_ids.to(self.index_dtype)
         self.in_place = in_place
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         active = seq_ids >= 0
         self.fresh = None if fresh is None else fresh & active  # an inactive row reads its slot 0 as it is
         self.any_active = active.any()
-        rows = torch.arange(seq_ids.shape[0], device=seq_ids.device)
-        # The row whose write each row makes: itself when active, else the first active row (row 0 if none).
-        self.writer = torch.where(active, rows, active.to(torch.int64).argmax())
+        batch = seq_ids.shape[0]
+        rows = torch.arange(batch, device=seq_ids.device, dtype=self.index_dtype)
+        # The row whose write each row makes: itself when active, else the first active row (row 0 if none); a
+        # min, not an argmax (whose int64 result is an s64 in the HLO).
+        first = torch.where(active, rows, batch).amin()
+        self.writer = torch.where(active, rows, torch.where(self.any_active, first, 0))
         self.slot = self.read.index_select(0, self.writer)  # [B]: the slot each row writes
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
@@ -80,7 +86,7 @@ class Slots:
         if not self.in_place:
             unchanged = (initial if initial is not None else self.gather(state)).to(state.dtype).index_select(0, self.writer)
             rows = torch.where(self.any_active.view(*([1] * rows.dim())), rows, unchanged)
-            return state.index_copy(0, self.slot, rows)
+            return state.index_put((self.slot,), rows)  # not index_copy: torch-xla's takes int64 indices only
         slot_0 = state[:1].clone()
         state.index_copy_(0, self.slot, rows)
         state[:1] = torch.where(self.any_active, state[:1], slot_0)
@@ -95,18 +101,23 @@ class Slots:
         the old value at the window's positions outside the block: T rows per slot, always in range."""
         B, H, T, D = new.shape
         S = cache.shape[2]
-        starts, lengths = starts.to(torch.int64), lengths.to(torch.int64)
-        window = starts.clamp(max=S - T)[:, None] + torch.arange(T, device=cache.device)  # [B, T] cache positions
+        starts, lengths = starts.to(self.index_dtype), lengths.to(self.index_dtype)
+        window = starts.clamp(max=S - T)[:, None] + torch.arange(T, device=cache.device, dtype=self.index_dtype)  # [B, T]
         source = window - starts[:, None]  # the block token feeding each window position
         valid = (source >= 0) & (source < lengths[:, None])
-        moved = new.gather(2, source.clamp(0, T - 1)[:, None, :, None].expand(B, H, T, D))
+        # The writing row's block token at each window position, as rows of new [B * H * T, D]: an index_select,
+        # not a gather along T of the 4-D tensor (which XLA lowers with rank-5 index tensors).
+        heads = torch.arange(H, device=cache.device, dtype=self.index_dtype)
+        token = source.clamp(0, T - 1).index_select(0, self.writer)  # [B, T]
+        flat = (self.writer[:, None, None] * H + heads[None, :, None]) * T + token[:, None, :]  # [B, H, T]
+        moved = new.reshape(B * H * T, D).index_select(0, flat.reshape(-1)).view(B, H, T, D)
         valid = valid.index_select(0, self.writer) & self.any_active
         index = (
             self.slot[:, None, None],
-            torch.arange(H, device=cache.device)[None, :, None],
+            heads[None, :, None],
             window.index_select(0, self.writer)[:, None, :],
         )  # broadcast to [B, H, T]
-        values = torch.where(valid[:, None, :, None], moved.index_select(0, self.writer).to(cache.dtype), cache[index])
+        values = torch.where(valid[:, None, :, None], moved.to(cache.dtype), cache[index])
         return cache.index_put_(index, values) if self.in_place else cache.index_put(index, values)
 
 

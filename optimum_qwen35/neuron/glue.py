@@ -80,8 +80,8 @@ def context_lengths(position_ids: torch.Tensor) -> torch.Tensor:
 
 def context_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] 1 for the real tokens of right-padded rows (see `context_lengths`), 0 for the padding."""
-    columns = torch.arange(position_ids.shape[-1], device=position_ids.device)[None, :]
-    return (columns < context_lengths(position_ids)[:, None]).to(torch.int64)
+    columns = torch.arange(position_ids.shape[-1], device=position_ids.device, dtype=position_ids.dtype)[None, :]
+    return (columns < context_lengths(position_ids)[:, None]).to(position_ids.dtype)
 
 
 def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input_ids, 
     each), as in optimum-neuron's `_is_context_encoding`. The held state is returned updated (functionally under
     `NxDLayers`, so that every state output is a new value aliased to its input).
     """
-    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
+    input_ids, position_ids = input_ids.to(torch.int32), position_ids.to(torch.int32)  # int32 as NxD's models
     if input_ids.shape[-1] > 1:
         mask = context_attention_mask(position_ids)
         out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held))
@@ -129,8 +129,8 @@ def image_step(decoder, layout: StateLayout, held: Sequence[torch.Tensor], input
     merged tokens placed at the image tokens, which `image_mask` [B, T] marks. Token generation (one token):
     `rope_position_ids` [B, 1] is the cache position plus the prompt's rope delta (the three components are equal
     for text). `position_ids` places the tokens in the cache and marks the padding, as in `step`."""
-    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
-    rope_position_ids = rope_position_ids.to(torch.int64)
+    input_ids, position_ids = input_ids.to(torch.int32), position_ids.to(torch.int32)  # int32 as NxD's models
+    rope_position_ids = rope_position_ids.to(torch.int32)
     if input_ids.shape[-1] > 1:
         mask = context_attention_mask(position_ids)
         image = (rope_position_ids, image_embeds, image_mask)
@@ -150,10 +150,10 @@ def score(decoder, input_ids, position_ids) -> list[torch.Tensor]:
     Pure: each row runs in its own slot of a zero state made inside the graph (a fresh sequence reads nothing
     cached), and the updated state is dropped, so the held state of running sequences is neither read nor written
     (the graph has no aliases)."""
-    input_ids, position_ids = input_ids.to(torch.int64), position_ids.to(torch.int64)
+    input_ids, position_ids = input_ids.to(torch.int32), position_ids.to(torch.int32)  # int32 as NxD's models
     batch, length = input_ids.shape
     zeros = [torch.zeros(s.shape, dtype=s.dtype, device=input_ids.device) for s in decoder.state_specs(batch, length)]
-    seq_ids = torch.arange(batch, device=input_ids.device)
+    seq_ids = torch.arange(batch, device=input_ids.device, dtype=torch.int32)
     out = decoder.context_encoding(
         input_ids, context_attention_mask(position_ids), position_ids, seq_ids, *zeros, all_logits=True
     )
@@ -249,3 +249,9 @@ def check_neuron_config(neuron_config) -> None:
         problems.append("output_logits=True (must be False)")
     if problems:
         raise ValueError("Qwen3.5's Neuron graphs do not support " + ", ".join(problems))
+
+
+def int32_indices(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Integer tensors (the vision graph's position and segment inputs) in int32, as NxD's models take their
+    indices (no s64 in the HLO); other tensors as they are."""
+    return [t.to(torch.int32) if not t.is_floating_point() and t.dtype != torch.bool else t for t in tensors]

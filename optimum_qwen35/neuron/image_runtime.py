@@ -61,7 +61,7 @@ class NxDImageRuntime(ImageInputs, Qwen35ForCausalLM):
 
     def _run_vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
         patches, *rest = inputs
-        return self._call(patches.to(self.dtype), *rest)
+        return self._call(patches.to(self.dtype), *glue.int32_indices(rest))
 
     def _context(self, ids, mask, positions, seq_ids, image=None) -> torch.Tensor:
         """One context-encoding call per active row (the graph's batch is one row); the last token's logits."""

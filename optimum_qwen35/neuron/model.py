@@ -165,7 +165,7 @@ class Qwen35ImageTokenBuilder(Qwen35DecoderBuilder):
 class Qwen35NxDVisionModel(nn.Module):
     """The traced vision module of one image bucket: the one vision tower definition (`modeling.vision`) over
     neuronx-distributed's layers, under `visual.` so that its weights and the decoder's share one checkpoint's
-    names. Inputs: `modeling.vision.image_bucket_inputs`; output: the merged tokens [bucket / 4, hidden]."""
+    names. Inputs: `modeling.vision.image_bucket_inputs` (integers in int32: `glue.int32_indices`); output: the merged tokens [bucket / 4, hidden]."""
 
     def __init__(self, vision_config, neuron_config):
         super().__init__()
@@ -208,7 +208,7 @@ class Qwen35VisionBuilder(NxDGraphBuilder):
         v = self.vision_config
         patches = torch.zeros(self.bucket, v.patch_dim, dtype=self.neuron_config.torch_dtype)
         grid = (1, v.spatial_merge_size, self.bucket // v.spatial_merge_size)  # any grid of the bucket's size
-        return [image_bucket_inputs(v, patches, grid, self.bucket)]
+        return [tuple(glue.int32_indices(image_bucket_inputs(v, patches, grid, self.bucket)))]
 
     def get_model_instance(self):
         return Qwen35VisionModelInstance(self.vision_config, self.neuron_config)

@@ -1,0 +1,149 @@
+"""The compiler contract (`optimum_qwen35.testing.hlo_contract`) on every graph the export builds, and the check
+itself on graphs made to break it.
+
+- The reference census: optimum-neuron 0.4.5's own Qwen3 and Llama NxD graphs (context encoding, token generation),
+  tiny configs, TP 1 and 2, fp32 and bf16, lowered on the same path as ours (their two closed SDK calls as the
+  HLO they emit: `closed_ops_as_torch`), computed once per session.
+- Every graph of a vision export of the nv = 3 nk layout (context encoding, token generation, the per-position
+  logits graph, two vision buckets, image context encoding, image token generation) at TP 1 and 2, fp32 and bf16:
+  no violation.
+- The check fails on a rank-5 tensor, an f64 constant, an s64 outside the allowlist and an opcode outside the
+  census, each in a tiny graph lowered by torch-xla, and passes a clean one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch_xla
+
+from optimum_qwen35.testing import hlo_contract
+from optimum_qwen35.testing.neuron_xla import build_graphs, lower, neuron_config, traced_parallel_state
+
+from ..conftest import FIXTURES
+
+CASES = [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16)]
+IDS = [f"tp{tp}-{str(d)[6:]}" for tp, d in CASES]
+
+
+@pytest.fixture(scope="module")
+def reference() -> set[str]:
+    hlos = []
+    for kind in hlo_contract.REFERENCE_MODELS:
+        for tp, dtype in CASES:
+            hlos += list(hlo_contract.reference_hlos(kind, "trn2", tp, dtype).values())
+    census = hlo_contract.reference_census(hlos)
+    print(f"\nreference census ({len(hlos)} graphs): {sorted(census)}")
+    return census
+
+
+@pytest.mark.parametrize(("tp", "dtype"), CASES, ids=IDS)
+def test_every_graph_of_the_export_keeps_the_contract(reference, tp, dtype):
+    nc = neuron_config(FIXTURES / "tiny-nv3x", "trn2", tp, dtype)
+    with traced_parallel_state(tp, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES / "tiny-nv3x", nc, image_buckets=[32, 128])
+        assert len(graphs) == 7
+        failures = {}
+        for key, graph in graphs.items():
+            hlo = lower(graph).hlo
+            print(f"\ntp{tp} {str(dtype)[6:]} {key}: {hlo_contract.dtype_census(hlo)}")
+            found = hlo_contract.violations(hlo, reference)
+            if found:
+                failures[key] = found[:20]
+    assert not failures, json.dumps(failures, indent=1)
+
+
+# ------------------------------------------------------------------------------------------- the check itself
+def lowered(fn, *inputs) -> dict:
+    """The HLO of fn(*inputs) on the XLA device (lowered, not run)."""
+    device = torch_xla.device()
+    outputs = fn(*(t.to(device) for t in inputs))
+    context = torch_xla._XLAC.lowering.LoweringContext("contract")
+    context.build(list(outputs) if isinstance(outputs, (tuple, list)) else [outputs])
+    hlo = json.loads(context.hlo_json())
+    torch_xla._XLAC._clear_pending_irs(str(device))
+    return hlo
+
+
+def clean(x, w):
+    return torch.softmax(x @ w, dim=-1) * 2.0 + 1.0
+
+
+X, W = torch.randn(4, 8), torch.randn(8, 8)
+
+
+def test_a_clean_graph_passes(reference):
+    assert hlo_contract.violations(lowered(clean, X, W), reference) == []
+
+
+def test_a_rank_5_tensor_fails(reference):
+    found = hlo_contract.violations(lowered(lambda x, w: clean(x, w).reshape(2, 2, 2, 2, 2) + 1.0, X, W), reference)
+    assert found and all(f.startswith("rank 5") for f in found), found
+
+
+def test_an_f64_constant_fails(reference):
+    mask = torch.ones(4, 8, dtype=torch.bool)
+    # masked_fill with a Python float: the hazard NeuronPrecision.attention had (an f64 value).
+    found = hlo_contract.violations(lowered(lambda x, w, m: clean(x, w).masked_fill(m, -1e30), X, W, mask), reference)
+    assert any(f.startswith("f64") for f in found), found
+
+
+def test_an_s64_outside_the_allowlist_fails(reference):
+    ids = torch.arange(4, dtype=torch.int32)
+    found = hlo_contract.violations(lowered(lambda i: i.to(torch.int64) * 3, ids), reference)
+    assert found and all(f.startswith("s64 not allowed") for f in found), found
+    # The same in int32 passes; an s64 that only meets a compare is allowed (torch-xla's comparison with a
+    # Python int).
+    assert hlo_contract.violations(lowered(lambda i: i * 3, ids), reference) == []
+    assert hlo_contract.violations(lowered(lambda i: (i >= 0).to(torch.int32), ids), reference) == []
+
+
+def test_an_opcode_outside_the_census_fails(reference):
+    found = hlo_contract.violations(lowered(lambda x, w: torch.atan2(clean(x, w), x @ w), X, W), reference)
+    assert found == ["outside the census: opcode atan2"], found
+
+
+def test_a_form_outside_the_census_fails(reference):
+    """opcode scatter is in the census; a scatter that adds (index_add) is not. A row gather along an inner axis
+    (index_select on dim 1) is outside the census too, and passes only through its named exception."""
+    x, rows = torch.randn(6, 5), torch.tensor([1, 3], dtype=torch.int32)
+    found = hlo_contract.violations(lowered(lambda t, i: t.index_add(0, i, torch.ones(2, 5, device=t.device)), x, rows),
+                                    reference)
+    assert found == ["outside the census: scatter rows index_map=leading inserted=yes windows=whole combiner=add"]
+    inner = lowered(lambda t, i: t.index_select(1, i), x, rows)
+    assert hlo_contract.violations(inner, reference, exceptions={}) == [
+        "outside the census: gather rows index_map=inner collapsed=yes windows=whole"]
+    assert hlo_contract.violations(inner, reference) == []
+
+
+def test_hand_made_modules():
+    """Hand-written HloModuleProto JSON: each rule on its own."""
+
+    def module(*instructions):
+        return {"computations": [{"id": "1", "rootId": instructions[-1]["id"], "instructions": list(instructions)}]}
+
+    def inst(i, opcode, etype, dims, operands=()):
+        return {"id": str(i), "name": f"{opcode}.{i}", "opcode": opcode, "operandIds": [str(o) for o in operands],
+                "shape": {"elementType": etype, "dimensions": [str(d) for d in dims]}}
+
+    reference = {"opcode parameter", "opcode add", "opcode convert", "opcode compare", "opcode constant",
+                 "opcode broadcast"}
+    ok = module(inst(1, "parameter", "F32", [2, 3]), inst(2, "add", "F32", [2, 3], (1, 1)))
+    assert hlo_contract.violations(ok, reference) == []
+    rank5 = module(inst(1, "parameter", "F32", [1, 2, 3, 4, 5]))
+    assert hlo_contract.violations(rank5, reference) == ["rank 5: parameter parameter.1 f32[1,2,3,4,5]"]
+    f64 = module(inst(1, "constant", "F64", []), inst(2, "convert", "F32", [], (1,)))
+    assert hlo_contract.violations(f64, reference) == ["f64: constant constant.1 f64[]"]
+    s64 = module(inst(1, "parameter", "S32", [4]), inst(2, "convert", "S64", [4], (1,)),
+                 inst(3, "add", "S64", [4], (2, 2)))
+    assert hlo_contract.violations(s64, reference) == [
+        "s64 not allowed: convert convert.2 s64[4]", "s64 not allowed: add add.3 s64[4]"]
+    compared = module(inst(1, "parameter", "S32", [4]), inst(2, "convert", "S64", [4], (1,)),
+                      inst(3, "constant", "S64", []), inst(4, "broadcast", "S64", [4], (3,)),
+                      inst(5, "compare", "PRED", [4], (2, 4)))
+    assert hlo_contract.violations(compared, reference) == []
+    foreign = module(inst(1, "parameter", "F32", [4]), inst(2, "sort", "F32", [4], (1,)))
+    foreign["computations"][0]["instructions"][1]["calledComputationIds"] = ["1"]
+    assert "outside the census: opcode sort" in hlo_contract.violations(foreign, reference)
