@@ -117,7 +117,7 @@ S64_ALLOWED: dict[str, tuple] = {
         lambda ids, users, inst: _comparisons_only(ids, users, inst),
         "s64 only as an operand of a compare: torch-xla compares an int32 tensor with a Python int (`seq_ids >= 0`) "
         "and wraps negative indices in its index / index_put lowering (index < 0) in s64; the result is a "
-        "predicate, no s64 value is stored or computed with (the census's graphs have the same)",
+        "predicate, no s64 value is stored or computed with (the census's token-generation graphs have the same)",
     ),
     "embedding ids": (
         lambda ids, users, inst: _gather_indices_only(users, inst),
