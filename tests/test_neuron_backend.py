@@ -234,6 +234,25 @@ def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place
     assert torch.equal(out, before)
 
 
+def test_write_positions_in_place_and_functional_agree():
+    """The two forms of `Slots.write_positions` (in place: a gather along T, int64 indices; functional, the Neuron
+    graphs': an index_select over the block's rows, int32 indices) write the same values: windows shifted at the
+    cache's end, rows shorter than the block, an inactive row, and no active row."""
+    from optimum_qwen35.modeling.state import Slots
+
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 2, 16, 8, generator=generator)
+    new = torch.randn(3, 2, 8, 2, generator=generator).transpose(2, 3)  # [B, H, T, D], not contiguous
+    cases = [([2, 0, 3], [0, 13, 9], [8, 3, 5]), ([1, -1, 0], [4, 0, 12], [2, 8, 4]), ([-1, -1, -1], [0, 0, 0], [8] * 3)]
+    for seq_ids, starts, lengths in cases:
+        args = (new, torch.tensor(starts), torch.tensor(lengths))
+        seq_ids = torch.tensor(seq_ids, dtype=torch.int32)
+        in_place = Slots(seq_ids, in_place=True).write_positions(cache.clone(), *args)
+        functional = Slots(seq_ids, in_place=False).write_positions(cache.clone(), *args)
+        assert torch.equal(in_place, functional)
+        assert (in_place != cache).any() == bool((seq_ids >= 0).any())
+
+
 # ------------------------------------------------------------------------------------------ input conventions
 def test_right_padding_with_position_one_gives_back_each_rows_length():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])

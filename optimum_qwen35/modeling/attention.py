@@ -80,6 +80,7 @@ class GatedAttention(nn.Module):
         k_cache = slots.write_positions(k_cache, k, position_ids[:, 0], one)
         v_cache = slots.write_positions(v_cache, v, position_ids[:, 0], one)
         keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
-        visible = (torch.arange(key_length, device=x.device, dtype=position_ids.dtype)[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
+        cached = torch.arange(key_length, device=x.device, dtype=position_ids.dtype)
+        visible = (cached[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
         out = self._attend(q, keys, values, visible, gate)
         return out, k_cache, v_cache

@@ -57,10 +57,14 @@ class Slots:
         self.any_active = active.any()
         batch = seq_ids.shape[0]
         rows = torch.arange(batch, device=seq_ids.device, dtype=self.index_dtype)
-        # The row whose write each row makes: itself when active, else the first active row (row 0 if none); a
-        # min, not an argmax (whose int64 result is an s64 in the HLO).
-        first = torch.where(active, rows, batch).amin()
-        self.writer = torch.where(active, rows, torch.where(self.any_active, first, 0))
+        # The row whose write each row makes: itself when active, else the first active row (row 0 if none). In
+        # the graphs a min, not an argmax (whose int64 result is an s64 in the HLO); on CPU the argmax (fewer ops).
+        if in_place:
+            first = active.to(self.index_dtype).argmax()
+        else:
+            # amin(0), not amin(): torch-xla 2.8 reduces nothing for an empty dim list.
+            first = torch.where(self.any_active, torch.where(active, rows, batch).amin(0), 0)
+        self.writer = torch.where(active, rows, first)
         self.slot = self.read.index_select(0, self.writer)  # [B]: the slot each row writes
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
@@ -102,15 +106,21 @@ class Slots:
         B, H, T, D = new.shape
         S = cache.shape[2]
         starts, lengths = starts.to(self.index_dtype), lengths.to(self.index_dtype)
-        window = starts.clamp(max=S - T)[:, None] + torch.arange(T, device=cache.device, dtype=self.index_dtype)  # [B, T]
+        steps = torch.arange(T, device=cache.device, dtype=self.index_dtype)
+        window = starts.clamp(max=S - T)[:, None] + steps  # [B, T] cache positions
         source = window - starts[:, None]  # the block token feeding each window position
         valid = (source >= 0) & (source < lengths[:, None])
-        # The writing row's block token at each window position, as rows of new [B * H * T, D]: an index_select,
-        # not a gather along T of the 4-D tensor (which XLA lowers with rank-5 index tensors).
         heads = torch.arange(H, device=cache.device, dtype=self.index_dtype)
-        token = source.clamp(0, T - 1).index_select(0, self.writer)  # [B, T]
-        flat = (self.writer[:, None, None] * H + heads[None, :, None]) * T + token[:, None, :]  # [B, H, T]
-        moved = new.reshape(B * H * T, D).index_select(0, flat.reshape(-1)).view(B, H, T, D)
+        token = source.clamp(0, T - 1)
+        # The writing row's block token at each window position [B, H, T, D].
+        if self.in_place:  # CPU: one gather along T (fewer ops than the form below)
+            moved = new.gather(2, token[:, None, :, None].expand(B, H, T, D)).index_select(0, self.writer)
+        else:
+            # Rows of new viewed [B * H * T, D]: an index_select, not a gather along T of the 4-D tensor (which XLA
+            # lowers with rank-5 index tensors).
+            token = token.index_select(0, self.writer)
+            flat = (self.writer[:, None, None] * H + heads[None, :, None]) * T + token[:, None, :]  # [B, H, T]
+            moved = new.reshape(B * H * T, D).index_select(0, flat.reshape(-1)).view(B, H, T, D)
         valid = valid.index_select(0, self.writer) & self.any_active
         index = (
             self.slot[:, None, None],

@@ -165,7 +165,8 @@ class Qwen35ImageTokenBuilder(Qwen35DecoderBuilder):
 class Qwen35NxDVisionModel(nn.Module):
     """The traced vision module of one image bucket: the one vision tower definition (`modeling.vision`) over
     neuronx-distributed's layers, under `visual.` so that its weights and the decoder's share one checkpoint's
-    names. Inputs: `modeling.vision.image_bucket_inputs` (integers in int32: `glue.int32_indices`); output: the merged tokens [bucket / 4, hidden]."""
+    names. Inputs: `modeling.vision.image_bucket_inputs` (integers in int32: `glue.int32_indices`); output: the
+    merged tokens [bucket / 4, hidden]."""
 
     def __init__(self, vision_config, neuron_config):
         super().__init__()
