@@ -35,8 +35,10 @@ def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
     groups = num_value_heads // x.shape[1]
     if groups == 1:
         return x
-    # repeat_interleave, with the trailing dims merged so that the broadcast stays rank 4 (XLA lowers
-    # repeat_interleave on [B, nk, T, d] to rank-5 broadcasts); the same copy.
+    if x.device.type != "xla":
+        return x.repeat_interleave(groups, dim=1)
+    # On XLA (the Neuron graphs), repeat_interleave on [B, nk, T, d] lowers to rank-5 broadcasts: the same copy with
+    # the trailing dims merged, so that the broadcast stays rank 4 (on CPU this form costs a copy more).
     B, nk = x.shape[:2]
     rest = x.shape[2:]
     return x.reshape(B, nk, 1, -1).expand(B, nk, groups, rest.numel()).reshape(B, nk * groups, *rest)
