@@ -39,6 +39,7 @@ import optimum.neuron  # noqa: E402,F401  (sets the compilation target, which ne
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
+from optimum_qwen35.modeling.attention import QUERY_BLOCK  # noqa: E402
 from optimum_qwen35.testing.neuron_xla import (  # noqa: E402
     CONTEXT,
     LOGITS,
@@ -289,7 +290,7 @@ def rank_shapes(size: str, tp: int, batch: int, sequence: int, graphs: dict[str,
     spec_bytes = [math.prod(s.shape) * s.dtype.itemsize for s in held]
     kv = sum(b for j, b in enumerate(spec_bytes) if layout.is_kv(j))
     config, dims = module.config, module.dims
-    embedding = sum(b for n, b in nbytes.items() if n.startswith("embed_tokens."))
+    embedding = nbytes["embed_tokens.weight"]  # the table (its rank tensor, 4 bytes, counts with the weights)
     lm_head = next(p for n, p in weights.items() if n.startswith("lm_head.") and n.endswith("weight"))
     kv_spec = held[0]
     recurrent = next(s for s in held if "recurrent" in s.name)
@@ -304,14 +305,14 @@ def rank_shapes(size: str, tp: int, batch: int, sequence: int, graphs: dict[str,
 def step_traffic(s: RankShapes, graph: str, dtype_bytes: int = 2) -> dict[str, int]:
     """HBM bytes one call of a graph moves per rank, a lower bound: every matmul weight read once, the embedding rows
     of the call's tokens, and the held state as `testing.neuron_xla.state_traffic` counts it from the HLO (checked
-    against it in tests/neuron_xla/test_real_shapes.py): token generation reads each row's whole K/V and DeltaNet
-    states and writes one K/V position and the DeltaNet states; context encoding (one row, T = sequence) writes the
+    against it in tests/neuron_xla/test_real_shapes.py): token generation reads each row's whole K/V (and the
+    position it writes once more) and DeltaNet states, and writes one K/V position and the DeltaNet states; context encoding (one row, T = sequence) writes the
     row's K/V and DeltaNet states and reads the K/V twice and the DeltaNet states once. Activations are left out."""
     slot_kv, slot_dn = s.kv // s.batch, s.deltanet // s.batch
     matmul = s.weights - s.embedding
     if graph == TOKENS:
         kv_write = s.batch * s.attention_layers * 2 * s.kv_heads_per_rank * s.head_dim * dtype_bytes
-        return {"weights": matmul + s.batch * s.hidden * dtype_bytes, "state_read": s.kv + s.deltanet,
+        return {"weights": matmul + s.batch * s.hidden * dtype_bytes, "state_read": s.kv + kv_write + s.deltanet,
                 "state_write": kv_write + s.deltanet}
     rows = s.sequence
     return {"weights": matmul + rows * s.hidden * dtype_bytes, "state_read": 2 * slot_kv + slot_dn,
@@ -320,16 +321,20 @@ def step_traffic(s: RankShapes, graph: str, dtype_bytes: int = 2) -> dict[str, i
 
 def collectives_per_step(s: RankShapes, graph: str) -> list[tuple[str, str, int]]:
     """The collectives a graph's HLO holds (checked against the lowered HLO): one all-reduce per row-parallel
-    layer (each mixer's output projection and each MLP's down projection, fp32: neuronx-distributed's default
-    reduce_dtype), one for the vocabulary-split embedding (model dtype), and the lm_head's fp32 logits gathered along
-    the vocabulary (the last token of the one row in context encoding, one token per row in token generation).
-    None at TP 1 (neuronx-distributed's layers skip them)."""
+    layer call (fp32: neuronx-distributed's default reduce_dtype) -- each DeltaNet mixer's and MLP's output
+    projection, and each attention layer's o_proj once per query block of `QUERY_BLOCK` tokens (context encoding
+    attends block by block, o_proj included) -- one for the vocabulary-split embedding (model dtype), and the
+    lm_head's fp32 logits gathered along the vocabulary (the last token of the one row in context encoding, one
+    token per row in token generation). None at TP 1 (neuronx-distributed's layers skip them)."""
     if s.tp == 1:
         return []
     rows = s.batch if graph == TOKENS else 1
     tokens = rows * (1 if graph == TOKENS else s.sequence)
+    length = 1 if graph == TOKENS else s.sequence
+    blocks = [min(QUERY_BLOCK, length - start) for start in range(0, length, QUERY_BLOCK)]
     out = [("all-reduce", "bf16", tokens * s.hidden * 2)]
-    out += [("all-reduce", "f32", tokens * s.hidden * 4)] * (2 * s.layers)
+    out += [("all-reduce", "f32", tokens * s.hidden * 4)] * (2 * s.layers - s.attention_layers)
+    out += [("all-reduce", "f32", rows * block * s.hidden * 4) for block in blocks] * s.attention_layers
     out += [("all-gather", "f32", rows * s.vocab_padded_per_rank * s.tp * 4)]
     return out
 
