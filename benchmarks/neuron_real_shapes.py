@@ -21,7 +21,7 @@ trn2.3xlarge (labelled as one; the hardware figures and their sources are in `HA
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import os
@@ -276,11 +276,7 @@ def rank_shapes(size: str, tp: int, batch: int, sequence: int, graphs: dict[str,
                 dtype=torch.bfloat16) -> RankShapes:
     """Built on `meta` when no graphs are given (seconds, no memory)."""
     if graphs is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = config_folder(size, Path(tmp))
-            nc = neuron_config(folder, "trn2", tp, dtype, batch, sequence)
-            with traced_parallel_state(tp, nc.logical_nc_config):
-                graphs = build_modules(folder, nc, keys=(TOKENS,), placeholders=False)
+        return _meta_rank_shapes(size, tp, batch, sequence, dtype)
     module = graphs[TOKENS].module
     layout = module.state_layout
     params = dict(module.named_parameters())
@@ -300,6 +296,15 @@ def rank_shapes(size: str, tp: int, batch: int, sequence: int, graphs: dict[str,
         sum(p.numel() for n, p in weights.items() if not n.startswith("embed_tokens.")), dims.num_heads,
         recurrent.shape[1], recurrent.shape[2], recurrent.shape[3],
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _meta_rank_shapes(size: str, tp: int, batch: int, sequence: int, dtype) -> RankShapes:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = config_folder(size, Path(tmp))
+        nc = neuron_config(folder, "trn2", tp, dtype, batch, sequence)
+        with traced_parallel_state(tp, nc.logical_nc_config):
+            return rank_shapes(size, tp, batch, sequence, build_modules(folder, nc, keys=(TOKENS,), placeholders=False))
 
 
 def step_traffic(s: RankShapes, graph: str, dtype_bytes: int = 2) -> dict[str, int]:
@@ -488,27 +493,58 @@ def prefill_ms(s: RankShapes, tokens: int, bound: int) -> float:
     return 1e3 * (max(compute, hbm) + comm)
 
 
-def projection(sequence: int = 4096) -> list[str]:
-    lines = [f"Projection (not a measurement): Qwen3.5-2B bf16 on trn2.3xlarge (one chip, LNC 2: 4 logical cores), "
-             f"cache of {sequence} tokens.",
-             "| TP | batch | weights+state / rank | decode ms/token | tokens/s per sequence | tokens/s per chip (4/TP "
-             "replicas) | TTFT 128 tokens | TTFT 4096 tokens |", "|" + "---|" * 8]
+def projection() -> list[str]:
+    lines = ["Projection (not a measurement): Qwen3.5-2B bf16 on trn2.3xlarge (one chip, LNC 2: 4 logical cores). Each "
+             "cell a range: optimistic .. pessimistic ends of the hardware figures.",
+             "| TP | batch | weights+state / rank (4096) | decode ms/token, cache 128 | decode ms/token, cache 4096 | "
+             "tok/s per sequence (4096) | tok/s per chip, 4/TP replicas (4096) | TTFT 128 tokens | TTFT 4096 tokens |",
+             "|" + "---|" * 9]
     for batch in (1, 8):
         for tp in (1, 2, 4):
-            s = rank_shapes("2B", tp, batch, sequence)
+            short, s = rank_shapes("2B", tp, batch, 128), rank_shapes("2B", tp, batch, 4096)
             lo, hi = decode_ms(s, 0), decode_ms(s, 1)
             replicas = 4 // tp
             lines.append(
-                f"| {tp} | {batch} | {fmt_bytes(s.total)} | {lo:.2f} - {hi:.2f} | {1e3 / hi:.0f} - {1e3 / lo:.0f} | "
+                f"| {tp} | {batch} | {fmt_bytes(s.total)} | {decode_ms(short, 0):.2f} - {decode_ms(short, 1):.2f} | "
+                f"{lo:.2f} - {hi:.2f} | {1e3 / hi:.0f} - {1e3 / lo:.0f} | "
                 f"{replicas * batch * 1e3 / hi:.0f} - {replicas * batch * 1e3 / lo:.0f} | "
                 f"{prefill_ms(s, 128, 0):.1f} - {prefill_ms(s, 128, 1):.1f} ms | "
                 f"{prefill_ms(s, 4096, 0):.0f} - {prefill_ms(s, 4096, 1):.0f} ms |")
-    s1 = rank_shapes("2B", 1, 1, sequence)
-    limit = (s1.weights - s1.embedding) / (TRN2["hbm_gbs_per_core"][0] * 4e9) * 1e3
-    lines.append(f"Physical limit, batch 1, whole chip: {fmt_bytes(s1.weights - s1.embedding)} of matmul weights / "
-                 f"2.9 TB/s = {limit:.2f} ms/token ({1e3 / limit:.0f} tok/s). Measured elsewhere: the seed (trn2.3xlarge "
-                 f"TP 4, seq 128) {SEED['ttft_ms']} ms TTFT, {SEED['tok_s_b1']} tok/s batch 1 ({1e3 / SEED['tok_s_b1']:.2f} "
-                 f"ms/token), {SEED['tok_s_b8']} tok/s batch 8; NxDI (trn2.48xlarge TP 8) {NXDI['ms_per_token']} ms/token.")
+    s1 = rank_shapes("2B", 1, 1, 128)
+    matmul = s1.weights - s1.embedding
+    limit = matmul / (TRN2["hbm_gbs_per_core"][1] * 4e9) * 1e3, matmul / (TRN2["hbm_gbs_per_core"][0] * 4e9) * 1e3
+    lines.append(f"Physical limit, batch 1, the whole chip's HBM bandwidth (2.9-3.0 TB/s) over the "
+                 f"{fmt_bytes(matmul)} of matmul weights a token reads: {limit[0]:.2f}-{limit[1]:.2f} ms/token "
+                 f"({1e3 / limit[1]:.0f}-{1e3 / limit[0]:.0f} tok/s). Measured, not by this project: the seed "
+                 f"(trn2.3xlarge TP 4, seq 128) {SEED['ttft_ms']} ms TTFT, {SEED['tok_s_b1']} tok/s batch 1 "
+                 f"({1e3 / SEED['tok_s_b1']:.2f} ms/token), {SEED['tok_s_b8']} tok/s batch 8; NxDI's later version "
+                 f"(trn2.48xlarge TP 8, seq 512) {NXDI['ms_per_token']} ms/token.")
+    return lines
+
+
+def recommend(sequence: int = 32768, batch: int = 8, headroom: float = 0.8) -> list[str]:
+    """Per size and instance: the smallest valid TP degree whose rank holds weights + state for `batch` sequences of
+    `sequence` tokens within `headroom` of a core's HBM (the rest left to activations, scratch and the runtime: an
+    assumption), and on trn2 the degree the decode projection finds fastest at batch 1 (4096-token cache), at its
+    optimistic / pessimistic end."""
+    from optimum_qwen35.config import Qwen35Config
+
+    lines = [f"| size | valid TP | smallest TP within {headroom:.0%} of a core's HBM ({batch} x {sequence} tokens): "
+             + " / ".join(INSTANCES) + " | fastest batch-1 decode, trn2.3xlarge (TP <= 4) | fastest batch-1 decode, "
+             "trn2.48xlarge |", "|---|---|---|---|---|"]
+    for size in SIZES:
+        valid = Qwen35Config.from_dict(config_dict(size)).valid_tp_degrees()
+        cells = []
+        for name, (target, cores, gib, _) in INSTANCES.items():
+            fit = next((t for t in valid if t <= cores and rank_shapes(size, t, batch, sequence).total <= headroom * gib * GIB), None)
+            cells.append(f"TP {fit}" if fit else "none")
+        timings = []
+        for cores in (4, 64):
+            degrees = [t for t in valid if t <= cores]
+            best = [min(degrees, key=lambda t: decode_ms(rank_shapes(size, t, 1, 4096), bound)) for bound in (0, 1)]
+            timings.append(" / ".join(f"TP {t} ({decode_ms(rank_shapes(size, t, 1, 4096), b):.2f} ms)"
+                                      for b, t in enumerate(best)))
+        lines.append(f"| {size} | {', '.join(map(str, valid))} | {' / '.join(cells)} | {timings[0]} | {timings[1]} |")
     return lines
 
 
@@ -538,6 +574,7 @@ def main():
     print("\n".join(memory_table(configs)))
     if args.projection:
         print("\n".join(projection()))
+        print("\n".join(recommend()))
     print(f"peak RSS {rss_gib():.2f} GiB")
 
 

@@ -1,8 +1,8 @@
-"""benchmarks/neuron_real_shapes.py's smallest case, so that it cannot rot (about 40 s).
+"""benchmarks/neuron_real_shapes.py's smallest case, so that it cannot rot (about 90 s).
 
 The benchmark builds the export's graphs shape-only (modules on `meta`, torch-xla placeholders) and computes the
 per-rank bytes, step traffic and collectives of configurations it does not lower. Here, at the real 0.8B shapes
-(TP 2, batch 2, 256 tokens): the shape-only graphs lower, their collectives are exactly the computed ones, their
+(TP 2, batch 2, 1280 tokens: two query blocks of context encoding's attention): the shape-only graphs lower, their collectives are exactly the computed ones, their
 entry parameters hold the computed weights and state, and the computed state traffic is what
 `testing.neuron_xla.state_traffic` counts from the lowered HLO. Also the assumed 2B config has the 2B's published
 parameter count.
@@ -31,7 +31,7 @@ def bench():
 
 
 def test_shape_only_graphs_lower_and_match_the_computed_sizes(bench, tmp_path):
-    size, tp, batch, sequence = "0.8B", 2, 2, 256
+    size, tp, batch, sequence = "0.8B", 2, 2, 1280  # two query blocks (1024 + 256)
     folder = bench.config_folder(size, tmp_path)
     nc = neuron_config(folder, "trn2", tp, batch_size=batch, sequence_length=sequence, dtype=bench.torch.bfloat16)
     with traced_parallel_state(tp, nc.logical_nc_config):
