@@ -1,6 +1,6 @@
 """The export's Neuron graphs at every real Qwen3.5 size and natural TP degree: lowered HLO, per-rank memory, traffic.
 
-    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~1 min)
+    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~2 min)
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
 
 The graphs are built exactly as the export builds them (`get_neuron_config` -> `create_graph_builders` -> the
@@ -15,7 +15,8 @@ For each configuration it prints, per graph, the HLO instruction count (the whol
 shapes by rank and element type, and the collectives in the HLO with their result bytes; and per rank: the weights,
 the KV cache, the DeltaNet states (from the modules' own parameter shapes), the HBM bytes a step moves
 (`step_traffic`) and which instances hold it. `--projection` adds the latency projection for the 2B on
-trn2.3xlarge (labelled as one; the hardware figures and their sources are in `HARDWARE`).
+trn2.3xlarge (labelled as one: the hardware figures are `TRN2`, `ALLREDUCE_US`, `BUS_GBS`, their sources beside
+them and in `HARDWARE_SOURCES`) and the recommended TP degree per size and instance.
 """
 
 from __future__ import annotations
@@ -575,6 +576,7 @@ def main():
     if args.projection:
         print("\n".join(projection()))
         print("\n".join(recommend()))
+        print("\n".join(f"{chip}: {source}" for chip, source in HARDWARE_SOURCES.items()))
     print(f"peak RSS {rss_gib():.2f} GiB")
 
 
