@@ -81,8 +81,12 @@ def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
         for n in set(expected) & present
         if reader.shape(n) != expected[n]
     )
+    # A layer storing its experts one by one with some missing: name those (the fused names are missing too).
+    missing_experts = getattr(reader, "missing_expert_tensors", [])
     if missing or unexpected or wrong:
         lines = [f"checkpoint {reader.folder} does not match its config.json:"]
+        if missing_experts:
+            lines.append(f"  per-expert tensors missing ({len(missing_experts)}): " + ", ".join(missing_experts[:20]))
         for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])

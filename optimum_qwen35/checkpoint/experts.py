@@ -39,6 +39,20 @@ def fuse_expert_names(names: list[str]) -> dict[str, list[str]]:
     return fused
 
 
+def missing_expert_tensors(names: list[str]) -> list[str]:
+    """The per-expert tensors a partly stored layer lacks (experts numbered 0..max, each with its three)."""
+    layers: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for name in names:
+        m = _PER_EXPERT.match(name)
+        if m:
+            layers[m["layer"]][int(m["expert"])].add(m["proj"])
+    missing = []
+    for prefix, experts in layers.items():
+        for e in range(max(experts) + 1):
+            missing += [f"{prefix}{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj") if p not in experts.get(e, ())]
+    return missing
+
+
 def fused_shape(name: str, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The fused tensor's shape from its parts' shapes (see `fuse_expert_names` for the order)."""
     if name.endswith("gate_up_proj"):

@@ -101,6 +101,7 @@ class CheckpointReader:
                 self._vision[key[len(VISION_PREFIX) :]] = (file, key)
         # MoE experts stored per expert are served under the fused names (checkpoint/experts.py).
         self._fused: dict[str, list[str]] = experts.fuse_expert_names(list(self._files))
+        self.missing_expert_tensors = experts.missing_expert_tensors(list(self._files))
         self._part_locations: dict[str, tuple[str, str]] = {}
         for parts in self._fused.values():
             for part in parts:
