@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from .parallel import Linear, all_reduce
+from ..errors import UnsupportedModelError
+from .parallel import Linear, TorchLayers, all_reduce
 from .precision import accumulation_dtype, upcast
 
 
@@ -129,8 +130,12 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: Qwen35Config, layers):
         super().__init__()
-        self.tp_degree = getattr(layers, "tp_degree", 1)
-        self.group_name = getattr(layers, "group_name", None)
+        if not isinstance(layers, TorchLayers):
+            raise UnsupportedModelError(
+                f"the Qwen3.5 MoE block has no {type(layers).__name__} form yet (Neuron targets): MoE models run on the "
+                "cpu target only so far (docs/moe.md)"
+            )
+        self.tp_degree, self.group_name = layers.tp_degree, layers.group_name
         self.sharding = s = ExpertSharding.from_config(config, self.tp_degree)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config.num_experts, config.hidden_size)
