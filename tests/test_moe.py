@@ -158,6 +158,7 @@ def build_tiny_checkpoint_config(layout: str) -> Path:
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.mark.slow  # the torch.export of 3 programs: 4.5 min wall on the shared 2 cores at load 17 (8 users)
 def test_compiled_cpu_graphs_run_the_moe(tmp_path, layout="tiny-moe"):
     """The cpu target's `torch.export` programs (context encoding, token generation) hold the MoE block (static
     shapes: the dense form in prefill, the gathered form in decode) and give transformers' recorded greedy tokens."""
