@@ -91,7 +91,8 @@ def _install_startup_file(session):
 ENVIRONMENT_FREE_TESTS = [
     "tests/emulator", "tests/kernels", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
     "tests/test_conversion_memory.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
-    "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_long_context.py",
+    "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_long_context.py", "tests/test_moe.py",
+    "tests/test_moe_parallel.py",
     "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_shard.py", "tests/test_state_in_place.py",
     "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_vision_tensor_parallel.py",
 ]

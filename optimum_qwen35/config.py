@@ -20,7 +20,12 @@ LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# The nested (vision-language) model types and the text config type each one holds.
+NESTED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# expert_parallel_mode's rule: the fewest intermediate rows of an expert a rank may hold when experts are split.
+MIN_EXPERT_ROWS_PER_RANK = 128
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,16 @@ class Qwen35Config:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     hidden_act: str = "silu"
+    # Mixture of experts (`qwen3_5_moe`; 0 for the dense models): every layer's MLP is a sparse block of
+    # `num_experts` routed experts (top `num_experts_per_tok`) plus one shared expert (modeling/moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # How tensor parallelism splits the routed experts: "ep" (expert parallel: each rank a block of whole
+    # experts), "tp" (every expert split along its intermediate size) or "auto" (`expert_parallel_mode`). Not a
+    # config.json field: set with `dataclasses.replace(config, moe_parallel=...)`.
+    moe_parallel: str = "auto"
     # The original file, kept so that it can be saved unchanged next to compiled artifacts.
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -95,6 +110,10 @@ class Qwen35Config:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     # ------------------------------------------------------------------ tensor parallelism
     def valid_tp_degrees(self) -> list[int]:
         """Degrees t that split every layer by whole heads.
@@ -113,6 +132,21 @@ class Qwen35Config:
             degrees.append(t)
         return degrees
 
+    def expert_parallel_mode(self, tp_degree: int) -> str:
+        """How `tp_degree` ranks split the routed experts: "ep" or "tp" ("tp" at degree 1: nothing is split).
+
+        The rule for "auto" (docs/moe.md): split every expert ("tp") while each rank keeps at least
+        MIN_EXPERT_ROWS_PER_RANK of an expert's intermediate rows (one full 128-partition tile on Neuron's TensorE,
+        so the per-expert matmuls stay full-width); beyond that, give each rank whole experts ("ep"). Qwen3.5-35B-A3B
+        (expert width 512): "tp" up to degree 4, "ep" at 8 and 16."""
+        if tp_degree == 1 or not self.is_moe:
+            return "tp"
+        if self.moe_parallel not in ("auto", "ep", "tp"):
+            raise UsageError(f"moe_parallel={self.moe_parallel!r}: choose 'auto', 'ep' or 'tp'")
+        if self.moe_parallel != "auto":
+            return self.moe_parallel
+        return "tp" if self.moe_intermediate_size // tp_degree >= MIN_EXPERT_ROWS_PER_RANK else "ep"
+
     def check_tp_degree(self, tp_degree: int) -> None:
         from .validation import positive_int  # noqa: PLC0415
 
@@ -124,6 +158,11 @@ class Qwen35Config:
                 f"({self.num_attention_heads} attention heads, {self.num_key_value_heads} KV heads, "
                 f"{self.linear_num_key_heads} DeltaNet key heads). Valid degrees: {valid}."
             )
+        if self.is_moe and self.expert_parallel_mode(tp_degree) == "ep" and tp_degree > self.num_experts:
+            raise UsageError(
+                f"tensor_parallel_size={tp_degree} with expert parallelism leaves ranks without an expert "
+                f"({self.num_experts} experts); use at most {self.num_experts} ranks or moe_parallel='tp'."
+            )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -131,22 +170,25 @@ class Qwen35Config:
         """Parse a Qwen3.5 config dict: nested (`qwen3_5` with `text_config`) or bare (`qwen3_5_text`)."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = " Mixture-of-experts Qwen3.5 models are not supported yet." if "moe" in str(model_type) else ""
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not a dense Qwen3.5 model; expected one of {SUPPORTED_MODEL_TYPES}.{hint}"
+                f"model_type {model_type!r} is not a Qwen3.5 model; expected one of {SUPPORTED_MODEL_TYPES}"
             )
-        text = config.get("text_config") if model_type == "qwen3_5" else config
-        if model_type == "qwen3_5" and not isinstance(text, dict):
-            raise UnsupportedModelError("a `qwen3_5` config.json must hold a `text_config` object")
-        if text.get("model_type", "qwen3_5_text") != "qwen3_5_text":
+        nested = model_type in NESTED_TEXT_TYPES
+        text = config.get("text_config") if nested else config
+        if nested and not isinstance(text, dict):
+            raise UnsupportedModelError(f"a `{model_type}` config.json must hold a `text_config` object")
+        text_type = NESTED_TEXT_TYPES.get(model_type, model_type)
+        if text.get("model_type", text_type) != text_type:
             raise UnsupportedModelError(
-                f"text_config.model_type {text.get('model_type')!r} is not supported (expected 'qwen3_5_text')"
+                f"text_config.model_type {text.get('model_type')!r} is not supported in a {model_type!r} config "
+                f"(expected {text_type!r})"
             )
+        moe = text_type == "qwen3_5_moe_text"
 
         def get(name, default=dataclasses.MISSING):
             if name in text:
                 return text[name]
-            if name in config and model_type == "qwen3_5":
+            if name in config and nested:
                 return config[name]
             if default is dataclasses.MISSING:
                 raise UnsupportedModelError(f"config.json has no `{name}` in its text config")
@@ -180,10 +222,27 @@ class Qwen35Config:
 
         tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
         eos = get("eos_token_id", None)
+        moe_fields = {}
+        if moe:
+            # transformers 5.24's qwen3_5_moe makes every layer sparse: a dense layer listed in `mlp_only_layers`
+            # would have no `intermediate_size` to build it from, and transformers would build it sparse anyway.
+            dense_layers = text.get("mlp_only_layers") or []
+            if dense_layers:
+                raise UnsupportedModelError(
+                    f"mlp_only_layers={list(dense_layers)}: Qwen3.5 MoE layers are all sparse (transformers ignores "
+                    "this field); a checkpoint with dense MLP layers is not a Qwen3.5 MoE checkpoint"
+                )
+            moe_fields = {
+                "num_experts": int(get("num_experts", 256)),
+                "num_experts_per_tok": int(get("num_experts_per_tok", 8)),
+                "moe_intermediate_size": int(get("moe_intermediate_size", 512)),
+                "shared_expert_intermediate_size": int(get("shared_expert_intermediate_size", 512)),
+            }
         cfg = cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")),
+            # MoE configs have no dense MLP: 0.
+            intermediate_size=0 if moe else int(get("intermediate_size")),
             num_hidden_layers=num_layers,
             layer_types=tuple(layer_types),
             num_attention_heads=int(get("num_attention_heads")),
@@ -207,6 +266,7 @@ class Qwen35Config:
             pad_token_id=get("pad_token_id", None),
             hidden_act=str(get("hidden_act", "silu")),
             raw=config,
+            **moe_fields,
         )
         cfg.validate()
         return cfg
@@ -245,6 +305,18 @@ class Qwen35Config:
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
+        if self.moe_parallel not in ("auto", "ep", "tp"):
+            raise UsageError(f"moe_parallel={self.moe_parallel!r}: choose 'auto', 'ep' or 'tp'")
+        if self.is_moe and not (
+            0 < self.num_experts_per_tok <= self.num_experts
+            and self.moe_intermediate_size > 0
+            and self.shared_expert_intermediate_size > 0
+        ):
+            raise UnsupportedModelError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts}), "
+                f"moe_intermediate_size ({self.moe_intermediate_size}) and shared_expert_intermediate_size "
+                f"({self.shared_expert_intermediate_size}) positive"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise UnsupportedModelError(
                 f"partial_rotary_factor {self.partial_rotary_factor} x head_dim {self.head_dim} must give an even "
@@ -252,12 +324,22 @@ class Qwen35Config:
             )
 
     def to_text_dict(self) -> dict[str, Any]:
-        """The bare text config (`qwen3_5_text`), as transformers writes it."""
+        """The bare text config (`qwen3_5_text`, or `qwen3_5_moe_text`), as transformers writes it."""
+        sizes = (
+            {
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+            }
+            if self.is_moe
+            else {"intermediate_size": self.intermediate_size}
+        )
         return {
-            "model_type": "qwen3_5_text",
+            "model_type": "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text",
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            **sizes,
             "num_hidden_layers": self.num_hidden_layers,
             "layer_types": list(self.layer_types),
             "num_attention_heads": self.num_attention_heads,

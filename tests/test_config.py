@@ -100,8 +100,8 @@ def test_from_pretrained_folder(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda c: c.update(model_type="qwen3_5_moe"), "Mixture-of-experts"),
-        (lambda c: c.update(model_type="llama"), "not a dense Qwen3.5"),
+        (lambda c: c.update(model_type="qwen3_5_moe"), "expected 'qwen3_5_moe_text'"),
+        (lambda c: c.update(model_type="llama"), "not a Qwen3.5 model"),
         (lambda c: c["text_config"]["layer_types"].__setitem__(0, "sliding_attention"), "unknown layer types"),
         (lambda c: c["text_config"].update(num_key_value_heads=3), "multiple of num_key_value_heads"),
         (lambda c: c["text_config"].update(linear_num_value_heads=24), "multiple of linear_num_key_heads"),

@@ -52,6 +52,7 @@ DOCUMENTS = {
     "docs/kernels.md": "reference",
     "docs/nki_emulator.md": "reference",
     "docs/tensor_parallel.md": "reference",
+    "docs/moe.md": "reference",
     "docs/vision.md": "optimum",  # its second block exports through optimum-neuron's class
     "docs/model.md": None,
     "docs/neuron_backend.md": None,
@@ -97,6 +98,7 @@ EXPECTED_OUTPUT = [
     ("docs/hub.md", "optimum-qwen35 cache lookup", "cpu  4  128  1  bfloat16", "this package's lookup finds it"),
     ("docs/hub.md", "print(lookup_registry(", "'batch_size': 4", "lookup_registry returns the entry"),
     ("docs/hub.md", "optimum-qwen35 pull", "snapshots", "pull prints the downloaded folder"),
+    ("docs/moe.md", "print(config.num_experts", "6 2 ['tp', 'ep', 'ep']", "the tiny MoE layout and the 'auto' rule"),
 ]
 
 PYTHON_DRIVER = r"""

@@ -25,9 +25,12 @@ def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)
         shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
+        if c.is_moe:
+            shapes.update(moe_shapes(c, p + "mlp."))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
+            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
+            shapes[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
         if layer_type == FULL_ATTENTION:
             a = p + "self_attn."
             shapes[a + "q_proj.weight"] = (2 * c.num_attention_heads * hd, hidden)
@@ -51,6 +54,20 @@ def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def moe_shapes(config: Qwen35Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A sparse MoE block's tensors (transformers' names; experts in the fused form, checkpoint/experts.py)."""
+    e, h, i, s = config.num_experts, config.hidden_size, config.moe_intermediate_size, config.shared_expert_intermediate_size
+    return {
+        prefix + "gate.weight": (e, h),
+        prefix + "experts.gate_up_proj": (e, 2 * i, h),
+        prefix + "experts.down_proj": (e, h, i),
+        prefix + "shared_expert.gate_proj.weight": (s, h),
+        prefix + "shared_expert.up_proj.weight": (s, h),
+        prefix + "shared_expert.down_proj.weight": (h, s),
+        prefix + "shared_expert_gate.weight": (1, h),
+    }
+
+
 def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
     """Raise one error listing every missing, unexpected and wrongly shaped text tensor."""
     expected = expected_shapes(config)
@@ -64,8 +81,12 @@ def check_checkpoint(reader: CheckpointReader, config: Qwen35Config) -> None:
         for n in set(expected) & present
         if reader.shape(n) != expected[n]
     )
+    # A layer storing its experts one by one with some missing: name those (the fused names are missing too).
+    missing_experts = getattr(reader, "missing_expert_tensors", [])
     if missing or unexpected or wrong:
         lines = [f"checkpoint {reader.folder} does not match its config.json:"]
+        if missing_experts:
+            lines.append(f"  per-expert tensors missing ({len(missing_experts)}): " + ", ".join(missing_experts[:20]))
         for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
             if items:
                 shown = items[:20] + ([f"... and {len(items) - 20} more"] if len(items) > 20 else [])

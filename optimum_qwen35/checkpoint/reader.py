@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, MissingWeightsError
+from . import experts
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -98,6 +99,13 @@ class CheckpointReader:
                 self._files[name], self._keys[name] = file, key
             elif key.startswith(VISION_PREFIX):
                 self._vision[key[len(VISION_PREFIX) :]] = (file, key)
+        # MoE experts stored per expert are served under the fused names (checkpoint/experts.py).
+        self._fused: dict[str, list[str]] = experts.fuse_expert_names(list(self._files))
+        self.missing_expert_tensors = experts.missing_expert_tensors(list(self._files))
+        self._part_locations: dict[str, tuple[str, str]] = {}
+        for parts in self._fused.values():
+            for part in parts:
+                self._part_locations[part] = (self._files.pop(part), self._keys.pop(part))
 
     def vision_names(self) -> list[str]:
         """The vision tower's tensors, by name under `model.visual.` (empty for a text-only checkpoint)."""
@@ -112,10 +120,14 @@ class CheckpointReader:
         return self._read(*self._vision[name])
 
     def names(self) -> list[str]:
-        return list(self._files)
+        return list(self._files) + list(self._fused)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._files or name in self._fused
+
+    def _part_info(self, part: str) -> dict:
+        file, key = self._part_locations[part]
+        return self._header(file)[1][key]
 
     def _tensor_keys(self, file: str) -> list[str]:
         return [key for key in self._header(file)[1] if key != "__metadata__"]
@@ -140,10 +152,16 @@ class CheckpointReader:
         return base, header[self._keys[name]]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._fused:
+            return experts.fused_shape(name, [tuple(self._part_info(p)["shape"]) for p in self._fused[name]])
         return tuple(self._info(name)[1]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
         """The on-disk dtype of a tensor, read from the file header (no data is read)."""
+        if name in self._fused:
+            part = self._fused[name][0]
+            file, key = self._part_locations[part]
+            return _torch_dtype(self._part_info(part)["dtype"], f"{self.folder / file}: {key}")
         return _torch_dtype(self._info(name)[1]["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}")
 
     def get(self, name: str) -> torch.Tensor:
@@ -152,6 +170,8 @@ class CheckpointReader:
         Not through a memory map: the pages of a mapping that stays open count in the process's RSS, so
         reading a whole checkpoint through one would hold all of it in memory.
         """
+        if name in self._fused:
+            return experts.fuse(name, [self._read(*self._part_locations[p]) for p in self._fused[name]])
         return self._read(self._files[name], self._keys[name])
 
     def _read(self, file: str, key: str) -> torch.Tensor:

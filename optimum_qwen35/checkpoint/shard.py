@@ -25,6 +25,11 @@ Per tensor (decoder names; see docs/tensor_parallel.md for the table):
 - MLP `gate_proj`/`up_proj` rows, `down_proj` columns, with the intermediate size zero-padded to a
   multiple of t; `embed_tokens` and (untied) `lm_head` rows by vocabulary, zero-padded to a multiple of t.
 - Layer norms and the final norm replicated.
+- MoE blocks (modeling/moe.py): the router `mlp.gate` and `mlp.shared_expert_gate` replicated; the shared expert
+  like the MLP (its own width zero-padded); the routed experts by `Qwen35Config.expert_parallel_mode`: "ep" splits
+  `experts.gate_up_proj` / `experts.down_proj` by whole experts (dim 0, zero experts appended to a multiple of t),
+  "tp" splits every expert's intermediate rows (`gate_up_proj` dim 1 in the layout [gate_0 up_0 | gate_1 up_1 | ..],
+  `down_proj` dim 2; zero-padded to a multiple of t). The manifest records the mode.
 
 `save_sharded` writes one safetensors file per rank, `rank_{r}.safetensors`, next to a copy of
 `config.json`, and a manifest `tp_shards.json` written last: a folder without the manifest is an
@@ -33,6 +38,7 @@ incomplete export and is refused by `load_sharded`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -71,8 +77,20 @@ ROW_PADDED = "row_padded"  # MLP down columns, intermediate zero-padded
 VOCAB = "vocab"  # embedding / lm_head rows, vocabulary zero-padded (ParallelEmbedding)
 KV_HEADS = "kv_heads"  # k_proj / v_proj rows by KV head, heads repeated when t > num_key_value_heads
 DELTANET_QKV = "deltanet_qkv"  # in_proj_qkv rows / conv channels, permuted to per-rank [q_r | k_r | v_r]
+SHARED_COLUMN = "shared_column"  # MoE shared expert gate/up rows, its width zero-padded to a multiple of t
+SHARED_ROW = "shared_row"  # MoE shared expert down columns, zero-padded
+EXPERTS_GATE_UP = "experts_gate_up"  # routed experts [E, 2I, H]: whole experts ("ep") or [gate_r up_r] rows ("tp")
+EXPERTS_DOWN = "experts_down"  # routed experts [E, H, I]: whole experts ("ep") or intermediate columns ("tp")
+_EXPERT_KINDS = (EXPERTS_GATE_UP, EXPERTS_DOWN)
 
 _SUFFIX_KINDS = (
+    ("mlp.gate.weight", REPLICATED),  # the MoE router
+    ("mlp.shared_expert_gate.weight", REPLICATED),
+    ("mlp.shared_expert.gate_proj.weight", SHARED_COLUMN),
+    ("mlp.shared_expert.up_proj.weight", SHARED_COLUMN),
+    ("mlp.shared_expert.down_proj.weight", SHARED_ROW),
+    ("mlp.experts.gate_up_proj", EXPERTS_GATE_UP),
+    ("mlp.experts.down_proj", EXPERTS_DOWN),
     ("linear_attn.in_proj_qkv.weight", DELTANET_QKV),
     ("linear_attn.conv_weight", DELTANET_QKV),
     ("linear_attn.in_proj_z.weight", COLUMN),
@@ -102,12 +120,19 @@ def shard_kind(name: str) -> str:
     raise KeyError(f"no tensor-parallel sharding rule for tensor {name!r}")
 
 
-def shard_dim(name: str) -> int | None:
-    """The dimension split into contiguous rank blocks (None: every rank holds the whole tensor)."""
+def shard_dim(name: str, config: Qwen35Config | None = None, tp_degree: int = 1) -> int | None:
+    """The dimension split into contiguous rank blocks (None: every rank holds the whole tensor). The routed experts'
+    depends on the expert-parallel mode: pass the config and the degree for them."""
     kind = shard_kind(name)
     if kind == REPLICATED:
         return None
-    return 1 if kind in (ROW, ROW_PADDED) else 0
+    if kind in _EXPERT_KINDS:
+        if config is None:
+            raise ValueError(f"{name}: the split dim of routed experts depends on the config and the degree")
+        if config.expert_parallel_mode(tp_degree) == "ep":
+            return 0
+        return 1 if kind == EXPERTS_GATE_UP else 2
+    return 1 if kind in (ROW, ROW_PADDED, SHARED_ROW) else 0
 
 
 # ------------------------------------------------------------------------------------------ index maps
@@ -168,9 +193,20 @@ def tp_layout(name: str, tensor: torch.Tensor, config: Qwen35Config, tp_degree: 
     no permutation, padding or replication is needed).
     """
     config.check_tp_degree(tp_degree)
-    kind, dim = shard_kind(name), shard_dim(name)
+    kind, dim = shard_kind(name), shard_dim(name, config, tp_degree)
     t = tp_degree
-    if kind == DELTANET_QKV:
+    if kind in _EXPERT_KINDS and dim == 0:
+        tensor = _pad(tensor, 0, _padded(config.num_experts, t))
+    elif kind == EXPERTS_GATE_UP:
+        E, _, H = tensor.shape
+        inter, padded = config.moe_intermediate_size, _padded(config.moe_intermediate_size, t)
+        halves = _pad(tensor.reshape(E, 2, inter, H), 2, padded)  # [E, gate/up, I, H]
+        tensor = halves.reshape(E, 2, t, padded // t, H).transpose(1, 2).reshape(E, 2 * padded, H)
+    elif kind == EXPERTS_DOWN:
+        tensor = _pad(tensor, 2, _padded(config.moe_intermediate_size, t))
+    elif kind in (SHARED_COLUMN, SHARED_ROW):
+        tensor = _pad(tensor, dim, _padded(config.shared_expert_intermediate_size, t))
+    elif kind == DELTANET_QKV:
         tensor = tensor.index_select(0, deltanet_qkv_permutation(config, t).to(tensor.device))
     elif kind == KV_HEADS:
         rep = kv_replication(config, t)
@@ -201,13 +237,24 @@ def unshard_tensor(name: str, shards: list[torch.Tensor], config: Qwen35Config) 
     """
     t = len(shards)
     config.check_tp_degree(t)
-    kind, dim = shard_kind(name), shard_dim(name)
+    kind, dim = shard_kind(name), shard_dim(name, config, t)
     if kind == REPLICATED:
         for rank, s in enumerate(shards[1:], 1):
             if not torch.equal(s, shards[0]):
                 raise ValueError(f"{name}: the replicated copy on rank {rank} differs from rank 0's")
         return shards[0]
     layout = torch.cat(shards, dim=dim)
+    if kind in _EXPERT_KINDS and dim == 0:
+        return layout.narrow(0, 0, config.num_experts)
+    if kind == EXPERTS_GATE_UP:
+        E, rows, H = layout.shape
+        padded = rows // 2
+        halves = layout.reshape(E, t, 2, padded // t, H).transpose(1, 2).reshape(E, 2, padded, H)
+        return halves.narrow(2, 0, config.moe_intermediate_size).reshape(E, 2 * config.moe_intermediate_size, H)
+    if kind == EXPERTS_DOWN:
+        return layout.narrow(2, 0, config.moe_intermediate_size)
+    if kind in (SHARED_COLUMN, SHARED_ROW):
+        return layout.narrow(dim, 0, config.shared_expert_intermediate_size)
     if kind == DELTANET_QKV:
         inverse = torch.argsort(deltanet_qkv_permutation(config, t))
         return layout.index_select(0, inverse)
@@ -399,6 +446,7 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
             "tp_degree": tp_degree,
             "dtype": sorted({_DTYPE_CODES[d] for d in dtypes.values()}),
             "tie_word_embeddings": config.tie_word_embeddings,
+            **({"moe_parallel": config.expert_parallel_mode(tp_degree)} if config.is_moe else {}),
             "source": str(reader.folder),
             "files": files,
         },
@@ -467,6 +515,8 @@ def load_sharded(
     if not 0 <= rank < saved_degree:
         raise UsageError(f"rank {rank} is outside 0..{saved_degree - 1}")
     config = Qwen35Config.from_pretrained(path)
+    if "moe_parallel" in manifest:  # how this export split the experts
+        config = dataclasses.replace(config, moe_parallel=manifest["moe_parallel"])
     tensors = load_file(path / rank_file(rank))
     expected = sharded_shapes(config, saved_degree)
     got = {n: tuple(t.shape) for n, t in tensors.items()}

@@ -29,6 +29,7 @@ from ..kernels.gated_delta_rule import CHUNK_SIZE
 from .attention import GatedAttention
 from .deltanet import GatedDeltaNet
 from .layers import MLP, RMSNorm, RotaryEmbedding, upcast
+from .moe import SparseMoeBlock
 from .parallel import ShardedDims, TorchLayers
 from .state import Slots, StateSpec, state_specs
 
@@ -41,7 +42,10 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config, dims, layers)
         else:
             self.linear_attn = GatedDeltaNet(config, dims, layers)
-        self.mlp = MLP(config.hidden_size, dims.intermediate_size, layers)
+        if config.is_moe:
+            self.mlp = SparseMoeBlock(config, layers)
+        else:
+            self.mlp = MLP(config.hidden_size, dims.intermediate_size, layers)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.token_block = layers.token_block  # the backend's (modeling/parallel.py TorchLayers)
@@ -117,6 +121,9 @@ class Qwen35Decoder(nn.Module):
         self.lm_head = layers.lm_head(config.hidden_size, self.dims.vocab_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.is_moe:  # expert parallelism reads the rank from the embedding's rank tensor
+            for layer in self.layers:
+                layer.mlp.bind_rank(self.embed_tokens)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
         # In place on CPU (a decode step moves only what it writes), updated copies in the Neuron graphs.
         self.state_in_place = layers.state_in_place

@@ -45,7 +45,8 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 # Parameters held in the accumulation dtype whatever the model dtype: the DeltaNet gates' A_log and dt_bias
 # (g = -exp(A_log) * softplus(a + dt_bias) in fp32; a bf16 A_log would move every decay rate by up to 2^-9
 # relative before the exp). The checkpoint conversion keeps them so (checkpoint/convert.py `stored_dtype`).
-FP32_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias")
+FP32_PARAMETERS = ("linear_attn.A_log", "linear_attn.dt_bias", "mlp.gate.weight")
+# (`mlp.gate.weight`: the MoE router, modeling/moe.py: routing decided on fp32 logits, as the MoE policy asks.)
 
 
 def to_model_dtype(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -75,7 +75,8 @@ class VisionConfig:
     def from_dict(cls, config: dict[str, Any]) -> "VisionConfig | None":
         """The vision part of a nested Qwen3.5 config.json; None for a text-only config."""
         vision = config.get("vision_config")
-        if config.get("model_type") != "qwen3_5" or not isinstance(vision, dict):
+        # The MoE checkpoints (`qwen3_5_moe`) carry the same tower.
+        if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe") or not isinstance(vision, dict):
             return None
         if vision.get("deepstack_visual_indexes"):
             raise UnsupportedModelError("vision_config.deepstack_visual_indexes is not supported (Qwen3.5 has none)")
@@ -90,7 +91,8 @@ class VisionConfig:
                 intermediate_size=int(vision["intermediate_size"]),
                 num_heads=int(vision["num_heads"]),
                 out_hidden_size=int(vision["out_hidden_size"]),
-                num_position_embeddings=int(vision["num_position_embeddings"]),
+                # transformers' default (the published 35B-A3B config.json omits it).
+                num_position_embeddings=int(vision.get("num_position_embeddings", 2304)),
                 image_token_id=int(config["image_token_id"]),
                 vision_start_token_id=int(config["vision_start_token_id"]),
                 in_channels=int(vision.get("in_channels", 3)),

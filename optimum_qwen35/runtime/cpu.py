@@ -15,6 +15,8 @@ active position, not over the whole `max_length`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import bisect
 import os
 from collections.abc import Sequence
@@ -65,7 +67,9 @@ def load_decoder(
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
     if sharded_export:
-        _, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
+        saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
+        if config.is_moe:  # the experts as the export split them
+            config = dataclasses.replace(config, moe_parallel=saved.moe_parallel)
     if layers is None:
         layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
     with torch.device("meta"):

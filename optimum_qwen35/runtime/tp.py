@@ -21,6 +21,8 @@ shard) is raised again, with its own type, in the caller.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import pickle
 import tempfile
@@ -81,9 +83,11 @@ def greedy_run(
     )
 
 
-def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads):
+def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
+            moe_parallel="auto"):
     try:
-        _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads)
+        _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
+                  moe_parallel)
     except Qwen35Error as error:
         # Handed to the caller, which raises it with its own type (mp.spawn would wrap it in its own exception).
         with open(f"{out_file}.error-{rank}", "wb") as f:
@@ -91,7 +95,8 @@ def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, m
         raise
 
 
-def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads):
+def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
+              moe_parallel="auto"):
     torch.set_num_threads(threads)
     # A file store, not a TCP store: with TCP, rank 0 hosts the store's server and could exit while another
     # rank's store client is still closing, which aborts that rank ("terminate called without an active
@@ -101,7 +106,7 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
         group = dist.group.WORLD
         results = []
         for one_dtype in dtype:
-            decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group))
+            decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group), _config(path, moe_parallel))
             result = greedy_run(decoder, prompts, max_new_tokens, max_length)
             del decoder
             # Every rank gathered the same logits, so every rank must have chosen the same tokens.
@@ -117,6 +122,13 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
         dist.destroy_process_group()
 
 
+def _config(path, moe_parallel: str):
+    """The folder's config, its MoE experts split as asked (a no-op for dense models)."""
+    from ..config import Qwen35Config  # noqa: PLC0415
+
+    return dataclasses.replace(Qwen35Config.from_pretrained(path), moe_parallel=moe_parallel)
+
+
 def run_tensor_parallel(
     path: str | os.PathLike,
     tp_degree: int,
@@ -124,6 +136,7 @@ def run_tensor_parallel(
     max_new_tokens: int = 32,
     dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float32,
     max_length: int | None = None,
+    moe_parallel: str = "auto",
     **renamed,
 ) -> TensorParallelResult | list[TensorParallelResult]:
     """Run prefill + greedy steps up to `max_new_tokens` new tokens with `tp_degree` gloo processes.
@@ -134,6 +147,8 @@ def run_tensor_parallel(
     max(1, cpu_count // tp_degree) intra-op threads. Every argument (the degree against the model or the
     export, token ids against the vocabulary, sizes) is checked before any process starts. The processes
     are started with the `spawn` method, so a calling script needs the usual `if __name__ == "__main__":` guard.
+    `moe_parallel` ("auto", "ep", "tp"): how a MoE model's ranks split the routed experts
+    (`Qwen35Config.expert_parallel_mode`; a sharded export keeps the split it was written with).
     """
     from ..checkpoint.shard import is_sharded_export, read_manifest  # noqa: PLC0415
     from ..config import Qwen35Config  # noqa: PLC0415
@@ -147,7 +162,7 @@ def run_tensor_parallel(
     if renamed:
         raise UsageError(f"run_tensor_parallel got unexpected arguments {sorted(renamed)}")
     path = validation.model_folder(path, "run_tensor_parallel")
-    config = Qwen35Config.from_pretrained(path)
+    config = dataclasses.replace(Qwen35Config.from_pretrained(path), moe_parallel=moe_parallel)
     config.check_tp_degree(tp_degree)
     if is_sharded_export(path):
         saved = read_manifest(path)["tp_degree"]
@@ -168,12 +183,13 @@ def run_tensor_parallel(
             f"max_length {max_length} is too short for the longest prompt + max_new_tokens ({needed}); raise it or omit it"
         )
     if tp_degree == 1:
-        results = [greedy_run(load_decoder(path, d), prompts, max_new_tokens, max_length) for d in dtypes]
+        results = [greedy_run(load_decoder(path, d, config=config), prompts, max_new_tokens, max_length) for d in dtypes]
         return results[0] if single else results
     threads = max(1, (os.cpu_count() or 1) // tp_degree)
     with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
         out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
-        args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads)
+        args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads,
+                moe_parallel)
         try:
             mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
         except ProcessException:

@@ -2,7 +2,9 @@
 
 from .tiny import (
     SPECIAL_TOKENS,
+    MOE_EXPERT_FORMS,
     TINY_LAYOUTS,
+    TINY_MOE_LAYOUTS,
     build_tiny_checkpoint,
     build_tiny_tokenizer,
     read_safetensors,
@@ -16,7 +18,9 @@ from .tiny import (
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "MOE_EXPERT_FORMS",
     "TINY_LAYOUTS",
+    "TINY_MOE_LAYOUTS",
     "build_tiny_checkpoint",
     "build_tiny_tokenizer",
     "read_safetensors",

@@ -27,6 +27,8 @@ import numpy as np
 
 __all__ = [
     "TINY_LAYOUTS",
+    "TINY_MOE_LAYOUTS",
+    "MOE_EXPERT_FORMS",
     "SPECIAL_TOKENS",
     "TOKENIZER_BASE_VOCAB",
     "special_token_id",
@@ -352,14 +354,83 @@ TINY_LAYOUTS: dict[str, dict[str, Any]] = {
     ),
 }
 
+def _moe_text_config(*, num_experts: int, num_experts_per_tok: int, moe_intermediate_size: int,
+                     shared_expert_intermediate_size: int, **dense: Any) -> dict[str, Any]:
+    # The text_config of the real Qwen3.5 MoE config.json (`qwen3_5_moe_text`): the dense keys without
+    # `intermediate_size`, the expert sizes after `model_type`, as the published 35B-A3B file orders them.
+    out: dict[str, Any] = {}
+    for key, value in _text_config(intermediate_size=0, **dense).items():
+        if key == "intermediate_size":
+            continue
+        if key == "model_type":
+            out[key] = "qwen3_5_moe_text"
+            out["moe_intermediate_size"] = moe_intermediate_size
+            out["shared_expert_intermediate_size"] = shared_expert_intermediate_size
+            out["num_experts"] = num_experts
+            out["num_experts_per_tok"] = num_experts_per_tok
+            continue
+        out[key] = value
+    return out
+
+
+TINY_MOE_LAYOUTS: dict[str, dict[str, Any]] = {
+    # 35B-A3B-shaped: two DeltaNet value heads per key head, untied, top-2 of 6 experts (6 does not divide by
+    # TP 4), expert and shared-expert widths differing; saved with per-expert keys (what save_pretrained writes).
+    "tiny-moe": _moe_text_config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=False,
+        mrope_section=[2, 1, 1],
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    # Top-1 routing over 4 experts, as many value heads as key heads; saved with the fused 3-D expert tensors.
+    "tiny-moe-top1": _moe_text_config(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=False,
+        mrope_section=[2, 1, 1],
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+    ),
+}
+# How each MoE layout stores its experts on disk: "per_expert" (`mlp.experts.N.{gate,up,down}_proj.weight`) or
+# "fused" (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]).
+# transformers 5 reads both (conversion_mapping.py, the qwen2_moe rules).
+MOE_EXPERT_FORMS = {"tiny-moe": "per_expert", "tiny-moe-top1": "fused"}
+
 # Layouts saved as several safetensors shards (+ index json); the others are a single model.safetensors.
-_SHARDS = {"tiny-2b": 2, "tiny-nv2x": 1, "tiny-nv3x": 1}
+_SHARDS = {"tiny-2b": 2, "tiny-nv2x": 1, "tiny-nv3x": 1, "tiny-moe": 2, "tiny-moe-top1": 1}
 
 
 def _layout(layout: str) -> dict[str, Any]:
-    if layout not in TINY_LAYOUTS:
-        raise ValueError(f"unknown tiny layout {layout!r}; choose one of {sorted(TINY_LAYOUTS)}")
-    return TINY_LAYOUTS[layout]
+    if layout in TINY_LAYOUTS:
+        return TINY_LAYOUTS[layout]
+    if layout in TINY_MOE_LAYOUTS:
+        return TINY_MOE_LAYOUTS[layout]
+    raise ValueError(f"unknown tiny layout {layout!r}; choose one of {sorted(TINY_LAYOUTS) + sorted(TINY_MOE_LAYOUTS)}")
+
+
+def _is_moe(t: dict[str, Any]) -> bool:
+    return t["model_type"] == "qwen3_5_moe_text"
 
 
 def tiny_text_config(layout: str = "tiny-2b", dtype: str = "float32") -> dict[str, Any]:
@@ -379,7 +450,8 @@ def tiny_vision_config(layout: str = "tiny-2b") -> dict[str, Any]:
         "in_channels": 3,
         "initializer_range": 0.02,
         "intermediate_size": 64,
-        "model_type": "qwen3_5",
+        # The MoE checkpoints' file says "qwen3_5_moe" here (transformers reads it as qwen3_5_moe_vision).
+        "model_type": "qwen3_5_moe" if _is_moe(_layout(layout)) else "qwen3_5",
         "num_heads": 2,
         "num_position_embeddings": 64,
         "out_hidden_size": _layout(layout)["hidden_size"],
@@ -392,10 +464,11 @@ def tiny_vision_config(layout: str = "tiny-2b") -> dict[str, Any]:
 def tiny_full_config(layout: str = "tiny-2b", dtype: str = "float32") -> dict[str, Any]:
     """The nested `config.json` of a tiny checkpoint, shaped like the real Qwen3.5 one."""
     text = tiny_text_config(layout, dtype)
+    moe = _is_moe(text)
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "image_token_id": special_token_id("<|image_pad|>"),
-        "model_type": "qwen3_5",
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "text_config": text,
         "tie_word_embeddings": text["tie_word_embeddings"],
         "transformers_version": "4.57.0.dev0",
@@ -501,13 +574,40 @@ def _deltanet(init: _Init, p: str, t: dict[str, Any], sd: dict[str, np.ndarray])
     sd[a + "out_proj.weight"] = init.linear(a + "out_proj.weight", h, nv * dv)
 
 
-def _decoder_layer(init: _Init, p: str, t: dict[str, Any], layer_type: str, sd: dict[str, np.ndarray]) -> None:
+def _sparse_moe(init: _Init, p: str, t: dict[str, Any], sd: dict[str, np.ndarray], form: str) -> None:
+    h, e, inter = t["hidden_size"], t["num_experts"], t["moe_intermediate_size"]
+    m = p + "mlp."
+    # Router rows ~ 1/sqrt(h): logits of std ~1, so the routing is neither flat nor one-hot.
+    sd[m + "gate.weight"] = init.linear(m + "gate.weight", e, h)
+    # Both on-disk forms come from the same draws: a layout gives the same model in either form.
+    gate_up = init.normal(m + "experts.gate_up_proj", (e, 2 * inter, h), 1.0 / np.sqrt(h))
+    down = init.normal(m + "experts.down_proj", (e, h, inter), 1.0 / np.sqrt(inter))
+    if form == "fused":
+        sd[m + "experts.gate_up_proj"] = gate_up
+        sd[m + "experts.down_proj"] = down
+    else:
+        for i in range(e):
+            sd[f"{m}experts.{i}.gate_proj.weight"] = np.ascontiguousarray(gate_up[i, :inter])
+            sd[f"{m}experts.{i}.up_proj.weight"] = np.ascontiguousarray(gate_up[i, inter:])
+            sd[f"{m}experts.{i}.down_proj.weight"] = np.ascontiguousarray(down[i])
+    shared = t["shared_expert_intermediate_size"]
+    sd[m + "shared_expert.gate_proj.weight"] = init.linear(m + "shared_expert.gate_proj.weight", shared, h)
+    sd[m + "shared_expert.up_proj.weight"] = init.linear(m + "shared_expert.up_proj.weight", shared, h)
+    sd[m + "shared_expert.down_proj.weight"] = init.linear(m + "shared_expert.down_proj.weight", h, shared)
+    sd[m + "shared_expert_gate.weight"] = init.linear(m + "shared_expert_gate.weight", 1, h)
+
+
+def _decoder_layer(init: _Init, p: str, t: dict[str, Any], layer_type: str, sd: dict[str, np.ndarray],
+                   expert_form: str = "fused") -> None:
     h = t["hidden_size"]
     if layer_type == "linear_attention":
         _deltanet(init, p, t, sd)
     else:
         _attention(init, p, t, sd)
-    _mlp(init, p, h, t["intermediate_size"], sd)
+    if _is_moe(t):
+        _sparse_moe(init, p, t, sd, expert_form)
+    else:
+        _mlp(init, p, h, t["intermediate_size"], sd)
     sd[p + "input_layernorm.weight"] = _norm_weight(init, p + "input_layernorm.weight", h)
     sd[p + "post_attention_layernorm.weight"] = _norm_weight(init, p + "post_attention_layernorm.weight", h)
 
@@ -543,7 +643,7 @@ def _vision(init: _Init, v: dict[str, Any], sd: dict[str, np.ndarray]) -> None:
     lin(p + "merger.linear_fc2", out, merged)
 
 
-def _mtp(init: _Init, t: dict[str, Any], sd: dict[str, np.ndarray]) -> None:
+def _mtp(init: _Init, t: dict[str, Any], sd: dict[str, np.ndarray], expert_form: str = "fused") -> None:
     # Multi-token-prediction head as the real checkpoints ship it (transformers ignores `mtp.*`): the
     # normalized embedding and hidden state are concatenated, projected by `fc`, then one full-attention
     # decoder layer and a final norm.
@@ -552,13 +652,18 @@ def _mtp(init: _Init, t: dict[str, Any], sd: dict[str, np.ndarray]) -> None:
     sd["mtp.pre_fc_norm_embedding.weight"] = _norm_weight(init, "mtp.pre_fc_norm_embedding.weight", h)
     sd["mtp.pre_fc_norm_hidden.weight"] = _norm_weight(init, "mtp.pre_fc_norm_hidden.weight", h)
     for i in range(t["mtp_num_hidden_layers"]):
-        _decoder_layer(init, f"mtp.layers.{i}.", t, "full_attention", sd)
+        _decoder_layer(init, f"mtp.layers.{i}.", t, "full_attention", sd, expert_form)
     sd["mtp.norm.weight"] = _norm_weight(init, "mtp.norm.weight", h)
 
 
-def tiny_state_dict(layout: str = "tiny-2b", seed: int = 0) -> dict[str, np.ndarray]:
-    """All tensors of a tiny checkpoint (float32 numpy arrays), keyed by their real on-disk names."""
+def tiny_state_dict(layout: str = "tiny-2b", seed: int = 0, expert_form: str | None = None) -> dict[str, np.ndarray]:
+    """All tensors of a tiny checkpoint (float32 numpy arrays), keyed by their real on-disk names.
+
+    `expert_form` (MoE layouts): "fused" or "per_expert" (default: the layout's, MOE_EXPERT_FORMS)."""
     t = _layout(layout)
+    expert_form = expert_form or MOE_EXPERT_FORMS.get(layout, "fused")
+    if expert_form not in ("fused", "per_expert"):
+        raise ValueError(f"expert_form {expert_form!r}: choose 'fused' or 'per_expert'")
     init = _Init(seed)
     h, vocab = t["hidden_size"], t["vocab_size"]
     sd: dict[str, np.ndarray] = {}
@@ -567,12 +672,12 @@ def tiny_state_dict(layout: str = "tiny-2b", seed: int = 0) -> dict[str, np.ndar
     lm = "model.language_model."
     sd[lm + "embed_tokens.weight"] = init.normal(lm + "embed_tokens.weight", (vocab, h), out_std)
     for i, layer_type in enumerate(t["layer_types"]):
-        _decoder_layer(init, f"{lm}layers.{i}.", t, layer_type, sd)
+        _decoder_layer(init, f"{lm}layers.{i}.", t, layer_type, sd, expert_form)
     sd[lm + "norm.weight"] = _norm_weight(init, lm + "norm.weight", h)
     if not t["tie_word_embeddings"]:
         sd["lm_head.weight"] = init.normal("lm_head.weight", (vocab, h), out_std)
     _vision(init, tiny_vision_config(layout), sd)
-    _mtp(init, t, sd)
+    _mtp(init, t, sd, expert_form)
     return sd
 
 
@@ -636,13 +741,15 @@ PREPROCESSOR_CONFIG = {
 
 
 def build_tiny_checkpoint(
-    path: str | os.PathLike, layout: str = "tiny-2b", seed: int = 0, dtype: str = "float32"
+    path: str | os.PathLike, layout: str = "tiny-2b", seed: int = 0, dtype: str = "float32",
+    expert_form: str | None = None,
 ) -> Path:
     """Write a tiny random Qwen3.5 checkpoint into folder `path`, in the exact format of a real Hub snapshot.
 
     Files: config.json, generation_config.json, the weights (`model-0000i-of-0000n.safetensors` +
     `model.safetensors.index.json` for sharded layouts, else `model.safetensors`), tokenizer.json,
     tokenizer_config.json, preprocessor_config.json. `dtype` is the on-disk dtype: "float32", "bfloat16" or "float16".
+    `expert_form` (MoE layouts): "fused" or "per_expert" expert tensors (default: the layout's, MOE_EXPERT_FORMS).
     Deterministic: the same arguments give byte-identical files on every machine.
     """
     if dtype not in _DTYPES:
@@ -654,7 +761,7 @@ def build_tiny_checkpoint(
     _write_json(path / "config.json", tiny_full_config(layout, dtype))
     _write_json(path / "generation_config.json", _generation_config())
 
-    sd = tiny_state_dict(layout, seed)
+    sd = tiny_state_dict(layout, seed, expert_form)
     n_shards = _SHARDS[layout]
     if n_shards == 1:
         write_safetensors(path / "model.safetensors", sd, dtype)

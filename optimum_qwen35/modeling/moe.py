@@ -1,0 +1,179 @@
+"""The Qwen3.5 sparse mixture-of-experts block (`qwen3_5_moe`): a router, routed experts, one gated shared expert.
+
+Routing as transformers 5 computes it (`Qwen3_5MoeTopKRouter`): router logits, softmax over all experts in fp32
+(`softmax(..., dtype=float32)`, for float64 models too), `torch.topk` on the probabilities (its tie order), the k
+weights always renormalised to sum 1, then cast to the model dtype. The router's logits are computed in fp32 from
+an fp32-held router weight (`precision.FP32_PARAMETERS`): in bf16 the routing decision is not made on bf16 logits.
+Each chosen expert computes down(silu(gate(x)) * up(x)), weighted; the shared expert's output is scaled by
+sigmoid(shared_expert_gate(x)) and added. The weighted sum is accumulated in fp32 (transformers' bf16 path adds
+bf16 expert outputs into a bf16 buffer).
+
+Two static-shape forms, chosen by the (static) number of routed (token, expert) pairs, with no data-dependent
+shapes, so that `torch.export` and Neuron can trace them:
+- dense: every local expert runs on every token and a [tokens, experts] weight matrix (zero for experts not
+  chosen) combines them. For prompts (many pairs) and tiny expert counts.
+- gathered: the weights of each chosen (token, expert) pair are gathered and applied with a batched matmul. For
+  decode, where the pairs are fewer than the local experts (reads k experts' weights per token, not all).
+
+Tensor parallelism (`Qwen35Config.expert_parallel_mode`): the router and `shared_expert_gate` are replicated,
+the shared expert is split like the dense MLP (intermediate rows, zero-padded), and the routed experts are split
+either by whole experts ("ep": rank r holds experts r*E_r .. (r+1)*E_r - 1, zero experts appended when E does not
+divide, never routed) or inside every expert ("tp": each rank the same block of every expert's intermediate rows,
+gate and up alike, zero-padded). Every rank routes every token identically; one all-reduce sums the ranks' shares
+of the routed and shared outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Qwen35Config
+from ..errors import UnsupportedModelError
+from .parallel import Linear, TorchLayers, all_reduce
+from .precision import accumulation_dtype, upcast
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    """Per-rank sizes of a sparse block at a tensor-parallel degree (checkpoint/shard.py lays the weights out so)."""
+
+    mode: str  # "ep" or "tp" (see Qwen35Config.expert_parallel_mode)
+    tp_degree: int
+    experts_per_rank: int  # local experts (padded E / t for "ep"; E for "tp")
+    intermediate_per_rank: int  # rows of each local expert (I for "ep"; padded I / t for "tp")
+    shared_per_rank: int  # shared-expert rows (padded / t)
+
+    @classmethod
+    def from_config(cls, config: Qwen35Config, tp_degree: int = 1) -> "ExpertSharding":
+        mode = config.expert_parallel_mode(tp_degree)
+        t = tp_degree
+        ep = mode == "ep"
+        return cls(
+            mode=mode,
+            tp_degree=t,
+            experts_per_rank=math.ceil(config.num_experts / t) if ep else config.num_experts,
+            intermediate_per_rank=config.moe_intermediate_size if ep else math.ceil(config.moe_intermediate_size / t),
+            shared_per_rank=math.ceil(config.shared_expert_intermediate_size / t),
+        )
+
+
+def route(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in `dtype`, expert ids [N, k] int64), as transformers routes."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [N, E] in the accumulation dtype (fp32 for bf16 models; the weight is held so)."""
+        w = self.weight
+        return F.linear(x.to(accumulation_dtype(x.dtype)), w.to(accumulation_dtype(w.dtype)))
+
+
+class Experts(nn.Module):
+    """This rank's routed experts, fused as transformers holds them: gate_up_proj [E_r, 2 I_r, H] (each expert's
+    gate rows, then its up rows) and down_proj [E_r, H, I_r]."""
+
+    def __init__(self, experts: int, intermediate: int, hidden_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(experts, hidden_size, intermediate))
+        self.intermediate = intermediate
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, E_r] (0 for experts a token did not choose) -> sum_e w[n, e] expert_e(x[n]), fp32."""
+        h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E_r, N, 2 I_r]
+        gate, up = h.split(self.intermediate, dim=-1)
+        out = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E_r, N, H]
+        # Summed in expert order, in fp32: [N, 1, E_r] @ [N, E_r, H].
+        return torch.bmm(upcast(weights)[:, None, :], upcast(out).transpose(0, 1))[:, 0]
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, k], local expert ids [N, k] (weight 0 for a pair another rank serves) -> [N, H] fp32:
+        each pair's expert weights gathered, one batched matmul per projection."""
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [N k, H, 1]
+        h = torch.bmm(self.gate_up_proj.index_select(0, flat), xk)[..., 0]  # [N k, 2 I_r]
+        gate, up = h.split(self.intermediate, dim=-1)
+        out = torch.bmm(self.down_proj.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
+        return torch.bmm(upcast(weights)[:, None, :], upcast(out).view(N, k, -1))[:, 0]
+
+
+class SharedExpert(nn.Module):
+    """The shared SwiGLU expert over this rank's intermediate rows (its partial output: ranks sum it)."""
+
+    def __init__(self, hidden_size: int, intermediate_per_rank: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_per_rank)
+        self.up_proj = Linear(hidden_size, intermediate_per_rank)
+        self.down_proj = Linear(intermediate_per_rank, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of every Qwen3.5 MoE layer (parameter names as transformers': `gate`, `experts.gate_up_proj`,
+    `experts.down_proj`, `shared_expert.*`, `shared_expert_gate`). Returns fp32 (the residual stream's dtype)."""
+
+    def __init__(self, config: Qwen35Config, layers):
+        super().__init__()
+        if not isinstance(layers, TorchLayers):
+            raise UnsupportedModelError(
+                f"the Qwen3.5 MoE block has no {type(layers).__name__} form yet (Neuron targets): MoE models run on the "
+                "cpu target only so far (docs/moe.md)"
+            )
+        self.tp_degree, self.group_name = layers.tp_degree, layers.group_name
+        self.sharding = s = ExpertSharding.from_config(config, self.tp_degree)
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.gate = Router(config.num_experts, config.hidden_size)
+        self.experts = Experts(s.experts_per_rank, s.intermediate_per_rank, config.hidden_size)
+        self.shared_expert = SharedExpert(config.hidden_size, s.shared_per_rank)
+        self.shared_expert_gate = Linear(config.hidden_size, 1)
+        self._rank_source: list[nn.Module] = []  # the module holding the rank tensor (not a submodule)
+
+    def bind_rank(self, module: nn.Module) -> None:
+        """Read the rank from `module.rank` (the vocabulary-parallel embedding's, a weight input of the graphs, so
+        one graph serves every rank); needed for expert parallelism only."""
+        self._rank_source = [module]
+
+    def _local_first_expert(self) -> torch.Tensor:
+        return self._rank_source[0].rank * self.sharding.experts_per_rank  # [1] int64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        N, k = x.shape[0], self.top_k
+        weights, ids = route(self.gate(x), k, x.dtype)
+        ep = self.sharding.mode == "ep" and self.tp_degree > 1
+        E_r = self.sharding.experts_per_rank
+        if N * k < E_r:
+            if ep:
+                local = ids - self._local_first_expert()
+                mine = (local >= 0) & (local < E_r)
+                weights = weights * mine.to(weights.dtype)
+                ids = torch.where(mine, local, torch.zeros_like(local))
+            y = self.experts.gathered(x, weights, ids)
+        else:
+            dense = torch.zeros(N, E_r * self.tp_degree if ep else E_r, dtype=weights.dtype, device=x.device)
+            dense = dense.scatter(1, ids, weights)
+            if ep:
+                dense = dense.view(N, self.tp_degree, E_r).index_select(1, self._rank_source[0].rank).view(N, E_r)
+            y = self.experts.dense(x, dense)
+        gate = torch.sigmoid(upcast(self.shared_expert_gate(x)))
+        y = y + gate * upcast(self.shared_expert(x))
+        if self.tp_degree > 1:
+            y = all_reduce(y, self.group_name)
+        return y.view(*shape[:-1], -1)

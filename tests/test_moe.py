@@ -1,0 +1,189 @@
+"""The Qwen3.5 MoE models without transformers: config parsing, both on-disk expert forms, the block's two forms.
+
+Parity with transformers is in tests/test_moe_parity.py, tensor/expert parallelism in tests/test_moe_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from optimum_qwen35 import Qwen35Config, UnsupportedModelError
+from optimum_qwen35.checkpoint import CheckpointError, CheckpointReader, convert_checkpoint
+from optimum_qwen35.errors import UsageError
+from optimum_qwen35.modeling.moe import SparseMoeBlock, route
+from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.vision import VisionConfig
+from optimum_qwen35.testing import build_tiny_checkpoint
+
+# Qwen3.5-35B-A3B's config.json as published (../shared/configs; the shape, see its `_comment`).
+REAL_MOE_CONFIG = Path(__file__).parent / "qwen3.5-35b-a3b.config.json"
+
+
+def real_moe_config() -> dict:
+    return json.loads(REAL_MOE_CONFIG.read_text())
+
+
+def test_real_moe_config_nested_and_bare():
+    nested = Qwen35Config.from_dict(real_moe_config())
+    bare = Qwen35Config.from_dict(real_moe_config()["text_config"])
+    for c in (nested, bare):
+        assert c.is_moe and c.num_experts == 256 and c.num_experts_per_tok == 8
+        assert c.moe_intermediate_size == 512 and c.shared_expert_intermediate_size == 512
+        assert c.intermediate_size == 0 and c.hidden_size == 2048 and c.num_hidden_layers == 40
+        assert c.linear_num_value_heads == 32 and not c.tie_word_embeddings and c.rope_theta == 1e7
+    assert dataclasses.replace(nested, raw={}) == dataclasses.replace(bare, raw={})
+    text = nested.to_text_dict()
+    assert text["model_type"] == "qwen3_5_moe_text" and "intermediate_size" not in text
+    assert Qwen35Config.from_dict(text) == dataclasses.replace(nested, raw=text)
+    # The MoE checkpoints carry the dense models' vision tower (the file omits num_position_embeddings).
+    vision = VisionConfig.from_dict(real_moe_config())
+    assert vision.depth == 27 and vision.out_hidden_size == 2048 and vision.num_position_embeddings == 2304
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c["text_config"].update(mlp_only_layers=[0]), "mlp_only_layers=\\[0\\]"),
+        (lambda c: c["text_config"].update(model_type="qwen3_5_text"), "expected 'qwen3_5_moe_text'"),
+        (lambda c: c["text_config"].update(num_experts_per_tok=300), "num_experts_per_tok \\(300\\)"),
+    ],
+)
+def test_bad_moe_configs_get_one_line(edit, message):
+    cfg = real_moe_config()
+    edit(cfg)
+    with pytest.raises(UnsupportedModelError, match=message):
+        Qwen35Config.from_dict(cfg)
+
+
+def test_expert_parallel_rule_and_refusals():
+    c = Qwen35Config.from_dict(real_moe_config())
+    # Split inside experts while a rank keeps >= 128 of the 512 expert rows, whole experts beyond.
+    assert [c.expert_parallel_mode(t) for t in (1, 2, 4, 8, 16)] == ["tp", "tp", "tp", "ep", "ep"]
+    assert dataclasses.replace(c, moe_parallel="ep").expert_parallel_mode(2) == "ep"
+    assert dataclasses.replace(c, moe_parallel="tp").expert_parallel_mode(16) == "tp"
+    small = dataclasses.replace(c, num_experts=4, moe_parallel="ep")
+    with pytest.raises(UsageError, match="leaves ranks without an expert"):
+        small.check_tp_degree(8)
+    with pytest.raises(UsageError, match="moe_parallel='both'"):
+        dataclasses.replace(c, moe_parallel="both").expert_parallel_mode(2)
+    with pytest.raises(UsageError, match="does not split this model by whole heads"):
+        c.check_tp_degree(3)
+
+
+def _converted(folder):
+    reader = CheckpointReader(folder)
+    return dict(convert_checkpoint(reader, Qwen35Config.from_pretrained(folder)))
+
+
+def test_both_expert_forms_convert_to_the_same_tensors(tmp_path):
+    per_expert = build_tiny_checkpoint(tmp_path / "per", "tiny-moe", expert_form="per_expert")
+    fused = build_tiny_checkpoint(tmp_path / "fused", "tiny-moe", expert_form="fused")
+    on_disk = json.loads((per_expert / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.language_model.layers.0.mlp.experts.5.up_proj.weight" in on_disk
+    assert not any(k.endswith("gate_up_proj") for k in on_disk)
+    a, b = _converted(per_expert), _converted(fused)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert a["layers.1.mlp.experts.gate_up_proj"].shape == (6, 64, 64)
+    assert a["layers.1.mlp.experts.down_proj"].shape == (6, 64, 32)
+    # Gate rows first: expert 2's gate_proj is rows 0..31 of its fused block, up_proj rows 32..63.
+    raw = load_file(next(per_expert.glob("model-00001-*.safetensors"))) | load_file(next(per_expert.glob("model-00002-*.safetensors")))
+    p = "model.language_model.layers.1.mlp.experts.2."
+    assert torch.equal(a["layers.1.mlp.experts.gate_up_proj"][2, :32], raw[p + "gate_proj.weight"])
+    assert torch.equal(a["layers.1.mlp.experts.gate_up_proj"][2, 32:], raw[p + "up_proj.weight"])
+    assert not any(n.startswith("mtp") for n in a)
+
+
+def test_incomplete_per_expert_checkpoint_names_what_is_missing(tmp_path):
+    folder = build_tiny_checkpoint(tmp_path / "m", "tiny-moe-top1", expert_form="per_expert")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.language_model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        _converted(folder)
+    message = str(e.value)
+    assert "per-expert tensors missing (1): layers.2.mlp.experts.3.up_proj.weight" in message
+    assert "layers.2.mlp.experts.gate_up_proj" in message
+    assert "layers.2.mlp.experts.3.gate_proj.weight" in message  # the stray per-expert keys, listed as unexpected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_and_gathered_forms_agree(dtype):
+    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
+    torch.manual_seed(0)
+    block = SparseMoeBlock(config, TorchLayers())
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block.to(dtype)
+    block.gate.weight.data = block.gate.weight.data.float()
+    x = torch.randn(2, 1, config.hidden_size).to(dtype)  # 2 tokens x top-2 < 6 experts: the gathered form
+    gathered = block(x)
+    weights, ids = route(block.gate(x.reshape(-1, config.hidden_size)), config.num_experts_per_tok, dtype)
+    dense = torch.zeros(2, config.num_experts, dtype=dtype).scatter(1, ids, weights)
+    expected = block.experts.dense(x.reshape(2, -1), dense)
+    expected = expected + torch.sigmoid(block.shared_expert_gate(x.reshape(2, -1)).float()) * block.shared_expert(x.reshape(2, -1)).float()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gathered.reshape(2, -1), expected, atol=tol, rtol=tol)
+    assert gathered.dtype == torch.float32
+
+
+def test_routing_ties_and_renormalisation():
+    # Equal logits: torch.topk's tie order (the lowest indices on CPU), weights renormalised to 1/k each.
+    weights, ids = route(torch.zeros(3, 6), 2, torch.float32)
+    assert ids.tolist() == torch.topk(torch.zeros(3, 6), 2).indices.tolist()
+    assert torch.equal(weights, torch.full((3, 2), 0.5))
+    # Float64 logits: softmax in fp32, as transformers' router (softmax(..., dtype=torch.float)).
+    logits = torch.randn(4, 6, dtype=torch.float64)
+    weights, _ = route(logits, 3, torch.float64)
+    top = torch.topk(torch.softmax(logits.float(), -1), 3).values
+    assert torch.equal(weights, (top / top.sum(-1, keepdim=True)).double())
+
+
+def build_tiny_checkpoint_config(layout: str) -> Path:
+    import tempfile
+
+    from optimum_qwen35.testing import tiny_full_config
+
+    folder = Path(tempfile.mkdtemp(prefix="qwen35-moe-config-"))
+    (folder / "config.json").write_text(json.dumps(tiny_full_config(layout)))
+    return folder
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.slow  # the torch.export of 3 programs: 4.5 min wall on the shared 2 cores at load 17 (8 users)
+def test_compiled_cpu_graphs_run_the_moe(tmp_path, layout="tiny-moe"):
+    """The cpu target's `torch.export` programs (context encoding, token generation) hold the MoE block (static
+    shapes: the dense form in prefill, the gathered form in decode) and give transformers' recorded greedy tokens."""
+    import numpy as np
+
+    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.runtime import compiled
+
+    source = FIXTURES / layout
+    config = Qwen35Config.from_pretrained(source)
+    save_sharded(source, config, 1, tmp_path / compiled.CHECKPOINT_DIR, progress=False)
+    compiled.compile_graphs(config, 1, 1, 64, [64], torch.float32, tmp_path / compiled.COMPILED_DIR, progress=False)
+    model = compiled.CompiledQwen35ForCausalLM(tmp_path)
+    try:
+        with np.load(source / "reference.npz") as ref:
+            prompt, expected = ref["gen_prompt_1"].tolist(), ref["gen_tokens_1"].tolist()
+        assert model.generate([prompt], max_new_tokens=24) == [expected[:24]]
+    finally:
+        model.close()
+
+
+def test_the_neuron_layer_factory_is_refused_in_one_line():
+    class OtherLayers:  # any factory but TorchLayers (the Neuron one: neuron/layers.py NxDLayers)
+        tp_degree = 1
+
+    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe-top1"))
+    with pytest.raises(UnsupportedModelError, match="no OtherLayers form yet"):
+        SparseMoeBlock(config, OtherLayers())
