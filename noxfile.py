@@ -170,13 +170,14 @@ def _nxd_source(session) -> Path:
     return NXD_CACHE
 
 
-@nox.session
-def neuron(session):
-    """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
+def _neuron_environment(session, *extra):
+    """The `neuron` session's environment (plus `extra` packages): torch 2.8, torch-xla 2.8, optimum-neuron 0.4.5,
+    neuronx-distributed 0.15 from its source and the SDK import stand-ins; skipped with one line where that source
+    cannot be had."""
     nxd_source = _nxd_source(session)
     _install(session, "torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
              # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
-             "boto3", "scipy", "tenacity")
+             "boto3", "scipy", "tenacity", *extra)
     _freeze_pins(session)
     _install_startup_file(session)
     session.install("--no-deps", "tests/neuron_sdk_standin")
@@ -188,7 +189,26 @@ def neuron(session):
             for name in files:
                 os.chmod(os.path.join(folder, name), 0o644)
         session.install("--no-deps", build, env={"VERSION_PATCH": "22404", "SUFFIX": "v2.26.0"})
+
+
+@nox.session
+def neuron(session):
+    """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
+    _neuron_environment(session)
     _pytest(session, "tests/neuron_xla")
+
+
+# vLLM 0.11.0 is what optimum-neuron 0.4.5's `vllm` extra pins (torch 2.8, as the neuron session); it forces numpy
+# < 2.3 (numba 0.61.2), the one pin that differs from constraints/neuron.txt. About 1.6 GB more to download.
+VLLM = "vllm==0.11.0"
+
+
+@nox.session
+def vllm(session):
+    """`vllm serve` and `vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md), loopback only;
+    the Neuron graphs on the XLA CPU device driven by optimum-neuron's vLLM model wrapper."""
+    _neuron_environment(session, VLLM)
+    _pytest(session, "tests/vllm")
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing

@@ -64,6 +64,26 @@ class Qwen35CpuExportRunner(_runner.OptimumNeuronModelRunnerForCausalLM):
             self.sampler = _runner.NeuronSampler(model.neuron_config)
 
 
+    def execute_model(self, scheduler_output):
+        """optimum-neuron's step. A request with a `seed`: optimum-neuron's runner passes no per-request generator
+        to its sampler, which draws from torch's global generator; that generator is seeded here, before a step
+        holding seeded requests, from their seeds and token counts. A seeded request is then reproducible whenever
+        it runs with the same companions in its steps (alone, or the same batch), as vLLM's own seeds are."""
+        keys = [(new.sampling_params.seed, 0) for new in scheduler_output.scheduled_new_reqs
+                if new.sampling_params is not None and new.sampling_params.seed is not None]
+        for req_id in scheduler_output.scheduled_cached_reqs.req_ids:
+            request = self.batch.request(req_id)
+            if request.sampling_params.seed is not None:
+                keys.append((request.sampling_params.seed, len(request.output_token_ids)))
+        if keys:
+            import hashlib  # noqa: PLC0415
+
+            import torch  # noqa: PLC0415
+
+            torch.manual_seed(int(hashlib.sha256(repr(sorted(keys)).encode()).hexdigest()[:15], 16))
+        return super().execute_model(scheduler_output)
+
+
 class Qwen35CpuExportWorker(OptimumNeuronWorker):
     """optimum-neuron's worker with the runner above."""
 
