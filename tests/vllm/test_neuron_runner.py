@@ -39,6 +39,19 @@ def scheduled(new=(), cached=(), finished=()):
     )
 
 
+class OutsideInferenceMode:
+    """The XLA run as the loaded `model.pt`: the runner steps under `torch.inference_mode()`, which a TorchScript module
+    running NEFFs does not mind, but the XLA run swaps the held state into the graph's parameters (`.data`), which
+    inference mode forbids; the run itself is left outside it."""
+
+    def __init__(self, traced):
+        self.traced = traced
+
+    def __call__(self, *inputs):
+        with torch.inference_mode(False):
+            return self.traced(*(t.clone() for t in inputs))
+
+
 def test_optimum_neurons_vllm_runner_drives_the_neuron_graphs():
     from optimum.neuron.vllm.model_loader import OptimumNeuronModelForCausalLM
     from optimum.neuron.vllm.runner import OptimumNeuronModelRunnerForCausalLM
@@ -65,7 +78,7 @@ def test_optimum_neurons_vllm_runner_drives_the_neuron_graphs():
     tokens = {"a": [], "b": []}
     with traced_parallel_state(1, nc.logical_nc_config):
         run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
-        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+        model = cls(config, nc, OutsideInferenceMode(TracedModel(run)), cls.create_graph_builders(config, nc))
         runner.model = OptimumNeuronModelForCausalLM(model)
         runner.sampler = NeuronSampler(nc)  # what load_model sets without on-device sampling
         greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
