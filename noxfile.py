@@ -8,6 +8,10 @@ The third, `neuron`, is the Neuron targets' path as far as a machine without the
 torch-xla 2.8 (what Neuron SDK 2.26 pins; PyPI has torch 2.8 only as a CUDA build, about 6 GB with its nvidia
 wheels), optimum-neuron 0.4.5, neuronx-distributed 0.15 built from its open source in ../shared/upstream (PyPI has
 a placeholder), and import stand-ins for the SDK's closed modules (tests/neuron_sdk_standin).
+
+The fourth, `vllm`, is that environment plus vLLM 0.11.0 (optimum-neuron 0.4.5's `vllm` extra): `vllm serve` and
+`vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md). On 2 cores shared with other jobs
+its tests took 17 minutes of wall time (3.8 minutes of CPU: vLLM's start-ups wait on imports and processes).
 """
 
 import hashlib
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron"]
+nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -199,7 +203,8 @@ def neuron(session):
 
 
 # vLLM 0.11.0 is what optimum-neuron 0.4.5's `vllm` extra pins (torch 2.8, as the neuron session); it forces numpy
-# < 2.3 (numba 0.61.2), the one pin that differs from constraints/neuron.txt. About 1.6 GB more to download.
+# < 2.3 (numba 0.61.2), the one pin that differs from constraints/neuron.txt; 123 more packages, 2.9 GB installed
+# (vLLM itself 1.35 GB).
 VLLM = "vllm==0.11.0"
 
 
