@@ -8,6 +8,10 @@ The third, `neuron`, is the Neuron targets' path as far as a machine without the
 torch-xla 2.8 (what Neuron SDK 2.26 pins; PyPI has torch 2.8 only as a CUDA build, about 6 GB with its nvidia
 wheels), optimum-neuron 0.4.5, neuronx-distributed 0.15 built from its open source in ../shared/upstream (PyPI has
 a placeholder), and import stand-ins for the SDK's closed modules (tests/neuron_sdk_standin).
+
+The fourth, `vllm`, is that environment plus vLLM 0.11.0 (optimum-neuron 0.4.5's `vllm` extra): `vllm serve` and
+`vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md). On 2 cores shared with other jobs
+its tests took 17 minutes of wall time (3.8 minutes of CPU: vLLM's start-ups wait on imports and processes).
 """
 
 import hashlib
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron"]
+nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -171,13 +175,14 @@ def _nxd_source(session) -> Path:
     return NXD_CACHE
 
 
-@nox.session
-def neuron(session):
-    """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
+def _neuron_environment(session, *extra):
+    """The `neuron` session's environment (plus `extra` packages): torch 2.8, torch-xla 2.8, optimum-neuron 0.4.5,
+    neuronx-distributed 0.15 from its source and the SDK import stand-ins; skipped with one line where that source
+    cannot be had."""
     nxd_source = _nxd_source(session)
     _install(session, "torch==2.8.0", "torch-xla==2.8.0", "-e", ".[tests,optimum]",
              # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
-             "boto3", "scipy", "tenacity")
+             "boto3", "scipy", "tenacity", *extra)
     _freeze_pins(session)
     _install_startup_file(session)
     session.install("--no-deps", "tests/neuron_sdk_standin")
@@ -189,7 +194,27 @@ def neuron(session):
             for name in files:
                 os.chmod(os.path.join(folder, name), 0o644)
         session.install("--no-deps", build, env={"VERSION_PATCH": "22404", "SUFFIX": "v2.26.0"})
+
+
+@nox.session
+def neuron(session):
+    """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
+    _neuron_environment(session)
     _pytest(session, "tests/neuron_xla")
+
+
+# vLLM 0.11.0 is what optimum-neuron 0.4.5's `vllm` extra pins (torch 2.8, as the neuron session); it forces numpy
+# < 2.3 (numba 0.61.2), the one pin that differs from constraints/neuron.txt; 123 more packages, 2.9 GB installed
+# (vLLM itself 1.35 GB).
+VLLM = "vllm==0.11.0"
+
+
+@nox.session
+def vllm(session):
+    """`vllm serve` and `vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md), loopback only;
+    the Neuron graphs on the XLA CPU device driven by optimum-neuron's vLLM model wrapper."""
+    _neuron_environment(session, VLLM)
+    _pytest(session, "tests/vllm")
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing

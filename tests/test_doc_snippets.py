@@ -2,7 +2,8 @@
 doc that drifts from the code fails here).
 
 Each document names the environment it runs in (`DOCUMENTS`): "optimum" (optimum-neuron 0.4.5, transformers 4.57:
-the nox `optimum` session) or "reference" (transformers 5: the `reference` session); a document with no runnable
+the nox `optimum` session), "reference" (transformers 5: the `reference` session) or "vllm" (docs/serving.md, whose
+blocks tests/vllm runs: `RUN_BY_OTHER_TESTS`); a document with no runnable
 block says None, and a new document fails `test_every_document_names_its_environment` until it is listed. Each
 document runs in its own empty folder: its ```bash blocks line by line through bash (`python` and the
 `optimum-qwen35` command are this environment's), its ```python blocks in one Python process that keeps its names
@@ -57,6 +58,12 @@ DOCUMENTS = {
     "docs/model.md": None,
     "docs/neuron_backend.md": None,
     "docs/testing.md": None,
+    "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
+}
+# Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
+RUN_BY_OTHER_TESTS = {
+    "docs/serving.md": "tests/vllm (the nox `vllm` session) runs its commands and its Python block as written, "
+                       "starting and stopping the server (tests/vllm/test_docs.py checks that it runs them all)",
 }
 # Blocks not run, by their first line, and why.
 NOT_RUN = {
@@ -229,6 +236,8 @@ def _check_output(document: str, code: str, output: str, met: set) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("document", [d for d, e in DOCUMENTS.items() if e is not None])
 def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
+    if document in RUN_BY_OTHER_TESTS:
+        pytest.skip(f"{document}: {RUN_BY_OTHER_TESTS[document]}")
     if DOCUMENTS[document] != ENVIRONMENT:
         pytest.skip(f"{document} runs in the {DOCUMENTS[document]} environment (this is {ENVIRONMENT})")
     env = {

@@ -465,7 +465,10 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         return_dict: bool | None = None,
         **kwargs,
     ):
-        """Teacher-forced logits at every position, as transformers' `model(input_ids, attention_mask).logits`.
+        """Two callers. optimum-neuron's runners (its vLLM worker) pass `seq_ids` (and `position_ids`,
+        `sampling_params`): `serving_step` answers them as its NxD models do. Otherwise:
+
+        Teacher-forced logits at every position, as transformers' `model(input_ids, attention_mask).logits`.
 
         Returns a transformers `CausalLMOutput`: `logits` [batch, length, vocab] fp32 (zeros where
         `attention_mask` is 0; left or right padding), and with `labels` the mean next-token cross-entropy `loss`
@@ -475,9 +478,42 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         Inputs longer than the compiled sequence length are refused."""
         from .scoring import causal_lm_forward  # noqa: PLC0415
 
+        if kwargs.get("seq_ids") is not None:
+            if attention_mask is not None or labels is not None:
+                raise UsageError("a call with seq_ids (optimum-neuron's runner call) takes no attention_mask or labels")
+            return self.serving_step(input_ids, **kwargs)
         return causal_lm_forward(
             self.runtime.logits, self.config.vocab_size, input_ids, attention_mask, labels, return_dict, **kwargs
         )
+
+    def serving_step(self, input_ids, position_ids=None, seq_ids=None, sampling_params=None) -> torch.Tensor:
+        """optimum-neuron's runner call `model(input_ids, position_ids=, seq_ids=, sampling_params=)`, answered as
+        its NxD models answer it (`NxDModelForCausalLM.forward`): a prefill when the call has more than one column
+        and a row starts at position 0 (rows right-padded, each row's length its largest position + 1), otherwise
+        one decode step per row at its position (a row at position 0 starts a fresh one-token sequence). Row i
+        uses slot `seq_ids[i]`. Returns fp32 logits [rows, 1, vocab] (the export samples on the host:
+        `on_device_sampling` is off, so `sampling_params` is not read)."""
+        if input_ids is None or position_ids is None or input_ids.dim() != 2 or position_ids.shape != input_ids.shape:
+            raise UsageError("the runner call needs input_ids and position_ids, both [rows, tokens]")
+        if seq_ids.dim() != 1 or seq_ids.shape[0] != input_ids.shape[0]:
+            raise UsageError(f"seq_ids must name one slot per row: {tuple(seq_ids.shape)} for {input_ids.shape[0]} rows")
+        slots = [int(s) for s in seq_ids]
+        if input_ids.shape[-1] > 1 and int(position_ids.min()) == 0:
+            lengths = (position_ids.max(dim=1).values + 1).tolist()
+            prompts = [row[:n].tolist() for row, n in zip(input_ids, lengths)]
+            logits = self.runtime.prefill(prompts, slots)
+        else:
+            tokens, positions = input_ids[:, -1].tolist(), position_ids[:, -1].tolist()
+            logits = torch.empty(len(slots), self.config.vocab_size)
+            fresh = [i for i, p in enumerate(positions) if p == 0]
+            going = [i for i, p in enumerate(positions) if p != 0]
+            if fresh:
+                logits[fresh] = self.runtime.prefill([[tokens[i]] for i in fresh], [slots[i] for i in fresh]).float()
+            if going:
+                logits[going] = self.runtime.decode(
+                    [tokens[i] for i in going], [positions[i] for i in going], [slots[i] for i in going]
+                ).float()
+        return logits.float()[:, None, :]
 
     def reset(self) -> None:
         """Nothing to clear: a prefill replaces its slots' state whole."""
@@ -552,6 +588,9 @@ def _export_config(config, model_id, dtype, vision=None):
     # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
     config._name_or_path = os.fspath(model_id)
     config.dtype = dtype
+    # What vLLM resolves first (it refuses a config.json naming no architecture): the text model's class name,
+    # which this package registers with vLLM (registration.vllm_plugin).
+    config.architectures = [registration.EXPORT_ARCHITECTURE]
     if vision is not None:
         from ..neuron.state_dict import with_vision_export  # noqa: PLC0415
 

@@ -8,7 +8,8 @@
   registration made in the calling process is lost. The installed `optimum_qwen35.pth` startup hook
   (`optimum_qwen35/_startup.py`) makes every interpreter register when it imports `transformers` (configs
   only, transformers < 5) or `optimum.neuron` (the model class), and imports nothing before that.
-- vLLM runs `vllm.general_plugins` entry points in each of its processes: `vllm_plugin` below.
+- vLLM runs `vllm.general_plugins` entry points in each of its processes: `vllm_plugin` below registers the
+  architecture (`vllm_model.py`) and fits vLLM's settings to a Qwen3.5 export (`vllm_settings`).
 - `NeuronModelForCausalLM.from_pretrained(folder)` (the abstract class) dispatches through
   `auto_model.get_neuron_model_class`, whose `has_neuron_model_class` first imports every built-in NxD model
   (`inference.auto_models`): that needs the Neuron SDK, although the registry already holds this package's class.
@@ -30,8 +31,14 @@ logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 TASK = "text-generation"
-# What a Qwen3.5 config.json names as its architecture, which vLLM 0.11 does not know.
+# What a Qwen3.5 config.json names as its architecture, which vLLM 0.11 does not know; an export's config.json
+# (the text config) names the second.
 ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+EXPORT_ARCHITECTURE = "Qwen3_5ForCausalLM"
+# The class vLLM inspects for them (torch only); optimum-neuron's platform loads the export itself.
+VLLM_MODEL_CLASS = "optimum_qwen35.optimum.vllm_model:Qwen35ForOptimumNeuron"
+# optimum-neuron's worker, with the export loaded by this package's class: for cpu-target exports only.
+VLLM_CPU_WORKER = "optimum_qwen35.optimum.vllm_worker.Qwen35CpuExportWorker"
 
 
 def register_transformers() -> bool:
@@ -159,6 +166,74 @@ def vllm_plugin() -> list[str]:
         return done
     # optimum-neuron's vLLM platform loads the model itself; vLLM only needs to accept the architecture.
     for architecture in ARCHITECTURES:
-        ModelRegistry.register_model(architecture, "optimum.neuron.vllm.model_loader:OptimumNeuronModelForCausalLM")
+        ModelRegistry.register_model(architecture, VLLM_MODEL_CLASS)
     done.append("vLLM architectures")
+    try:
+        from optimum.neuron.vllm.platform import OptimumNeuronPlatform  # noqa: PLC0415  (imports vLLM only)
+    except ImportError:
+        return done
+    _serve_exports_within_their_shape(OptimumNeuronPlatform)
+    done.append("vLLM settings of Qwen3.5 exports")
     return done
+
+
+def qwen35_export(model) -> tuple[dict, dict] | None:
+    """(config.json, neuron_config.json) of a local folder holding a Qwen3.5 export, else None."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    folder = Path(str(model))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        neuron_config = json.loads((folder / "neuron_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if config.get("model_type") not in MODEL_TYPES or not isinstance(neuron_config, dict):
+        return None
+    return config, neuron_config
+
+
+def vllm_settings(vllm_config) -> None:
+    """vLLM's settings for a Qwen3.5 export, before optimum-neuron's platform reads them; other models unchanged.
+
+    - the longest sequence is the export's `sequence_length` (vLLM derives 262144 from the config), so that vLLM
+      itself refuses longer requests; at most `batch_size` sequences at once (the export's slots);
+    - every prompt is prefilled whole: optimum-neuron's runner runs each new request's whole prompt in one call,
+      so chunked prefill is off and the step's token budget holds a full-length prompt beside a decode step of
+      every slot (vLLM's default budget, 2048 to 8192 tokens, would never schedule a longer prompt);
+    - a cpu-target export runs in optimum-neuron's worker with this package's loader (`vllm_worker.py`), which
+      needs no Neuron core or compiler; Neuron exports keep optimum-neuron's worker.
+    """
+    model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+    export = None if model_config is None else qwen35_export(model_config.model)
+    if export is None:
+        return
+    _, neuron_config = export
+    length, slots = int(neuron_config["sequence_length"]), int(neuron_config["batch_size"])
+    if model_config.max_model_len > length:
+        logger.info("max_model_len %d -> %d: the export's sequence_length", model_config.max_model_len, length)
+        model_config.max_model_len = length
+    if scheduler is not None:
+        scheduler.max_model_len = model_config.max_model_len
+        scheduler.max_num_seqs = min(scheduler.max_num_seqs, slots)
+        scheduler.enable_chunked_prefill = scheduler.chunked_prefill_enabled = False
+        scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model_config.max_model_len + slots)
+        scheduler.max_num_partial_prefills = 1
+    parallel = vllm_config.parallel_config
+    if neuron_config.get("target") == "cpu" and parallel is not None and parallel.worker_cls == "auto":
+        parallel.worker_cls = VLLM_CPU_WORKER
+
+
+def _serve_exports_within_their_shape(platform) -> None:
+    """`vllm_settings` applied first by optimum-neuron's platform (`check_and_update_config`). Idempotent."""
+    original = platform.check_and_update_config.__func__
+    if getattr(original, "_optimum_qwen35", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        vllm_settings(vllm_config)
+        return original(cls, vllm_config)
+
+    check_and_update_config._optimum_qwen35 = True
+    check_and_update_config.__wrapped__ = original
+    platform.check_and_update_config = classmethod(check_and_update_config)

@@ -30,7 +30,7 @@ def causal_lm_forward(
 ):
     from transformers.modeling_outputs import CausalLMOutput  # noqa: PLC0415
 
-    refused = sorted(k for k, v in kwargs.items() if k not in IGNORED and v not in (None, False))
+    refused = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None and v is not False)
     if refused:
         raise UsageError(
             f"forward() does not take {refused}: it returns the logits of every position of input_ids "

@@ -152,3 +152,39 @@ def test_export_without_logits_graphs_says_to_export_again(export_dir, tmp_path)
     model = Qwen35NeuronModelForCausalLM.from_pretrained(folder)
     with pytest.raises(IncompatibleExportError, match="no per-position logits graphs .* export the model again"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+# ---------------------------------------------------------------------------------------------- the runner call
+def test_optimum_neurons_runner_call_prefills_then_decodes(export_dir):
+    """`model(input_ids, position_ids=, seq_ids=, sampling_params=)` as optimum-neuron's vLLM runner calls it: new
+    prompts together, right-padded with 0 (token and position), rows in any slot order; then one token per row;
+    a one-token prompt (a [rows, 1] call at position 0) starts its slot afresh. Logits [rows, 1, vocab] fp32, whose
+    greedy tokens are generate()'s."""
+    model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
+    prompts = {0: [11, 12, 13, 14, 15, 16, 17, 18, 19], 1: [21, 22, 23]}
+    expected = {s: model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+                for s, p in prompts.items()}
+    order = [1, 0]  # slot 1's row first
+    width = max(len(p) for p in prompts.values())
+    ids = torch.tensor([prompts[s] + [0] * (width - len(prompts[s])) for s in order])
+    positions = torch.tensor([list(range(len(prompts[s]))) + [0] * (width - len(prompts[s])) for s in order])
+    sampling = torch.tensor([[1.0, 1.0, 1.0]] * 2)
+    logits = model(ids, position_ids=positions, seq_ids=torch.tensor(order), sampling_params=sampling)
+    assert logits.shape == (2, 1, model.config.vocab_size) and logits.dtype == torch.float32
+    got = {s: [int(logits[i, -1].argmax())] for i, s in enumerate(order)}
+    for _ in range(5):
+        ids = torch.tensor([[got[s][-1]] for s in (0, 1)])
+        positions = torch.tensor([[len(prompts[s]) + len(got[s]) - 1] for s in (0, 1)])
+        logits = model(ids, position_ids=positions, seq_ids=torch.tensor([0, 1]), sampling_params=sampling)
+        for i, s in enumerate((0, 1)):
+            got[s].append(int(logits[i, -1].argmax()))
+    assert got == expected
+    one = model.generate(torch.tensor([[31]]), max_new_tokens=1, do_sample=False)[0, 1].item()
+    logits = model(torch.tensor([[31]]), position_ids=torch.tensor([[0]]), seq_ids=torch.tensor([1]), sampling_params=sampling[:1])
+    assert int(logits[0, -1].argmax()) == one
+
+
+def test_a_tensor_keyword_forward_does_not_take_is_refused_in_one_line(export_dir):
+    model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
+    with pytest.raises(UsageError, match=r"forward\(\) does not take \['pixel_values'\]"):
+        model(torch.tensor([[1, 2, 3]]), pixel_values=torch.zeros(2, 3))
