@@ -105,7 +105,7 @@ ENVIRONMENT_FREE_TESTS = [
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
-    _install(session, TORCH, "-e", ".[tests,optimum,vision]", "pytest-xdist>=3.5")
+    _install(session, TORCH, "-e", ".[tests,optimum,vision,eval]", "pytest-xdist>=3.5")
     _freeze_pins(session)
     _install_startup_file(session)
     _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS), parallel=True)

@@ -566,9 +566,12 @@ def resolve_export(
     endpoint: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     local_files_only: bool = False,
+    force_download: bool = False,
+    subfolder: str | None = None,
 ) -> Path:
     """The local folder of an export: `repo_id_or_path` itself if it is a folder, else the export files of
-    that Hub repo at `revision`, downloaded into (or, offline, read from) the Hugging Face cache.
+    that Hub repo at `revision`, downloaded into (or, offline, read from) the Hugging Face cache; `subfolder`: the
+    export is that folder of the repo (or of the local folder).
 
     Only the export's files are fetched (configs, tokenizer, `compiled/`, `checkpoint/`, `model.pt`; not the
     model card). With `HF_HUB_OFFLINE=1` or `local_files_only=True` nothing is downloaded: a cached snapshot
@@ -576,6 +579,7 @@ def resolve_export(
     not part of the export: see `resolve_source_checkpoint`."""
     path = Path(repo_id_or_path)
     if path.is_dir():
+        path = path / (subfolder or "")
         _neuron_config(path)
         return path
     name = str(repo_id_or_path)
@@ -584,7 +588,7 @@ def resolve_export(
         raise ModelNotFoundError(f"{name} is neither a folder nor a valid Hub repository id ({problem})")
     offline = local_files_only or _offline()
     try:
-        folder = _download_export(name, revision, token, endpoint, cache_dir, local_files_only, offline)
+        folder = _download_export(name, revision, token, endpoint, cache_dir, local_files_only, offline, force_download, subfolder)
     except HubNotFoundError as e:
         if "not found on" in str(e):  # maybe a mistyped relative path
             raise HubNotFoundError(f"{e}; there is no local folder {name} either") from e
@@ -606,9 +610,11 @@ def resolve_export(
     return folder
 
 
-def _download_export(name, revision, token, endpoint, cache_dir, local_files_only: bool, offline: bool) -> Path:
+def _download_export(name, revision, token, endpoint, cache_dir, local_files_only: bool, offline: bool,
+                     force_download: bool = False, subfolder: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
+    patterns = [f"{subfolder}/{p}" for p in EXPORT_PATTERNS] if subfolder else EXPORT_PATTERNS
     with _hub_errors("download", name, endpoint, revision, token):
         try:
             return Path(
@@ -619,10 +625,11 @@ def _download_export(name, revision, token, endpoint, cache_dir, local_files_onl
                     token=token,
                     endpoint=endpoint,
                     cache_dir=cache_dir,
-                    allow_patterns=EXPORT_PATTERNS,
+                    allow_patterns=patterns,
                     local_files_only=local_files_only,
+                    force_download=force_download,
                 )
-            )
+            ) / (subfolder or "")
         except Exception as e:
             if offline and type(e).__name__ in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
                 raise HubOfflineError(

@@ -218,5 +218,6 @@ class Qwen35Processor(ProcessorMixin):
 
     @property
     def model_input_names(self):
-        return ["input_ids", "attention_mask", "pixel_values", "image_grid_thw"]
+        """What `__call__` returns: the tokenizer's inputs, then the images' (no video inputs: videos are refused)."""
+        return [*self.tokenizer.model_input_names, "pixel_values", "image_grid_thw"]
 

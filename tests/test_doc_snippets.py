@@ -55,6 +55,7 @@ DOCUMENTS = {
     "docs/tensor_parallel.md": "reference",
     "docs/moe.md": "reference",
     "docs/vision.md": "optimum",  # its second block exports through optimum-neuron's class
+    "docs/evaluation.md": "optimum",  # lm-eval is in the optimum session (the `eval` extra)
     "docs/model.md": None,
     "docs/neuron_backend.md": None,
     "docs/testing.md": None,

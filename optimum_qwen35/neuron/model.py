@@ -289,18 +289,17 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         """optimum-neuron's `generate`; with `pixel_values` / `image_grid_thw` (a vision export), the host loop over
         the vision and image graphs (`NxDImageRuntime`: the cpu runtime's loop and image handling, the same
         `generate` options as the cpu target's)."""
+        kwargs.pop("token_type_ids", None)  # tokenizers' output, passed on by harnesses: Qwen3.5 has no token types
         if pixel_values is None and image_grid_thw is None:
             kwargs.pop("mm_token_type_ids", None)
             if stopping_criteria is not None:  # optimum-neuron's loop (NxDGenerationMixin) takes it as a keyword
                 kwargs["stopping_criteria"] = stopping_criteria
             return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
-        if stopping_criteria is not None:
-            raise UsageError("stopping_criteria is not supported with images: use eos_token_id or max_new_tokens")
         from ..optimum import generation  # noqa: PLC0415
 
         return generation.generate(
             self._runtime_for_images(), self.generation_config, input_ids, attention_mask, generation_config,
-            pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs,
+            stopping_criteria=stopping_criteria, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs,
         )
 
     def _runtime_for_images(self):

@@ -69,9 +69,63 @@ def _sampler(config):
     return sample
 
 
-def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
-    """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config."""
+def _stopping_criteria(criteria):
+    """transformers' `stopping_criteria`: a `StoppingCriteriaList`, a list of criteria or one callable -> one callable
+    (input_ids, scores) -> per-row flags, or None."""
+    if criteria is None:
+        return None
+    if isinstance(criteria, (list, tuple)):
+        if not all(callable(c) for c in criteria):
+            raise UsageError("stopping_criteria must be a transformers StoppingCriteriaList (or a list of StoppingCriteria)")
+        if not callable(criteria):  # a plain list: transformers' list (a StoppingCriteriaList is callable already)
+            from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+            criteria = StoppingCriteriaList(criteria)
+        return criteria
+    if not callable(criteria):
+        raise UsageError(f"stopping_criteria must be a transformers StoppingCriteriaList, got {type(criteria).__name__}")
+    return criteria
+
+
+def _stop_callback(criteria, input_ids: torch.Tensor, pad: int, vocab_size: int):
+    """The runtime's `stop` hook calling transformers stopping criteria after every step, as transformers' loop does:
+    with the whole batch's ids so far ([batch, prompt + new tokens], a finished row padded with `pad`) and the step's
+    scores ([batch, vocab] fp32 logits). A criterion may flag rows (a bool tensor [batch], StoppingCriteriaList's
+    answer) or the whole batch (one bool). With more rows than the compiled batch size (waves), the rows outside the
+    running wave are shown as they stand (a finished wave's tokens, a waiting row's pad tokens, zero scores)."""
+    batch = input_ids.shape[0]
+    new_tokens: list[list[int]] = [[] for _ in range(batch)]
+
+    def stop(first: int, outputs: list[list[int]], logits: torch.Tensor) -> list[bool]:
+        rows = range(first, first + len(outputs))
+        for row, tokens in zip(rows, outputs):
+            new_tokens[row] = tokens
+        width = max(len(t) for t in outputs)
+        tail = torch.full((batch, width), pad, dtype=input_ids.dtype)
+        for row, tokens in enumerate(new_tokens):
+            tokens = tokens[:width]
+            tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        scores = torch.zeros(batch, logits.shape[-1] if logits.dim() == 2 else vocab_size)
+        scores[first : first + len(outputs)] = logits.float()
+        flags = criteria(torch.cat([input_ids, tail], dim=1), scores)
+        flags = torch.as_tensor(flags, dtype=torch.bool).reshape(-1)
+        if flags.numel() == 1:
+            flags = flags.expand(batch)
+        if flags.numel() != batch:
+            raise UsageError(f"stopping_criteria returned {flags.numel()} flags for a batch of {batch} rows: return one bool or one per row")
+        return flags[first : first + len(outputs)].tolist()
+
+    return stop
+
+
+def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None,
+             stopping_criteria=None, **kwargs):
+    """Generate with `runtime` (a `Qwen35ForCausalLM`); the caller's keyword arguments override the config.
+    `stopping_criteria` (transformers') is called after every step (`_stop_callback`); `token_type_ids` is accepted
+    and ignored (Qwen3.5 has no token types)."""
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
+    criteria = _stopping_criteria(stopping_criteria)
+    kwargs.pop("token_type_ids", None)
     # Images (a vision export): the processor's outputs, passed to the runtime; mm_token_type_ids is implied by
     # the image tokens of input_ids.
     images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
@@ -130,7 +184,10 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
         def on_step(step, tokens):
             streamer.put(torch.tensor(tokens[:1]))
 
-    new_tokens = runtime.generate(prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), **images)
+    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
+    new_tokens = runtime.generate(
+        prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop, **images
+    )
     if streamer is not None:
         streamer.end()
     width = max(len(t) for t in new_tokens)

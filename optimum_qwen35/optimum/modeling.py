@@ -346,26 +346,46 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         self.save_pretrained(save_directory, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, model_id, revision=None, token=None, **expected):
-        """Load an exported folder or Hub repo. Keyword arguments `target`, `batch_size`, `sequence_length`,
-        `tensor_parallel_size` and `dtype`, when given, must match what the export was compiled for."""
-        unknown = sorted(set(expected) - {"target", "batch_size", "sequence_length", "tensor_parallel_size", "dtype", "export"})
-        if unknown:
-            raise UsageError(f"from_pretrained() does not take {unknown}")
-        if expected.pop("export", False):
-            raise UsageError("export=True is not supported for decoders (as in optimum-neuron): call get_neuron_config() then export()")
+    def from_pretrained(cls, model_id, revision=None, token=None, **kwargs):
+        """Load an exported folder or Hub repo.
+
+        Takes optimum-neuron's and transformers' loading keywords (`loading_options`): `cache_dir`,
+        `force_download`, `local_files_only`, `subfolder` locate the export; `target`, `batch_size`,
+        `sequence_length`, `tensor_parallel_size` and `dtype` (or `torch_dtype`), when given, must match what the
+        export was compiled for; `export=True` on an export loads it; keywords with no meaning for an export
+        (`trust_remote_code`, `low_cpu_mem_usage`, `device_map`, ...) are ignored with one warning."""
+        source, expected, given_as = loading_options(kwargs)
+        return cls._load(model_id, revision, token, source, expected, given_as)
+
+    @classmethod
+    def _load(cls, model_id, revision, token, source: dict, expected: dict, given_as: dict, config=None):
         from .. import hub  # noqa: PLC0415
 
-        if not Path(model_id).is_dir() and not _is_export_repo(model_id, revision, token):
+        export = expected.pop("export", False)
+        subfolder = source.pop("subfolder", None)
+        local = Path(model_id, subfolder or "")
+        if not Path(model_id).is_dir() and not _is_export_repo(model_id, revision, token, subfolder):
+            if export:
+                raise UsageError(_EXPORT_TRUE_REFUSED.format(model_id=model_id))
             return cls._from_compile_cache(os.fspath(model_id), revision, token, **expected)
-        folder = Path(model_id) if Path(model_id).is_dir() else hub.resolve_export(model_id, revision, token)
+        folder = local if Path(model_id).is_dir() else hub.resolve_export(model_id, revision, token, subfolder=subfolder, **source)
         if not _is_export(folder):
+            if export and folder.is_dir():
+                raise UsageError(_EXPORT_TRUE_REFUSED.format(model_id=model_id))
             raise IncompatibleExportError(
                 f"{model_id} is not an exported model (no {nc.NEURON_CONFIG_FILE}); export it first: "
                 f"`optimum-qwen35 export --model {model_id} --target cpu OUT`"
             )
-        config = AutoConfig.from_pretrained(folder)
-        return cls._from_pretrained(folder, config, **expected)
+        neuron_config = nc.load(folder)
+        nc.check_expected(neuron_config, folder, given_as, **expected)
+        if config is None or subfolder:
+            config = AutoConfig.from_pretrained(folder)
+        if neuron_config.target != nc.CPU_TARGET:
+            return _neuron_model_class(neuron_config.target)._from_pretrained(folder, config)
+        _check_cpu_export(folder, neuron_config)
+        model = cls(config, neuron_config, folder)
+        model.runtime  # noqa: B018 (load now: a folder whose weights do not match fails here, not at generate)
+        return model
 
     @classmethod
     def _from_compile_cache(cls, model_id: str, revision, token, **expected):
@@ -404,20 +424,12 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         return cls.export(model_id, neuron_config, token=token, revision=revision, load_weights=True)
 
     @classmethod
-    def _from_pretrained(cls, model_id, config, revision=None, token=None, **expected):
-        """optimum-neuron's hook, also what `NeuronModelForCausalLM.from_pretrained` (the abstract class) calls
-        after its registry lookup: a Hub id or a folder that is not an export goes through `from_pretrained`."""
+    def _from_pretrained(cls, model_id, config, revision=None, token=None, **kwargs):
+        """optimum-neuron's hook, what `NeuronModelForCausalLM.from_pretrained` (the abstract class) calls after its
+        registry lookup with the caller's keywords: the same keywords as `from_pretrained`."""
+        source, expected, given_as = loading_options(kwargs)
         folder = Path(model_id)
-        if not folder.is_dir() or not _is_export(folder):
-            return cls.from_pretrained(model_id, revision=revision, token=token, **expected)
-        neuron_config = nc.load(folder)
-        nc.check_expected(neuron_config, folder, **expected)
-        if neuron_config.target != nc.CPU_TARGET:
-            return _neuron_model_class(neuron_config.target)._from_pretrained(folder, config)
-        _check_cpu_export(folder, neuron_config)
-        model = cls(config, neuron_config, folder)
-        model.runtime  # noqa: B018 (load now: a folder whose weights do not match fails here, not at generate)
-        return model
+        return cls._load(model_id, revision, token, source, expected, given_as, config if folder.is_dir() else None)
 
     # ------------------------------------------------------------------ running
     @property
@@ -437,14 +449,18 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def can_generate(self) -> bool:
         return True
 
-    def generate(self, input_ids, attention_mask=None, generation_config=None, streamer=None, **kwargs):
-        """transformers-style generation: greedy or sampled (do_sample, temperature, top_k, top_p), EOS
-        stopping, a streamer; returns [batch, prompt + new tokens]. Batches larger than the compiled
-        batch size run in waves. A vision export also takes the processor's `pixel_values` and `image_grid_thw`
-        (`mm_token_type_ids` is accepted: the image tokens are read from input_ids)."""
+    def generate(self, input_ids, attention_mask=None, generation_config=None, stopping_criteria=None, streamer=None,
+                 **kwargs):
+        """transformers-style generation (optimum-neuron's `generate` signature): greedy or sampled (do_sample,
+        temperature, top_k, top_p), EOS stopping, transformers `stopping_criteria` (called after every step with
+        the ids and the step's logits; rows it flags finish), a streamer; returns [batch, prompt + new tokens].
+        Batches larger than the compiled batch size run in waves. `token_type_ids` is accepted and ignored. A vision
+        export also takes the processor's `pixel_values` and `image_grid_thw` (`mm_token_type_ids` is accepted:
+        the image tokens are read from input_ids)."""
         from .generation import generate  # noqa: PLC0415
 
-        return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer, **kwargs)
+        return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer,
+                        stopping_criteria=stopping_criteria, **kwargs)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_ids) -> torch.Tensor:
         """Continuous batching: start each row's prompt in slot `seq_ids[row]`; next-token logits [n, vocab]."""
@@ -579,6 +595,49 @@ def _image_buckets(image_buckets, vision) -> list[int]:
     return sorted(set(image_buckets))
 
 
+# from_pretrained's keywords, optimum-neuron's and transformers' (`loading_options`).
+# Where the export is read from (a Hub download's options; `subfolder` also for a local folder).
+SOURCE_KEYWORDS = ("cache_dir", "force_download", "local_files_only", "subfolder")
+# What the export must have been compiled for, by the caller's keyword (aliases: transformers' torch_dtype, and the
+# keywords of optimum-neuron before 0.1, which lm-eval's `neuronx` model still passes).
+EXPECTED_KEYWORDS = {
+    "target": "target", "instance_type": "target", "batch_size": "batch_size", "sequence_length": "sequence_length",
+    "tensor_parallel_size": "tensor_parallel_size", "num_cores": "tensor_parallel_size", "tp_degree": "tensor_parallel_size",
+    "dtype": "dtype", "torch_dtype": "dtype", "auto_cast_type": "dtype",
+}
+_EXPORT_TRUE_REFUSED = (
+    "{model_id} is not an export, and from_pretrained(export=True) does not compile one (optimum-neuron 0.4.5 ignores "
+    "it for decoders): call get_neuron_config() then export(), or `optimum-qwen35 export --model {model_id} --target cpu OUT`"
+)
+
+
+def loading_options(kwargs: dict) -> tuple[dict, dict, dict]:
+    """Sort from_pretrained's keywords: (where to read the export, what it must be compiled for, the keyword each
+    expectation was given as). Keywords that mean nothing for an export are ignored with one warning, as
+    optimum-neuron's own `_from_pretrained` does (transformers' `trust_remote_code`, `low_cpu_mem_usage`,
+    `device_map`, `attn_implementation`...); a dtype of "auto" or None expects nothing."""
+    source, expected, given_as, ignored = {}, {}, {}, {}
+    for key, value in kwargs.items():
+        if key in SOURCE_KEYWORDS:
+            if value not in (None, ""):
+                source[key] = value
+        elif key == "export":
+            expected["export"] = bool(value)
+        elif key in EXPECTED_KEYWORDS:
+            name = EXPECTED_KEYWORDS[key]
+            if value is None or (name == "dtype" and value == "auto"):
+                continue
+            if name in expected and given_as[name] != key:
+                raise UsageError(f"from_pretrained() got both {given_as[name]}= and {key}=: pass one of them")
+            expected[name], given_as[name] = value, key
+        else:
+            ignored[key] = value
+    ignored = sorted(k for k, v in ignored.items() if v is not None)
+    if ignored:
+        logger.warning("from_pretrained(): ignoring %s (they do not apply to a compiled export)", ", ".join(ignored))
+    return source, expected, given_as
+
+
 def _export_config(config, model_id, dtype, vision=None):
     """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
     (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it."""
@@ -598,15 +657,16 @@ def _export_config(config, model_id, dtype, vision=None):
     return config
 
 
-def _is_export_repo(model_id, revision, token) -> bool:
+def _is_export_repo(model_id, revision, token, subfolder=None) -> bool:
     """Whether a Hub repo holds an export (a neuron_config.json); errors (missing repo, offline...) are left
     to the download that follows."""
     from huggingface_hub import HfApi  # noqa: PLC0415
 
     api = HfApi(token=token)
+    path = f"{subfolder}/{nc.NEURON_CONFIG_FILE}" if subfolder else nc.NEURON_CONFIG_FILE
     try:
         api.repo_info(os.fspath(model_id), revision=revision)  # a missing repo or revision: resolve_export says so
-        return api.file_exists(os.fspath(model_id), nc.NEURON_CONFIG_FILE, revision=revision)
+        return api.file_exists(os.fspath(model_id), path, revision=revision)
     except Exception:  # noqa: BLE001
         return True
 

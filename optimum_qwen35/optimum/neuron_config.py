@@ -188,8 +188,10 @@ def _check_fields(data: dict, path: Path) -> None:
         )
 
 
-def check_expected(neuron_config, folder, **expected) -> None:
-    """Fail with one line if the export was compiled for something other than what the caller expects."""
+def check_expected(neuron_config, folder, given_as: dict | None = None, **expected) -> None:
+    """Fail with one line if the export was compiled for something other than what the caller expects.
+
+    `given_as` maps a checked name to the keyword the caller used for it (e.g. dtype <- torch_dtype), for the message."""
     actual = {
         "target": neuron_config.target,
         "batch_size": neuron_config.batch_size,
@@ -203,9 +205,11 @@ def check_expected(neuron_config, folder, **expected) -> None:
         if name == "target":
             want = normalize_target(want)
         elif name == "dtype":
-            want = normalize_dtype(want)
+            want = parse_dtype(want, (given_as or {}).get(name, name))
         if actual[name] != want:
+            keyword = (given_as or {}).get(name, name)
             raise IncompatibleExportError(
                 f"{folder} was exported for {name}={_jsonable(actual[name])}, not {_jsonable(want)}: "
-                f"load it without {name}= or export the model again with {name}={_jsonable(want)}"
+                f"pass {keyword}={_jsonable(actual[name])!r} (or leave {keyword}= out), or export the model again with "
+                f"{name}={_jsonable(want)}"
             )

@@ -423,15 +423,19 @@ class Qwen35ForCausalLM:
         streamer=None,
         sampler=None,
         images: Sequence | None = None,
+        stop=None,
     ) -> list[list[int]]:
         """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
         (>= 1) new tokens of each prompt, stopping after an EOS token. Prompts beyond `batch_size` run in
         successive waves. `streamer(step, tokens)` is called once per step with the tokens of the wave's
-        rows. Every argument is checked before the first graph runs."""
+        rows; `stop(first_row, new_tokens, logits) -> one bool per wave row` (optional) after each step, with the
+        index of the wave's first prompt, each wave row's new tokens so far and the logits the step's tokens were
+        chosen from: a row it flags finishes there, as after an EOS. Every argument is checked before the first
+        graph runs."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
         eos = validation.eos_ids(eos_token_id)
-        for name, fn in (("streamer", streamer), ("sampler", sampler)):
+        for name, fn in (("streamer", streamer), ("sampler", sampler), ("stop", stop)):
             if fn is not None and not callable(fn):
                 raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
         pick = sampler or (lambda logits: logits.argmax(-1))
@@ -447,7 +451,8 @@ class Qwen35ForCausalLM:
             group = prompts[start : start + self.batch_size]
             slots = list(range(len(group)))
             group_images = None if images is None else images[start : start + self.batch_size]
-            next_tokens = pick(self.prefill(group, slots, images=group_images)).tolist()
+            logits = self.prefill(group, slots, images=group_images)
+            next_tokens = pick(logits).tolist()
             positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
@@ -458,9 +463,12 @@ class Qwen35ForCausalLM:
                         done[i] = next_tokens[i] in eos
                 if streamer is not None:
                     streamer(step, next_tokens[: len(group)])
+                if stop is not None:
+                    done = [d or bool(f) for d, f in zip(done, stop(start, outputs, logits[: len(group)]))]
                 if all(done) or step == max_new_tokens - 1:
                     break
-                next_tokens = pick(self.decode(next_tokens, positions, slots)).tolist()
+                logits = self.decode(next_tokens, positions, slots)
+                next_tokens = pick(logits).tolist()
                 positions = [p + 1 for p in positions]
             results += outputs
         return results

@@ -211,7 +211,7 @@ class ImageInputs:
         return super().logits(prompts, images=self.image_prompts(prompts, pixel_values, image_grid_thw))
 
     def generate(self, prompts, max_new_tokens: int = 32, eos_token_id=None, streamer=None, sampler=None,
-                 pixel_values=None, image_grid_thw=None) -> list[list[int]]:
+                 pixel_values=None, image_grid_thw=None, stop=None) -> list[list[int]]:
         """`Qwen35ForCausalLM.generate` of prompts holding images: `pixel_values` [patches, patch_dim] and
         `image_grid_thw` [images, 3] as the processor returns them, the images in prompt order."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
@@ -224,7 +224,7 @@ class ImageInputs:
                     f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
                 )
         images = self.image_prompts(prompts, pixel_values, image_grid_thw)
-        return super().generate(prompts, max_new_tokens, eos_token_id, streamer, sampler, images=images)
+        return super().generate(prompts, max_new_tokens, eos_token_id, streamer, sampler, images=images, stop=stop)
 
 
 class Qwen35ForImageTextToText(ImageInputs, Qwen35ForCausalLM):
