@@ -214,10 +214,13 @@ class Worker:
 
 
 def measure(workers, batch, prompt, decode, repeat):
-    """Every side `repeat` times, alternating (the order rotating run by run). Returns {side: [answer per run]}."""
+    """Every side `repeat` times, alternating: the order rotates, and every other round runs backwards, so that no
+    side always runs first or after the same other side. Returns {side: [answer per run]}."""
     runs = {w.side: [] for w in workers}
     for r in range(repeat):
-        for w in workers[r % len(workers):] + workers[: r % len(workers)]:
+        k = (r // 2) % len(workers)
+        order = workers[k:] + workers[:k]
+        for w in order[::-1] if r % 2 else order:
             runs[w.side].append(w.ask(cmd="run", batch=batch, prompt=prompt, decode=decode))
     return runs
 
@@ -352,8 +355,11 @@ def main() -> None:
                     runs = measure(workers, b, length, args.decode, args.repeat)
                     same = agreement(runs["ours"][-1]["tokens"], runs["transformers"][-1]["tokens"])
                     results.setdefault(length, []).append((b, runs, same))
-                    print(f"  batch {b}, prompt {length}: " + "; ".join(
-                        f"{s} TTFT {statistics.median(r['ttft'][1] for r in runs[s]) * 1e3:.0f} ms CPU" for s in sides), flush=True)
+                    line = []
+                    for metric, what in (("ttft", "TTFT"), ("steps", "decode")):
+                        line += [f"{what} vs {o} " + "{2:.2f}x [{3:.2f}-{4:.2f}]".format(
+                            *_cell(runs, "ours", o, metric, 1, b, args.decode)) for o in sides if o != "ours"]
+                    print(f"  batch {b}, prompt {length} (CPU time, ours faster by): " + "; ".join(line), flush=True)
                 for length, rows in results.items():
                     print_tables(f"{name}, prompt {length} tokens, {args.decode} new tokens", rows, sides, args.decode)
                 if args.long:
