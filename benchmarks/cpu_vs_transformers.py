@@ -1,27 +1,38 @@
-"""Benchmark: this package's CPU graphs against transformers' Qwen3.5 (eager), side by side in one run.
+"""Benchmark: this package's CPU graphs against transformers' Qwen3.5 (eager), and against another commit of this
+package, side by side in one run.
 
     python benchmarks/cpu_vs_transformers.py [--prompt 512] [--decode 64] [--batches 1 4 8]
-        [--dtypes float32 bfloat16] [--long 4096] [--repeat 2] [--threads N]
+        [--dtypes float32 bfloat16] [--long 4096] [--repeat 3] [--threads N] [--against REV]
+        [--vocab 32000] [--layers LLLFLLLF]
 
-Needs transformers >= 5 (the `reference` nox environment). Builds a random Qwen3.5 with transformers (hidden
-1024, 8 layers in the 3:1 pattern, vocab 32k: about 200M parameters), saves it in the real on-disk format and
-loads it in both implementations, in each dtype. Then, for each batch size, the same random prompts (all of
---prompt tokens) go through both sides' greedy generation of --decode tokens (transformers: `generate`, with its
-cache; ours: `Qwen35ForCausalLM.generate` with a static batch of that size, its linears prepacked for that batch size
-as `from_pretrained` does), timed through each side's streamer:
+Needs transformers >= 5 (the `reference` nox environment). Builds a random Qwen3.5 with transformers (by default
+hidden 1024, 8 layers in the 3:1 pattern, vocab 32k: about 200M parameters; `--vocab` and `--layers`, a string of
+L (DeltaNet) and F (full attention), change the vocabulary and the layer stack, e.g. `--vocab 248320 --layers
+LLLFLF` for 0.8B's widths with its real tied vocabulary), saves it in the real on-disk format and loads it in each
+side, in each dtype. Each side runs in its own worker process, loaded once per dtype:
+
+- `transformers`: `generate` (eager, its own cache);
+- `ours`: `Qwen35ForCausalLM.generate` of this checkout, a static batch of that size, linears prepacked for it as
+  `from_pretrained` does;
+- with `--against REV`: the same through the package as it was at git revision REV (`git archive` of it, imported
+  in place of this checkout), so that a regression shows as a ratio measured side by side, not as a remembered
+  number.
+
+For each batch size the same random prompts (all of --prompt tokens) go through each side's greedy generation of
+--decode tokens, timed through each side's streamer:
 
 - TTFT: from the call to the first new token of every row (prefill of the whole batch + its argmax);
 - Throughput: new tokens per second after the first (batch x (decode - 1) / time from first to last token),
 
-both by the wall clock and by the process's CPU time.
-
-Each is the best of --repeat runs, the two sides alternating (the machine may be shared: only side-by-side
-ratios mean much). The greedy
-tokens of both sides are compared row by row. With --long, the same at batch 1 after a --long-token prompt, and
-the peak RSS of a process during that prefill (each side in its own fresh process, the high-water mark reset
-after loading; weights and each side's cache included: transformers' grows with the prompt, ours is allocated for
-max_length = prompt + decode before the prefill; the output says how large each is). Prints tables in the format of the seed's
-benchmark (Batch Size, TTFT (ms), Throughput (tok/s)) with ratios; asserts nothing.
+both by the wall clock and by the worker process's CPU time. The sides alternate, run by run, --repeat times (the
+machine may be shared: a change in its load then hits every side alike); the tables give each side's median and,
+per cell, the median and the range [min, max] of the per-run ratios (a run of one side against the run of the other
+side next to it). The greedy tokens of ours and transformers are compared row by row. With --long, the same at
+batch 1 after a --long-token prompt, and the peak RSS of a process during that prefill (each side in its own fresh
+process, the high-water mark reset after loading; weights and each side's cache included: transformers' grows with
+the prompt, ours is allocated for max_length = prompt + decode before the prefill; the output says how large each
+is). Asserts nothing. Workers hold their models at once (three at `--against`): at `--vocab 248320` in fp32 about
+1.5 GB for transformers and 2.5 GB for each of ours (the prepacked copy of the tied lm_head).
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +50,7 @@ import time
 import torch
 
 VOCAB = 32000
-# The decoder measured: 8 layers of Qwen3.5-0.8B's shapes (3 DeltaNet + 1 attention, twice), a 32k vocabulary.
+# The decoder measured by default: 8 layers of Qwen3.5-0.8B's shapes (3 DeltaNet + 1 attention, twice), a 32k vocabulary.
 TEXT_0_8B_8_LAYERS = dict(
     vocab_size=VOCAB, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=8,
     num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
@@ -45,20 +58,29 @@ TEXT_0_8B_8_LAYERS = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                          mrope_section=[11, 11, 10], mrope_interleaved=True),
 )
+LAYER_LETTERS = {"L": "linear_attention", "F": "full_attention"}
 
 
-def build(folder: str) -> None:
+def build(folder: str, vocab: int = VOCAB, layers: str | None = None) -> None:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = TEXT_0_8B_8_LAYERS
+    text = dict(TEXT_0_8B_8_LAYERS, vocab_size=vocab)
+    if layers:
+        text.update(num_hidden_layers=len(layers), layer_types=[LAYER_LETTERS[c] for c in layers])
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=1024)
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True))
     model.save_pretrained(folder)
 
 
-def prompts_for(batch: int, length: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+def prompts_for(batch: int, length: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, min(vocab, VOCAB), (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def model_vocab(folder: str) -> int:
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)["vocab_size"]
 
 
 def load_hf(folder, dtype):
@@ -126,22 +148,81 @@ def run_ours(decoder, prompts, decode):
     return clock, out
 
 
-def measure(hf, ours, prompts, decode, repeat):
-    """Both sides, `repeat` times, alternating (so that a change in the machine's load hits both alike): the best
-    TTFT and the best decode throughput of each, and the tokens of their last runs."""
-    inf = float("inf")
-    best = {name: [[inf, inf], [inf, inf], None] for name in ("transformers", "ours")}  # [wall, cpu] each
-    for _ in range(repeat):
-        for name, run, model in (("transformers", run_hf, hf), ("ours", run_ours, ours)):
+# ------------------------------------------------------------------ workers: one process per side
+def worker(args) -> None:
+    """Serve one side: JSON commands on stdin ("load" a dtype, "run" a batch), one JSON answer per line on stdout."""
+    if args.worker != "transformers":
+        import optimum_qwen35
+
+        if args.expect_package and not os.path.realpath(optimum_qwen35.__file__).startswith(os.path.realpath(args.expect_package)):
+            raise SystemExit(f"worker {args.worker}: imported {optimum_qwen35.__file__}, not the tree in {args.expect_package}")
+    model = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "load":
+            model = None
+            dtype = getattr(torch, cmd["dtype"])
+            model = load_hf(args.model, dtype) if args.worker == "transformers" else load_ours(args.model, dtype)
+            answer = {"parameters": sum(p.numel() for p in model.parameters())}
+        else:
+            prompts = prompts_for(cmd["batch"], cmd["prompt"], model_vocab(args.model))
             with torch.no_grad():
-                clock, tokens = run(model, prompts, decode)
-            for i in (0, 1):
-                best[name][0][i] = min(best[name][0][i], clock.first[i] - clock.start[i])
-                best[name][1][i] = min(best[name][1][i], clock.last[i] - clock.first[i])
-            best[name][2] = tokens
-    B = prompts.shape[0]
-    return [([ttft[i] for i in (0, 1)], [B * (decode - 1) / max(steps[i], 1e-9) for i in (0, 1)], tokens)
-            for ttft, steps, tokens in best.values()]
+                clock, tokens = (run_hf if args.worker == "transformers" else run_ours)(model, prompts, cmd["decode"])
+            answer = {"ttft": [clock.first[i] - clock.start[i] for i in (0, 1)],
+                      "steps": [clock.last[i] - clock.first[i] for i in (0, 1)], "tokens": tokens}
+        print(json.dumps(answer), flush=True)
+
+
+def checkout(rev: str, into: str) -> str:
+    """This package as it was at git revision `rev`, laid out to import as `optimum_qwen35` (its `kernels/` folder
+    installed as `optimum_qwen35.kernels`, as setup.py does) under `into`. Returns the commit it resolved to."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        raise SystemExit(f"--against {rev}: not a git revision of {repo} (give a commit, tag or branch of this repository)")
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "optimum_qwen35", "kernels"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    shutil.move(os.path.join(into, "kernels"), os.path.join(into, "optimum_qwen35", "kernels"))
+    return commit
+
+
+class Worker:
+    def __init__(self, side: str, args, pythonpath: str | None = None):
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model", args.model]
+        env = dict(os.environ)
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        if pythonpath:
+            cmd += ["--expect-package", pythonpath]
+            env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+        self.side = side
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, **cmd) -> dict:
+        self.process.stdin.write(json.dumps(cmd) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {self.side} worker stopped (its error is above)")
+        return json.loads(line)
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def measure(workers, batch, prompt, decode, repeat):
+    """Every side `repeat` times, alternating: the order rotates, and every other round runs backwards, so that no
+    side always runs first or after the same other side. Returns {side: [answer per run]}."""
+    runs = {w.side: [] for w in workers}
+    for r in range(repeat):
+        k = (r // 2) % len(workers)
+        order = workers[k:] + workers[:k]
+        for w in order[::-1] if r % 2 else order:
+            runs[w.side].append(w.ask(cmd="run", batch=batch, prompt=prompt, decode=decode))
+    return runs
 
 
 def agreement(a, b):
@@ -149,26 +230,45 @@ def agreement(a, b):
     return [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)]
 
 
-def table(title, rows):
-    """Two tables: wall clock, then process CPU time (with --threads 1, the time on an unshared core: the
-    fairer measure on a loaded machine, where a process gets a varying share of a core)."""
-    for i, clock in enumerate(("wall clock", "process CPU time")):
-        _table(f"{title} ({clock})", [(b, (h[0][i], h[1][i]), (o[0][i], o[1][i]), same, d) for b, h, o, same, d in rows])
+def _cell(runs, side, base, metric, clock, batch, decode):
+    """(median of side, median of base, median ratio, min ratio, max ratio): the ratio is how many times faster
+    `side` is than `base`, run by run."""
+    def value(run):
+        t = run[metric][clock]
+        return t if metric == "ttft" else batch * (decode - 1) / max(t, 1e-9)  # ms -> later; tok/s
+
+    a, b = [value(r) for r in runs[side]], [value(r) for r in runs[base]]
+    ratios = [y / x if metric == "ttft" else x / y for x, y in zip(a, b)]
+    return statistics.median(a), statistics.median(b), statistics.median(ratios), min(ratios), max(ratios)
 
 
-def _table(title, rows):
-    print(f"\n{title}")
-    print(f"{'Batch Size':>10s}  {'TTFT (ms)':>30s}  {'Throughput (tok/s)':>30s}  equal greedy tokens")
-    print(f"{'':>10s}  {'transformers':>12s} {'ours':>8s} {'ratio':>7s}  {'transformers':>12s} {'ours':>8s} {'ratio':>7s}")
-    for b, (hf_ttft, hf_tps), (our_ttft, our_tps), same, decode in rows:
-        print(f"{b:>10d}  {hf_ttft * 1e3:12.1f} {our_ttft * 1e3:8.1f} {hf_ttft / our_ttft:6.2f}x  "
-              f"{hf_tps:12.2f} {our_tps:8.2f} {our_tps / hf_tps:6.2f}x  {min(same)}/{decode} (per row: {same})")
+def print_tables(title, results, sides, decode):
+    """One table per clock: per batch, each side's median TTFT and throughput, and ratios of ours against every
+    other side (median [min-max] of the per-run ratios; > 1: ours is faster)."""
+    others = [s for s in sides if s != "ours"]
+    for clock, clock_name in ((0, "wall clock"), (1, "process CPU time")):
+        print(f"\n{title} ({clock_name}; ratio = how many times faster ours is, median [min-max] over runs)")
+        head = f"{'batch':>5s}  " + "  ".join(f"{'TTFT ms ' + s:>26s}" for s in sides)
+        head += "  " + "  ".join(f"{'vs ' + s:>22s}" for s in others)
+        head += "  " + "  ".join(f"{'tok/s ' + s:>24s}" for s in sides) + "  " + "  ".join(f"{'vs ' + s:>22s}" for s in others)
+        print(head + "  equal greedy tokens (ours, transformers)")
+        for batch, runs, same in results:
+            line = f"{batch:>5d}  "
+            for metric in ("ttft", "steps"):
+                scale = 1e3 if metric == "ttft" else 1.0
+                width = 26 if metric == "ttft" else 24
+                line += "  ".join(f"{_cell(runs, s, s, metric, clock, batch, decode)[0] * scale:>{width}.1f}" for s in sides)
+                for o in others:
+                    _, _, med, lo, hi = _cell(runs, "ours", o, metric, clock, batch, decode)
+                    line += f"  {med:>8.2f}x [{lo:.2f}-{hi:.2f}]"
+                line += "  "
+            print(line + (f"{min(same)}/{decode} (per row: {same})" if same is not None else ""))
 
 
 def peak_rss_child(args) -> None:
     """In a fresh process: load one side, reset the RSS high-water mark, prefill, print the peak (MiB)."""
     dtype = getattr(torch, args.dtypes[0])
-    prompt = prompts_for(1, args.long)
+    prompt = prompts_for(1, args.long, model_vocab(args.model))
     model = load_hf(args.model, dtype) if args.rss_child == "transformers" else load_ours(args.model, dtype)
     if args.rss_child == "ours":
         from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
@@ -207,51 +307,74 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--long", type=int, default=0, help="also decode after a prompt of this many tokens (batch 1), with peak RSS")
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--against", metavar="REV", help="also run this package as it was at git revision REV")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary of the model built")
+    parser.add_argument("--layers", help="layer stack of the model built: L (DeltaNet) and F (attention), e.g. LLLFLF")
     parser.add_argument("--model", help="a folder holding the benchmark model (built there if empty)")
     parser.add_argument("--rss-child", choices=["transformers", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--expect-package", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.layers and set(args.layers) - set(LAYER_LETTERS):
+        parser.error(f"--layers takes letters L and F, got {args.layers!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rss_child:
         return peak_rss_child(args)
+    if args.worker:
+        return worker(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = args.model or tmp
-        if not os.path.exists(os.path.join(folder, "config.json")):
-            build(folder)
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; prompt {args.prompt}, decode {args.decode}, "
-              f"best of {args.repeat}")
-        for name in args.dtypes:
-            dtype = getattr(torch, name)
-            hf, ours = load_hf(folder, dtype), load_ours(folder, dtype)
-            print(f"\n{name}: ~{sum(p.numel() for p in ours.parameters()) / 1e6:.0f}M parameters")
-            rows = []
-            for b in args.batches:
-                prompts = prompts_for(b, args.prompt)
-                (hf_ttft, hf_tps, hf_tokens), (our_ttft, our_tps, our_tokens) = measure(hf, ours, prompts, args.decode, args.repeat)
-                rows.append((b, (hf_ttft, hf_tps), (our_ttft, our_tps), agreement(hf_tokens, our_tokens), args.decode))
-                print(f"  batch {b} (wall / CPU): transformers {hf_ttft[0] * 1e3:.0f} / {hf_ttft[1] * 1e3:.0f} ms, "
-                      f"{hf_tps[0]:.2f} / {hf_tps[1]:.2f} tok/s; ours {our_ttft[0] * 1e3:.0f} / {our_ttft[1] * 1e3:.0f} ms, "
-                      f"{our_tps[0]:.2f} / {our_tps[1]:.2f} tok/s", flush=True)
-            table(f"{name}, prompt {args.prompt} tokens, {args.decode} new tokens", rows)
-            if args.long:
-                prompts = prompts_for(1, args.long)
-                (hf_ttft, hf_tps, hf_tokens), (our_ttft, our_tps, our_tokens) = measure(hf, ours, prompts, args.decode, args.repeat)
-                table(f"{name}, prompt {args.long} tokens, {args.decode} new tokens",
-                      [(1, (hf_ttft, hf_tps), (our_ttft, our_tps), agreement(hf_tokens, our_tokens), args.decode)])
-            del hf, ours
-            if args.long:
-                hf_rss, our_rss = peak_rss(folder, "transformers", name, args), peak_rss(folder, "ours", name, args)
-                print(f"peak RSS during the {args.long}-token prefill ({name}, fresh processes): transformers "
-                      f"{hf_rss['peak_mib']:.0f} MiB, ours {our_rss['peak_mib']:.0f} MiB "
-                      f"({our_rss['peak_mib'] / hf_rss['peak_mib']:.2f}x)", flush=True)
-                print(f"  each includes its weights and its state after the prefill: transformers' cache "
-                      f"{hf_rss['state_mib']:.0f} MiB (grown to the prompt's {args.long} positions), ours "
-                      f"{our_rss['state_mib']:.0f} MiB (preallocated for max_length {args.long + args.decode}, "
-                      f"one slot); RSS after the prefill: transformers {hf_rss['now_mib']:.0f} MiB, "
-                      f"ours {our_rss['now_mib']:.0f} MiB", flush=True)
+        args.model = args.model or os.path.join(tmp, "model")
+        os.makedirs(args.model, exist_ok=True)
+        if not os.path.exists(os.path.join(args.model, "config.json")):
+            build(args.model, args.vocab, args.layers)
+        workers = [Worker("transformers", args), Worker("ours", args)]
+        if args.against:
+            tree = os.path.join(tmp, "against")
+            os.makedirs(tree)
+            commit = checkout(args.against, tree)
+            side = f"{args.against}"
+            workers.append(Worker(side, args, pythonpath=tree))
+            print(f"--against {args.against}: commit {commit[:10]}")
+        sides = [w.side for w in workers]
+        import transformers
+
+        print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{args.threads or torch.get_num_threads()} threads; prompt {args.prompt}, decode {args.decode}, "
+              f"{args.repeat} runs per side and cell")
+        try:
+            for name in args.dtypes:
+                sizes = [w.ask(cmd="load", dtype=name)["parameters"] for w in workers]
+                print(f"\n{name}: ~{sizes[1] / 1e6:.0f}M parameters", flush=True)
+                cells = [(b, args.prompt) for b in args.batches] + ([(1, args.long)] if args.long else [])
+                results = {}
+                for b, length in cells:
+                    runs = measure(workers, b, length, args.decode, args.repeat)
+                    same = agreement(runs["ours"][-1]["tokens"], runs["transformers"][-1]["tokens"])
+                    results.setdefault(length, []).append((b, runs, same))
+                    line = []
+                    for metric, what in (("ttft", "TTFT"), ("steps", "decode")):
+                        line += [f"{what} vs {o} " + "{2:.2f}x [{3:.2f}-{4:.2f}]".format(
+                            *_cell(runs, "ours", o, metric, 1, b, args.decode)) for o in sides if o != "ours"]
+                    print(f"  batch {b}, prompt {length} (CPU time, ours faster by): " + "; ".join(line), flush=True)
+                for length, rows in results.items():
+                    print_tables(f"{name}, prompt {length} tokens, {args.decode} new tokens", rows, sides, args.decode)
+                if args.long:
+                    hf_rss, our_rss = peak_rss(args.model, "transformers", name, args), peak_rss(args.model, "ours", name, args)
+                    print(f"peak RSS during the {args.long}-token prefill ({name}, fresh processes): transformers "
+                          f"{hf_rss['peak_mib']:.0f} MiB, ours {our_rss['peak_mib']:.0f} MiB "
+                          f"({our_rss['peak_mib'] / hf_rss['peak_mib']:.2f}x)", flush=True)
+                    print(f"  each includes its weights and its state after the prefill: transformers' cache "
+                          f"{hf_rss['state_mib']:.0f} MiB (grown to the prompt's {args.long} positions), ours "
+                          f"{our_rss['state_mib']:.0f} MiB (preallocated for max_length {args.long + args.decode}, "
+                          f"one slot); RSS after the prefill: transformers {hf_rss['now_mib']:.0f} MiB, "
+                          f"ours {our_rss['now_mib']:.0f} MiB", flush=True)
+        finally:
+            for w in workers:
+                w.close()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optimum_qwen35.modeling.decoder import TokenGenerationGraph
+from optimum_qwen35.modeling.parallel import TorchLayers
 from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
 
 from .conftest import FIXTURES
@@ -231,3 +232,92 @@ def test_slot_write_touches_only_the_active_rows_slots(seq_ids):
             expected[slot] = rows[row].float()
     out = Slots(torch.tensor(seq_ids, dtype=torch.int32)).write(state, rows)
     assert out is state and torch.equal(state, expected)
+
+
+def test_decode_seams_fast_path_equals_the_functional_one(monkeypatch):
+    """The CPU decode seam updates its own copy of the slots' recurrent states in place (issue 31): the same numbers,
+    bit for bit, as the functional path the Neuron graphs take, on a batch with a fresh row, a continued row and an
+    inactive row; the caller's states change only in the active rows' slots, and the in-place step really ran."""
+    from optimum_qwen35 import kernels
+    from optimum_qwen35.kernels.gated_delta_rule import fused, reference
+    from optimum_qwen35.modeling.state import Slots
+
+    ran = []
+    real = reference.recurrent_gated_delta_rule_step_
+    monkeypatch.setattr(reference, "recurrent_gated_delta_rule_step_", lambda *a: ran.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    B, nk, nv, dk, dv, K = 3, 2, 4, 8, 16, 4
+    C = 2 * nk * dk + nv * dv
+    mixed, a, b = torch.randn(B, C, generator=g), torch.randn(B, nv, generator=g), torch.randn(B, nv, generator=g)
+    A_log, dt_bias, weight = torch.randn(nv, generator=g), torch.randn(nv, generator=g), torch.randn(C, K, generator=g)
+    conv, rec = torch.randn(4, C, K - 1, generator=g), torch.randn(4, nv, dk, dv, generator=g)
+    seq_ids, fresh = torch.tensor([2, 0, -1], dtype=torch.int32), torch.tensor([True, False, True])
+    results = {}
+    for in_place in (True, False):
+        states = (conv.clone(), rec.clone())
+        out = fused.deltanet_decode_reference(mixed, a, b, A_log, dt_bias, weight, *states,
+                                              Slots(seq_ids, fresh, in_place=in_place))
+        assert (out[1] is states[0] and out[2] is states[1]) == in_place
+        results[in_place] = out
+    assert ran == [1], "the in-place step did not run on the in-place path alone"
+    for fast, functional in zip(results[True], results[False]):
+        assert torch.equal(fast, functional)
+    assert torch.equal(results[True][2][[1, 3]], rec[[1, 3]]) and not torch.equal(results[True][2][2], rec[2])
+    # A backend with its own step keeps getting it, in place or not.
+    own_step = lambda *args: ran.append(2) or reference.recurrent_gated_delta_rule_step(*args)  # noqa: E731
+    monkeypatch.setitem(kernels._BACKENDS, "own-step", {**kernels._BACKENDS["torch"], "recurrent_gated_delta_rule_step": own_step})
+    monkeypatch.setattr(kernels, "_active", "own-step")
+    fused.deltanet_decode_reference(mixed, a, b, A_log, dt_bias, weight, conv.clone(), rec.clone(),
+                                    Slots(seq_ids, fresh, in_place=True))
+    assert ran == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_in_place_step_equals_the_step(dtype):
+    """`recurrent_gated_delta_rule_step_` gives the step's numbers in the state it is given; a state of another dtype
+    than the compute dtype (a float64 model's fp32 state) takes the out-of-place step and is left as it was."""
+    from optimum_qwen35.kernels.gated_delta_rule import reference
+
+    g = torch.Generator().manual_seed(4)
+    B, nk, nv, dk, dv = 2, 2, 4, 8, 16
+    q, k = torch.randn(B, nk, 1, dk, generator=g, dtype=dtype), torch.randn(B, nk, 1, dk, generator=g, dtype=dtype)
+    v, state = torch.randn(B, nv, 1, dv, generator=g, dtype=dtype), torch.randn(B, nv, dk, dv, generator=g)
+    gate, beta = -torch.rand(B, nv, 1, generator=g, dtype=dtype), torch.rand(B, nv, 1, generator=g, dtype=dtype)
+    o, S = reference.recurrent_gated_delta_rule_step(q, k, v, gate, beta, state)
+    given = state.clone()
+    o_, S_ = reference.recurrent_gated_delta_rule_step_(q, k, v, gate, beta, state)
+    assert torch.equal(o, o_) and torch.equal(S, S_)
+    assert (S_ is state) == (dtype == torch.float32)
+    if dtype != torch.float32:
+        assert torch.equal(state, given)
+
+
+class _FunctionalLayers(TorchLayers):
+    state_in_place = False  # the Neuron graphs' state updates, with the CPU precision policy
+
+
+def test_decoder_in_place_equals_functional():
+    """Prefill and decode steps of the whole decoder: the CPU runtime's in-place state updates (with the decode
+    seam's fast path) give the functional path's logits and states bit for bit: fresh, continued and idle rows."""
+    in_place = load_decoder(FIXTURES / "tiny-nv3x")
+    functional = load_decoder(FIXTURES / "tiny-nv3x", layers=_FunctionalLayers())
+    specs = in_place.state_specs(3, 64)
+    held = {d: [torch.zeros(s.shape, dtype=s.dtype) for s in specs] for d in ("in_place", "functional")}
+    ids = torch.tensor([random_prompt(16, 1), random_prompt(16, 2), random_prompt(16, 3)], dtype=torch.int32)
+    mask = torch.ones(3, 16, dtype=torch.int32)
+    mask[1, 9:] = 0
+    positions = torch.arange(16, dtype=torch.int32).expand(3, 16)
+    steps = [("context", (ids, mask, positions, torch.tensor([0, 2, -1], dtype=torch.int32)))]
+    for i, (pos, seq) in enumerate([([16, 9, 0], [0, 2, 1]), ([17, 10, 1], [0, 2, -1]), ([0, 11, 2], [0, 2, 1])]):
+        steps.append(("token", (torch.tensor([[5 + i], [6], [7]], dtype=torch.int32),
+                                torch.tensor(pos, dtype=torch.int32)[:, None], torch.tensor(seq, dtype=torch.int32))))
+    with torch.no_grad():
+        for kind, inputs in steps:
+            outs = {}
+            for name, decoder in (("in_place", in_place), ("functional", functional)):
+                run = decoder.context_encoding if kind == "context" else decoder.token_generation
+                out = run(*inputs, *held[name])
+                held[name] = list(out[1:])
+                outs[name] = out
+            for x, y in zip(outs["in_place"], outs["functional"]):
+                assert torch.equal(x, y), kind

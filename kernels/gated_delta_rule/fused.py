@@ -61,7 +61,8 @@ def gates(a, b, A_log, dt_bias):
 
 # ------------------------------------------------------------------------------------------------------ references
 def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots):
-    from .. import causal_conv1d_step, recurrent_gated_delta_rule_step  # the dispatched entry points
+    from .. import _implementation, causal_conv1d_step  # the dispatched entry points
+    from .reference import recurrent_gated_delta_rule_step as reference_step, recurrent_gated_delta_rule_step_
 
     B, C = mixed_qkv.shape
     _, nv, dk, dv = recurrent_state.shape
@@ -73,7 +74,13 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv
     k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
     v = _upcast(v.reshape(B, nv, 1, dv))
     g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
-    o, new_state = recurrent_gated_delta_rule_step(q, k, v, g[:, :, None], beta[:, :, None], state_rows)
+    step = _implementation("recurrent_gated_delta_rule_step", None)
+    if slots.in_place and step is reference_step:
+        # The CPU fast path: state_rows is this call's own copy of the slots' states (`gather_initial`), so the
+        # reference step decays and updates it in place, the same numbers without another state-sized tensor (an
+        # allocation per layer and step, page-faulted afresh: issue 31). The functional (Neuron) path is unchanged.
+        step = recurrent_gated_delta_rule_step_
+    o, new_state = step(q, k, v, g[:, :, None], beta[:, :, None], state_rows)
     return o[:, :, 0], slots.write(conv_state, new_conv, conv_rows), slots.write(recurrent_state, new_state, state_rows)
 
 

@@ -192,14 +192,37 @@ def recurrent_gated_delta_rule_step(
     Written so that the [dk, dv] states are read and written as few times as possible (a decode step is bound by
     them at batch > 1): the decayed state is the one new [B, nv, dk, dv] tensor, S^T k and S^T q are batched
     vector-matrix products over it, and the rank-1 update is accumulated into it in place."""
-    out_dtype = v.dtype
     dtype = _compute_dtype(q, k, v, g, beta, state)
+    # g [B, nv, 1] -> [B, nv, 1, 1]; a new tensor, contiguous for the in-place update through a view below
+    S = (state.to(dtype) * g.to(dtype).exp()[..., None]).contiguous()
+    return _step_update(q, k, v, beta, S, v.dtype)
+
+
+def recurrent_gated_delta_rule_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_gated_delta_rule_step` computed in `state` itself (same operations, same numbers), for a caller
+    that owns `state` (a contiguous [B, nv, dk, dv] tensor of the compute dtype, e.g. rows it just gathered from
+    the slots): no new state-sized tensor. Returns (o, state); a state of another dtype than the compute dtype (an
+    fp32 state of a float64 model) or not contiguous takes the out-of-place step, `state` left as it was."""
+    dtype = _compute_dtype(q, k, v, g, beta, state)
+    if state.dtype != dtype or not state.is_contiguous():
+        return recurrent_gated_delta_rule_step(q, k, v, g, beta, state)
+    return _step_update(q, k, v, beta, state.mul_(g.to(dtype).exp()[..., None]), v.dtype)
+
+
+def _step_update(q, k, v, beta, S, out_dtype):
+    """The step after the decay: S (decayed, contiguous, owned) += k delta^T in place; o = S^T q."""
+    dtype = S.dtype
     B, nv, _, dv = v.shape
     dk = q.shape[-1]
     q = expand_key_heads(q, nv).to(dtype)  # [B, nv, 1, dk]
     k = expand_key_heads(k, nv).to(dtype)
-    # g [B, nv, 1] -> [B, nv, 1, 1]; a new tensor, contiguous for the in-place update through a view below
-    S = (state.to(dtype) * g.to(dtype).exp()[..., None]).contiguous()
     memory = k @ S  # S^T k: [B, nv, 1, dv]
     delta = (v.to(dtype) - memory) * beta.to(dtype)[..., None]
     S.view(B * nv, dk, dv).baddbmm_(k.reshape(B * nv, dk, 1), delta.view(B * nv, 1, dv))  # S += k delta^T

@@ -72,11 +72,17 @@ class Slots:
         return state.index_select(0, self.read)
 
     def gather_initial(self, state: torch.Tensor) -> torch.Tensor:
-        """[slots, ...] -> [B, ...]: each row's slot, zeros for fresh rows (a DeltaNet state to start from)."""
+        """[slots, ...] -> [B, ...]: each row's slot, zeros for fresh rows (a DeltaNet state to start from). A new
+        tensor, which the caller may update in place."""
         rows = self.gather(state)
         if self.fresh is None:
             return rows
-        return torch.where(self.fresh.view(-1, *([1] * (rows.dim() - 1))), torch.zeros_like(rows), rows)
+        fresh = self.fresh.view(-1, *([1] * (rows.dim() - 1)))
+        if self.in_place:
+            # rows is a new tensor (index_select): zeroed where fresh in place, without a zeros tensor and a select
+            # into a third one (two more state-sized tensors per DeltaNet layer and decode step on CPU: issue 31).
+            return rows.masked_fill_(fresh, 0)
+        return torch.where(fresh, torch.zeros_like(rows), rows)
 
     def write(self, state: torch.Tensor, rows: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
         """The slot of each active row b becomes rows[b]; every other slot keeps its value. Returns the state:
