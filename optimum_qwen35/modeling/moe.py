@@ -135,7 +135,8 @@ class SparseMoeBlock(nn.Module):
                 f"the Qwen3.5 MoE block has no {type(layers).__name__} form yet (Neuron targets): MoE models run on the "
                 "cpu target only so far (docs/moe.md)"
             )
-        self.tp_degree, self.group_name = layers.tp_degree, layers.group_name
+        torch_layers: TorchLayers = layers  # the CPU factory alone has a process group name (NxDLayers has none)
+        self.tp_degree, self.group_name = torch_layers.tp_degree, torch_layers.group_name
         self.sharding = s = ExpertSharding.from_config(config, self.tp_degree)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config.num_experts, config.hidden_size)
