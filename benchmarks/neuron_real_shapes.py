@@ -2,6 +2,8 @@
 
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~2 min)
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
+    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --logits --only 27B:8:1:4096
+        # one configuration, each graph also checked by the compiler contract (hlo_contract.violations)
 
 The graphs are built exactly as the export builds them (`get_neuron_config` -> `create_graph_builders` -> the
 builders' model instances -> `load_module` / `get`, under neuronx-distributed's ahead-of-time parallel state,
@@ -219,8 +221,8 @@ class Census:
         return sum(b for *_, b in self.collectives)
 
 
-# Kept on the HLO text (one pass, no proto dicts: the full run stays small); `--contract` adds the proto, checks this
-# census's max rank / f64 / s64 equal to `hlo_contract.dtype_census` and runs `hlo_contract.violations`.
+# On the HLO text, not hlo_contract's proto dicts: 27B x 32768 peaks at 3.97 GiB so, 5.70 GiB with the proto (--contract,
+# which checks this census's max rank / f64 / s64 equal to `hlo_contract.dtype_census` and runs its `violations`).
 def census(hlo: str) -> Census:
     """Instruction count, rank and element-type census of the result shapes, collectives (with result bytes) and
     the entry parameters' bytes of an HLO module's text."""
