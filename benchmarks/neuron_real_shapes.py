@@ -2,6 +2,8 @@
 
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~2 min)
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
+    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --logits --only 27B:8:1:4096
+        # one configuration, each graph also checked by the compiler contract (hlo_contract.violations)
 
 The graphs are built exactly as the export builds them (`get_neuron_config` -> `create_graph_builders` -> the
 builders' model instances -> `load_module` / `get`, under neuronx-distributed's ahead-of-time parallel state,
@@ -154,11 +156,22 @@ def build_modules(folder: Path, nc, keys=(CONTEXT, TOKENS), placeholders: bool =
 
 def lower_text(graph: ShapeGraph) -> str:
     """The graph's HLO module as text (torch-xla's lowering of its outputs; nothing executes)."""
+    return lower_graph(graph)[0]
+
+
+def lower_graph(graph: ShapeGraph, proto: bool = False) -> tuple[str, dict | None]:
+    """One run of the graph's module: its HLO text, and with `proto` also the HloModuleProto as JSON (what
+    `hlo_contract` reads) of the same outputs."""
     device = torch_xla.device()
-    outputs = graph.module(*(t.to(device) for t in graph.example_inputs))
-    text = torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+    outputs = list(graph.module(*(t.to(device) for t in graph.example_inputs)))
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    hlo = None
+    if proto:  # the same pending IR lowered again, as `neuron_xla.lower` does
+        context = torch_xla._XLAC.lowering.LoweringContext("qwen35")
+        context.build(outputs)
+        hlo = json.loads(context.hlo_json())
     torch_xla._XLAC._clear_pending_irs(str(device))
-    return text
+    return text, hlo
 
 
 # ------------------------------------------------------------------------------------------------ HLO text census
@@ -208,6 +221,8 @@ class Census:
         return sum(b for *_, b in self.collectives)
 
 
+# On the HLO text, not hlo_contract's proto dicts: 27B x 32768 peaks at 3.97 GiB so, 5.70 GiB with the proto (--contract,
+# which checks this census's max rank / f64 / s64 equal to `hlo_contract.dtype_census` and runs its `violations`).
 def census(hlo: str) -> Census:
     """Instruction count, rank and element-type census of the result shapes, collectives (with result bytes) and
     the entry parameters' bytes of an HLO module's text."""
@@ -381,10 +396,28 @@ class Lowered:
     graph: str
     census: Census
     seconds: float
+    contract: dict | None = None  # with --contract: hlo_contract.dtype_census of the graph's proto
+    violations: list | None = None  # with --contract: hlo_contract.violations (empty: the contract holds)
+
+
+def reference_census() -> set[str]:
+    """The compiler contract's reference: optimum-neuron 0.4.5's own Qwen3 and Llama graphs, as its test builds it."""
+    from optimum_qwen35.testing import hlo_contract
+
+    hlos = []
+    for kind in hlo_contract.REFERENCE_MODELS:
+        for tp in (1, 2):
+            for dtype in (torch.float32, torch.bfloat16):
+                hlos += list(hlo_contract.reference_hlos(kind, "trn2", tp, dtype).values())
+    return hlo_contract.reference_census(hlos)
 
 
 def lower_configuration(size: str, tp: int, batch: int, sequence: int, target: str = "trn2",
-                        keys=(CONTEXT, TOKENS), dtype=torch.bfloat16) -> tuple[RankShapes, list[Lowered]]:
+                        keys=(CONTEXT, TOKENS), dtype=torch.bfloat16,
+                        reference: set[str] | None = None) -> tuple[RankShapes, list[Lowered]]:
+    """With `reference` (a contract census), each graph is also checked by `hlo_contract` on its proto."""
+    from optimum_qwen35.testing import hlo_contract
+
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_folder(size, Path(tmp))
         nc = neuron_config(folder, target, tp, dtype, batch, sequence)
@@ -394,8 +427,18 @@ def lower_configuration(size: str, tp: int, batch: int, sequence: int, target: s
             out = []
             for key in keys:
                 start = time.perf_counter()
-                c = census(lower_text(graphs[key]))
-                out.append(Lowered(size, tp, batch, sequence, target, key, c, time.perf_counter() - start))
+                text, hlo = lower_graph(graphs[key], proto=reference is not None)
+                c = census(text)
+                low = Lowered(size, tp, batch, sequence, target, key, c, time.perf_counter() - start)
+                del text
+                if hlo is not None:
+                    low.contract = hlo_contract.dtype_census(hlo)
+                    low.violations = hlo_contract.violations(hlo, reference)
+                    del hlo
+                    # The text census and the contract's count the same arrays.
+                    assert low.contract == {"max_rank": c.max_rank, "f64": c.dtypes.get("f64", 0),
+                                            "s64": c.dtypes.get("s64", 0)}, (low.contract, c.dtypes)
+                out.append(low)
     return shapes, out
 
 
@@ -554,19 +597,43 @@ def main():
     parser.add_argument("--quick", action="store_true", help="0.8B at TP 1 and 2, batch 2, 256 tokens (lowered)")
     parser.add_argument("--no-lower", action="store_true", help="the computed table only")
     parser.add_argument("--projection", action="store_true", help="also the 2B latency projection on trn2.3xlarge")
+    parser.add_argument("--only", action="append", metavar="SIZE:TP:BATCH:TOKENS[:TARGET]",
+                        help="lower only these configurations (repeatable), e.g. --only 27B:8:1:4096")
+    parser.add_argument("--logits", action="store_true", help="with --only: also the per-position logits graph")
+    parser.add_argument("--contract", action="store_true",
+                        help="also check every lowered graph with the compiler contract (hlo_contract.violations)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     plan = [(*q, "trn2") for q in QUICK] if args.quick else ([] if args.no_lower else LOWERED)
+    if args.only:
+        plan = []
+        for spec in args.only:
+            parts = spec.split(":")
+            if len(parts) not in (4, 5) or parts[0] not in SIZES:
+                parser.error(f"--only {spec}: expected SIZE:TP:BATCH:TOKENS[:TARGET], SIZE one of {', '.join(SIZES)}")
+            plan.append((parts[0], *map(int, parts[1:4]), parts[4] if len(parts) == 5 else "trn2"))
+    reference = None
+    if args.contract:
+        start = time.perf_counter()
+        reference = reference_census()
+        print(f"contract reference census: {len(reference)} opcodes and forms in {time.perf_counter() - start:.0f} s",
+              flush=True)
     for size, tp, batch, sequence, target in plan:
-        keys = (CONTEXT, TOKENS, LOGITS) if args.quick or (size, tp, batch, sequence) == ("2B", 4, 8, 4096) else (CONTEXT, TOKENS)
-        shapes, lowered = lower_configuration(size, tp, batch, sequence, target, keys)
+        logits = args.logits if args.only else (args.quick or (size, tp, batch, sequence) == ("2B", 4, 8, 4096))
+        keys = (CONTEXT, TOKENS, LOGITS) if logits else (CONTEXT, TOKENS)
+        shapes, lowered = lower_configuration(size, tp, batch, sequence, target, keys, reference=reference)
         for low in lowered:
             check_against_hlo(shapes, low)
             rows.append((shapes, low))
         print(f"lowered {size} TP {tp} batch {batch} {sequence} {target}: "
               + ", ".join(f"{low.graph} {low.census.instructions:,} in {low.seconds:.0f} s" for low in lowered)
               + f"; peak RSS {rss_gib():.2f} GiB", flush=True)
+        for low in lowered:
+            if low.violations is not None:
+                print(f"  contract {low.graph}: {low.contract}, "
+                      + (f"{len(low.violations)} violations: {low.violations[:20]}" if low.violations else "holds"),
+                      flush=True)
     if rows:
         print("\n".join(lowered_table(rows)))
     configs = ([rank_shapes(size, tp, b, seq) for size, tp, b, seq in QUICK] if args.quick else

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="text-generation", help="the task (only text-generation)")
     p.add_argument("--batch_size", "--batch-size", type=int, default=1, help="compiled batch size: sequences served at once (default 1)")
     p.add_argument("--sequence_length", "--sequence-length", type=int, help="compiled length: prompt + new tokens (default min(max positions, 4096))")
-    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu, all Neuron cores)")
+    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu; on Neuron, the largest valid degree <= the machine's cores)")
     p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")

@@ -188,7 +188,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
         if tensor_parallel_size is None:
-            tensor_parallel_size = 1 if target == "cpu" else _available_neuron_cores()
+            tensor_parallel_size = 1 if target == "cpu" else default_tensor_parallel_size(qwen_config, _available_neuron_cores(), target)
         if batch_size is None:
             batch_size = 1
         if sequence_length is None:
@@ -692,6 +692,29 @@ def _graphs_from_cache(folder: Path) -> bool:
 def _snapshot_revision(folder: Path) -> str | None:
     """The commit of a Hub snapshot folder (its name in the cache), or None."""
     return folder.name if folder.parent.name == "snapshots" else None
+
+
+def default_tensor_parallel_size(qwen_config: Qwen35Config, cores: int, target: str) -> int:
+    """The degree a Neuron-target export takes when none is given: the largest the model splits into
+    (`Qwen35Config.check_tp_degree`) within the machine's `cores` Neuron cores. optimum-neuron takes all the cores,
+    which is no valid degree for any Qwen3.5 size on trn2.48xlarge (64), trn1.32xlarge (32) or inf2.48xlarge (24)."""
+    if cores < 1:
+        raise UsageError(
+            f"no Neuron cores found on this machine to size target {target!r}: pass tensor_parallel_size, or export "
+            "for this machine with target='cpu'"
+        )
+    for degree in sorted((t for t in qwen_config.valid_tp_degrees() if t <= cores), reverse=True):
+        try:
+            qwen_config.check_tp_degree(degree)
+        except UsageError:
+            continue  # a MoE degree that leaves ranks without an expert
+        logger.warning(
+            "tensor_parallel_size not given: using %d, the largest degree <= this machine's %d Neuron cores that "
+            "splits the model by whole heads (valid degrees: %s); pass tensor_parallel_size to choose another",
+            degree, cores, qwen_config.valid_tp_degrees(),
+        )
+        return degree
+    raise AssertionError("degree 1 always splits a model")  # valid_tp_degrees() holds 1
 
 
 def _available_neuron_cores() -> int:

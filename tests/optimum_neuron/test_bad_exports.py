@@ -147,6 +147,49 @@ def test_invalid_export_requests():
         Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config)
 
 
+# Logical Neuron cores per instance (trn2 at LNC 2), as benchmarks/neuron_real_shapes.py's INSTANCES.
+CORES = {"trn2.48xlarge": ("trn2", 64), "trn2.3xlarge": ("trn2", 4), "trn1.32xlarge": ("trn1", 32),
+         "inf2.48xlarge": ("inf2", 24), "trn1.2xlarge": ("trn1", 2)}
+
+
+@pytest.mark.parametrize("instance", CORES)
+def test_default_degree_is_the_largest_valid_one_within_the_machines_cores(instance, tmp_path, monkeypatch, caplog):
+    """optimum-neuron's default (all the cores) is no valid degree on the big instances; the export takes the largest
+    valid degree <= the cores and says so. The core count is patched: no Neuron device here."""
+    from optimum_qwen35.optimum import modeling
+
+    target, cores = CORES[instance]
+    monkeypatch.setattr(modeling, "_available_neuron_cores", lambda: cores)
+    real = tmp_path / "0.8b"  # a real config: 8 attention heads, 2 KV heads, 16 DeltaNet key heads
+    real.mkdir()
+    shutil.copy(FIXTURES.parent / "qwen3.5-0.8b.config.json", real / "config.json")
+    for folder, valid in ((real, [1, 2, 4, 8]), (FIXTURES / "tiny-2b", [1, 2, 4])):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=modeling.__name__):
+            neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(folder, target=target)
+        expected = max(t for t in valid if t <= cores)
+        assert neuron_config.tp_degree == expected, (instance, folder.name)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"tensor_parallel_size not given: using {expected}, the largest degree <= this machine's {cores} Neuron "
+            f"cores that splits the model by whole heads (valid degrees: {valid}); pass tensor_parallel_size to "
+            "choose another"
+        ]
+    # A degree the user gives is kept (no log line), and refused in one line when the model does not split by it.
+    caplog.clear()
+    assert Qwen35NeuronModelForCausalLM.get_neuron_config(real, target=target, tensor_parallel_size=1).tp_degree == 1
+    assert not caplog.records
+    with pytest.raises(UsageError, match=r"tensor_parallel_size=3 does not split this model .* Valid degrees: \[1, 2, 4, 8\]"):
+        Qwen35NeuronModelForCausalLM.get_neuron_config(real, target=target, tensor_parallel_size=3)
+
+
+def test_default_degree_without_neuron_cores(monkeypatch):
+    from optimum_qwen35.optimum import modeling
+
+    monkeypatch.setattr(modeling, "_available_neuron_cores", lambda: 0)
+    with pytest.raises(UsageError, match="no Neuron cores found on this machine to size target 'trn2': pass tensor_parallel_size"):
+        Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target="trn2")
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "optimum_qwen35", *map(str, args)], capture_output=True, text=True, timeout=600)
 
