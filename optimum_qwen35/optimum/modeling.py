@@ -189,6 +189,13 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
         if tensor_parallel_size is None:
             tensor_parallel_size = 1 if target == "cpu" else _available_neuron_cores()
+            if tensor_parallel_size == 0:  # optimum-neuron counts this machine's cores: none here
+                sdk = "" if _neuron_sdk_available() else " (nor the Neuron SDK)"
+                raise UsageError(
+                    f"this machine has no Neuron cores{sdk} to size a {target} export by: pass tensor_parallel_size "
+                    f"(--tensor_parallel_size; {qwen_config.valid_tp_degrees()} split this model), or export for "
+                    "this machine with target='cpu' (--target cpu)"
+                )
         if batch_size is None:
             batch_size = 1
         if sequence_length is None:
