@@ -7,6 +7,7 @@ the commands, `optimum-qwen35 <command> --help` their options.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -264,6 +265,7 @@ class _Parser(argparse.ArgumentParser):
         return super().add_argument(*spelled, **kwargs)
 
     def error(self, message: str):
+        message = re.sub(r"(--[\w-]+)/(--[\w-]+)", lambda m: m[1] if m[1].replace("_", "-") == m[2].replace("_", "-") else m[0], message)
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 

@@ -10,6 +10,7 @@ starts.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -326,6 +327,9 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
         (gen + ["--max-new-tokens", "many"], "argument --max-new-tokens: 'many' is not an integer"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "3", str(tmp_path / "o")], "Valid degrees: [1, 2, 4]"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "0", str(tmp_path / "o")], "must be an integer >= 1"),
+        # Spelled as `export` (and optimum-cli) spell it: the same check, not "the following arguments are required".
+        (["shard", "--model", str(ckpt), "--tensor_parallel_size", "3", str(tmp_path / "o")], "Valid degrees: [1, 2, 4]"),
+        (gen + ["--max_new_tokens", "0"], "must be an integer >= 1, got 0"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "2", str(ckpt)], "is the source folder"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "4", str(export)], "pass --overwrite"),
         (["shard", "--model", str(export), "--tensor-parallel-size", "2", str(tmp_path / "o")], "is a sharded export"),
@@ -339,6 +343,21 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
         assert_one_line(err, message)
     assert not (tmp_path / "o").exists()
     assert sorted(p.name for p in export.glob("rank_*")) == [rank_file(0), rank_file(1)]
+
+
+def test_every_long_flag_of_every_command_is_spelled_both_ways(capsys):
+    """`--tensor_parallel_size` (optimum-cli's spelling) and `--tensor-parallel-size` everywhere, or a user who copies
+    a flag from one command to another is told it is missing."""
+    commands = [["demo"], ["export"], ["generate"], ["shard"], ["build-tiny"], ["push"], ["pull"], ["cache", "sync"],
+                ["cache", "lookup"]]
+    for command in commands:
+        status, out, _ = run_cli([*command, "--help"], capsys)
+        assert status == 0
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", out)) - {"--help"}
+        for flag in flags:
+            if "_" in flag or "-" in flag[2:]:
+                other = "--" + (flag[2:].replace("_", "-") if "_" in flag else flag[2:].replace("-", "_"))
+                assert other in flags, f"{' '.join(command)}: {flag} but not {other}"
 
 
 def test_cli_failures_exit_1(ckpt, export2, tmp_path, capsys):

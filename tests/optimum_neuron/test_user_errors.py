@@ -148,3 +148,20 @@ def test_greedy_calls_raise_no_generation_flag_warning(export, caplog):
     assert not [r for r in caplog.records if "are not valid" in r.getMessage()]
     # The reset is of the config's defaults only: greedy is argmax, whatever the saved sampling flags.
     assert torch.equal(greedy, model.generate(ids, max_new_tokens=4, do_sample=True, top_k=1))
+
+
+def test_a_neuron_target_without_a_tensor_parallel_size_says_there_are_no_cores_to_size_it_by(capsys):
+    """optimum-neuron counts the machine's Neuron cores for a missing degree: none here. The message used to be
+    "tensor_parallel_size must be a positive integer, got 0" (a number the user never gave)."""
+    from optimum_qwen35.cli import main
+
+    for target, compiled_for in (("trn1", "trn1"), ("trn2", "trn2"), ("inf2", "trn1")):  # inf2 compiles as trn1
+        with pytest.raises(UsageError) as error:
+            Qwen35NeuronModelForCausalLM.get_neuron_config(str(FIXTURES / "tiny-2b"), target=target)
+        text = str(error.value)
+        assert f"no Neuron cores (nor the Neuron SDK) to size a {compiled_for} export" in text and "got 0" not in text
+        assert "[1, 2, 4] split this model" in text and "--target cpu" in text
+    assert main(["export", "--model", str(FIXTURES / "tiny-2b"), "--target", "trn1", "never-written/"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass tensor_parallel_size (--tensor_parallel_size" in err
+    assert not Path("never-written").exists()
