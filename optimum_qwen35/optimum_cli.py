@@ -139,4 +139,13 @@ def _commands():
     return [(NeuronExportWithoutSDK, ExportCommand)]
 
 
-REGISTER_COMMANDS = _commands()
+class _RegisterOnce(list):
+    """optimum-cli imports `register_optimum_qwen35` once per folder holding it (site-packages and a PYTHONPATH
+    entry, say) and registers what each import lists; argparse refuses the second `neuron`. Listed once only."""
+
+    def __iter__(self):
+        items, self[:] = list(super().__iter__()), []
+        return iter(items)
+
+
+REGISTER_COMMANDS = _RegisterOnce(_commands())
