@@ -62,6 +62,7 @@ def register_model_class(cls) -> None:
         register_neuron_model(model_type, TASK, "inference")(cls)
     _dispatch_qwen35_first()
     _cpu_target_through_the_abstract_class()
+    _missing_models_in_one_line()
     # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
     # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
     register_transformers()
@@ -132,6 +133,39 @@ def _cpu_target_through_the_abstract_class() -> None:
     get_neuron_config.__wrapped__ = original
     get_neuron_config.__doc__ = original.__doc__
     NeuronModelForCausalLM.get_neuron_config = classmethod(get_neuron_config)
+
+
+def _missing_models_in_one_line() -> None:
+    """`NeuronModelForCausalLM.from_pretrained(name)` (the abstract class) where `name` is no local folder: a name the
+    Hub refuses (`outt/`) raises `ModelNotFoundError`, and a Hub id is checked first the way this package downloads
+    (one request, no retries: huggingface_hub retries transformers' HEAD five times over 23 s before its OSError),
+    raising this package's Hub errors in one line. Its config.json lands in the Hugging Face cache, where
+    optimum-neuron then reads it; any model type then goes on through optimum-neuron's method unchanged. Idempotent."""
+    import inspect  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM  # noqa: PLC0415
+
+    original = NeuronModelForCausalLM.from_pretrained.__func__
+    if getattr(original, "_optimum_qwen35", False):
+        return
+
+    def from_pretrained(cls, model_id, *args, **kwargs):
+        if inspect.isabstract(cls) and isinstance(model_id, (str, os.PathLike)) and not Path(model_id).is_dir():
+            from ..hub import download_checkpoint  # noqa: PLC0415
+
+            if Path(model_id).exists():
+                from ..errors import ModelNotFoundError  # noqa: PLC0415
+
+                raise ModelNotFoundError(f"{model_id} is a file, not an export folder")
+            download_checkpoint(os.fspath(model_id), kwargs.get("revision"), kwargs.get("token"), allow_patterns=["config.json"])
+        return original(cls, model_id, *args, **kwargs)
+
+    from_pretrained._optimum_qwen35 = True
+    from_pretrained.__wrapped__ = original
+    from_pretrained.__doc__ = original.__doc__
+    NeuronModelForCausalLM.from_pretrained = classmethod(from_pretrained)
 
 
 def register() -> None:

@@ -165,3 +165,38 @@ def test_a_neuron_target_without_a_tensor_parallel_size_says_there_are_no_cores_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pass tensor_parallel_size (--tensor_parallel_size" in err
     assert not Path("never-written").exists()
+
+
+@pytest.mark.parametrize("name, error, says", [
+    ("outt/", "ModelNotFoundError", "no such folder: 'outt/'"),
+    ("my-org/no-such-export", "HubConnectionError", "cannot be reached; there is no local folder 'my-org/no-such-export' either"),
+    ("tinyy", "HubConnectionError", "cannot be reached; there is no local folder 'tinyy' either"),
+])
+def test_the_abstract_class_answers_a_missing_model_in_one_line_without_waiting(monkeypatch, name, error, says):
+    """optimum-neuron's `NeuronModelForCausalLM.from_pretrained` used to give transformers' OSError for a mistyped
+    folder, and to wait 23 s through five retries for a Hub it cannot reach."""
+    import time
+
+    from huggingface_hub import constants
+    from optimum.neuron import NeuronModelForCausalLM
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: connection refused
+    start = time.perf_counter()
+    with pytest.raises(Exception) as raised:
+        NeuronModelForCausalLM.from_pretrained(name)
+    assert time.perf_counter() - start < 3
+    assert type(raised.value).__name__ == error and type(raised.value).__module__ == "optimum_qwen35.errors"
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_abstract_class_offline_says_so(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+    from optimum.neuron import NeuronModelForCausalLM
+
+    from optimum_qwen35.errors import HubOfflineError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(HubOfflineError, match=r"offline mode \(HF_HUB_OFFLINE=1\) and it is not in the local cache"):
+        NeuronModelForCausalLM.from_pretrained("my-org/no-such-export")
