@@ -13,12 +13,14 @@ import warnings
 
 _HOOKS = {
     "transformers": "register_transformers",
+    "transformers.pipelines": "register_pipeline_loader",
     "optimum.neuron": "register_optimum_neuron",
 }
 
 
 def _run(hook: str, module) -> None:
-    if hook == "register_transformers" and not getattr(module, "__version__", "5").startswith("4."):
+    transformers = sys.modules.get("transformers", module)
+    if hook != "register_optimum_neuron" and not getattr(transformers, "__version__", "5").startswith("4."):
         return  # transformers >= 5 has Qwen3.5 itself
     try:
         from optimum_qwen35.optimum import registration

@@ -41,6 +41,31 @@ def register_transformers() -> bool:
     return register_transformers_configs()
 
 
+class Qwen35ExportLoader:
+    """transformers 4.57's `AutoModelForCausalLM` entry for Qwen3.5's text config where optimum-neuron is not imported
+    yet, so that `transformers.pipeline("text-generation", model="out/")` loads an export (a folder or a Hub id) with
+    `Qwen35NeuronModelForCausalLM` instead of failing on a list of ~150 config classes. Importing optimum.neuron
+    replaces it with that class itself (`register_model_class`)."""
+
+    @classmethod
+    def from_pretrained(cls, model_id, *args, revision=None, token=None, **kwargs):
+        from .modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
+
+        return Qwen35NeuronModelForCausalLM.from_pretrained(model_id, revision=revision, token=token)
+
+
+def register_pipeline_loader() -> None:
+    """When transformers 4.57's pipelines import: `Qwen35ExportLoader` for the text config, unless a class is mapped."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
+
+    register_transformers()
+    text_config = CONFIG_MAPPING["qwen3_5_text"]
+    if text_config.__module__.startswith("optimum_qwen35.") and text_config not in AutoModelForCausalLM._model_mapping:
+        Qwen35ExportLoader.config_class = text_config
+        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader)
+
+
 def register_optimum_neuron() -> None:
     """Register the model class in optimum-neuron's registry for both Qwen3.5 model types."""
     import sys

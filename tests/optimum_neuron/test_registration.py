@@ -273,3 +273,31 @@ def test_optimum_cli_export_neuron_instance_type_cpu_exports_without_the_sdk(sta
     assert "compile (cpu: torch.export)" in exported.stderr and "3/3" in exported.stderr
     for name in ("context_encoding_128", "token_generation_128", "context_logits_128"):
         assert name in exported.stderr
+
+
+PIPELINE_BY_PATH = """
+import json, site, sys
+site.addsitedir(sys.argv[1])   # the start-up file, as site-packages holds it
+from transformers import pipeline
+chat = pipeline("text-generation", model=sys.argv[2])
+out = chat("The capital of France is", max_new_tokens=6, do_sample=False, return_full_text=False)
+print(json.dumps([type(chat.model).__name__, out[0]["generated_text"]]))
+"""
+
+
+def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir, export_dir):
+    """transformers 4.57 has no Qwen3.5 model: `pipeline("text-generation", model="out/")` used to fail with
+    "Unrecognized configuration class" and ~150 class names. The export's class answers it, with the tokens the
+    loaded model gives."""
+    from transformers import AutoTokenizer
+
+    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+
+    folder = export_dir("tiny-2b", 1)
+    name, text = last_json_line(run_python(PIPELINE_BY_PATH, str(startup_dir), str(folder)).stdout)
+    assert name == "Qwen35NeuronModelForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    model = Qwen35NeuronModelForCausalLM.from_pretrained(folder)
+    tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
