@@ -54,7 +54,13 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                loader.exec_module(module)
+                if hook == "register_optimum_neuron":  # its device probe and trn1-override warning: noise here
+                    from optimum_qwen35.quiet import optimum_neuron_import
+
+                    with optimum_neuron_import():
+                        loader.exec_module(module)
+                else:
+                    loader.exec_module(module)
                 _run(hook, module)
 
             def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's

@@ -261,6 +261,7 @@ def test_optimum_cli_export_neuron_instance_type_cpu_exports_without_the_sdk(sta
     env = {**os.environ, "PYTHONPATH": str(startup_dir)}  # site-packages as a regular install leaves it
     hooked = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300, env=env)
     assert hooked.returncode == 2 and not (tmp_path / "out").exists()
+    assert hooked.stderr.count("\n") == 1, hooked.stderr  # the one line, no optimum-neuron import noise before it
     last = hooked.stderr.strip().splitlines()[-1]
     assert last.startswith("optimum-cli export neuron: error: --instance_type trn1 needs the Neuron SDK")
     command = shlex.split(last.split("on this machine export Qwen3.5 for the cpu target: ")[1])

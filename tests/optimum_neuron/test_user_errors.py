@@ -132,6 +132,19 @@ def test_python_import_prints_nothing():
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+def test_import_optimum_neuron_itself_prints_nothing_with_the_startup_file():
+    """What optimum-neuron users write first: with the start-up file in site-packages (a regular install, and this
+    session), its device probe and trn1-override warning are not printed; OPTIMUM_QWEN35_VERBOSE=1 shows them."""
+    import os
+
+    code = "from optimum.neuron import NeuronModelForCausalLM; NeuronModelForCausalLM"
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    env = {**os.environ, "OPTIMUM_QWEN35_VERBOSE": "1"}
+    verbose = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "override the platform target to trn1" in verbose.stderr
+
+
 def test_greedy_calls_raise_no_generation_flag_warning(export, caplog):
     """The export's generation_config.json samples (temperature, top_k, top_p): a greedy call from this package (or
     a pipeline's do_sample=False) does not make transformers warn that those flags "are not valid"."""
