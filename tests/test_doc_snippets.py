@@ -202,6 +202,50 @@ def test_every_document_names_its_environment():
             assert blocks(document) == [], f"{document} has bash/python blocks: name its environment in DOCUMENTS"
 
 
+# What a block writes into the reader's folder: (pattern, language); group 1 is the path.
+WRITES = [
+    (r"save_pretrained\(\s*[\"']([^\"']+)", "python"),
+    (r"build_tiny_checkpoint\(\s*[\"']([^\"']+)", "python"),
+    (r"\.save\(\s*[\"']([^\"']+)", "python"),
+    (r"build-tiny\s+(\S+)", "bash"),
+    (r"(?:optimum-qwen35|optimum-cli)\s+export\b.*\s(\S+)\s*$", "bash"),
+    (r"optimum-qwen35\s+shard\b.*\s(\S+)\s*$", "bash"),
+]
+
+
+def written_paths(document: str) -> set[str]:
+    """The top-level files and folders a document's blocks create in the folder they run in."""
+    found = set()
+    for language, code in blocks(document):
+        lines = [line.split(" #")[0] for line in shell_lines(code)] if language == "bash" else [code]
+        for line in lines:
+            for pattern, kind in WRITES:
+                if kind == language:
+                    for match in re.finditer(pattern, line, re.M):
+                        path = match.group(1).removeprefix("./").rstrip("/").split("/")[0]
+                        if not path.startswith("-"):
+                            found.add(path)
+    return found
+
+
+def test_documents_read_in_order_in_one_folder_do_not_collide():
+    """A reader runs README.md and then the docs in one folder of one environment: a page that writes a folder an
+    earlier page wrote (docs/vision.md's `out/` after docs/optimum_neuron.md's) fails for them after minutes of
+    compiling, although each page passes alone in its own folder (test_every_snippet_runs_as_written)."""
+    for environment in {e for e in DOCUMENTS.values() if e is not None}:
+        seen: dict[str, str] = {}
+        for document in (d for d, e in DOCUMENTS.items() if e == environment):
+            for path in sorted(written_paths(document)):
+                assert path not in seen, f"{document} writes {path}/, which {seen[path]} wrote before it: rename one"
+                seen[path] = document
+
+
+def test_the_collision_check_sees_what_each_page_writes():
+    assert {"tiny-qwen3.5", "qwen35-export", "shards"} <= written_paths("README.md")
+    assert {"tiny-vl", "vision-export", "vision-cli-export", "photo.png"} <= written_paths("docs/vision.md")
+    assert {"tiny", "out", "out-python"} <= written_paths("docs/optimum_neuron.md")
+
+
 def _run_setup(document: str, work: Path, env: dict, hub) -> None:
     for command in SETUP.get(document, []):
         result = subprocess.run(shlex.split(command), cwd=work, env=env, capture_output=True, text=True, timeout=900)

@@ -42,16 +42,20 @@ def register_transformers() -> bool:
 
 
 class Qwen35ExportLoader:
-    """transformers 4.57's `AutoModelForCausalLM` entry for Qwen3.5's text config where optimum-neuron is not imported
-    yet, so that `transformers.pipeline("text-generation", model="out/")` loads an export (a folder or a Hub id) with
-    `Qwen35NeuronModelForCausalLM` instead of failing on a list of ~150 config classes. Importing optimum.neuron
-    replaces it with that class itself (`register_model_class`)."""
+    """transformers 4.57's `AutoModelForCausalLM` entry for Qwen3.5's text config, so that
+    `transformers.pipeline("text-generation", model="out/")` loads an export (a folder or a Hub id) with
+    `Qwen35NeuronModelForCausalLM` instead of failing on a list of ~150 config classes. It takes transformers' loading
+    keywords (config=, _from_pipeline=, ...), which the class's strict `from_pretrained` refuses, and carries the
+    class's name: the text-generation pipeline checks the loaded model's class name against the mapping's names."""
 
     @classmethod
     def from_pretrained(cls, model_id, *args, revision=None, token=None, **kwargs):
         from .modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
 
         return Qwen35NeuronModelForCausalLM.from_pretrained(model_id, revision=revision, token=token)
+
+
+Qwen35ExportLoader.__name__ = "Qwen35NeuronModelForCausalLM"
 
 
 def register_pipeline_loader() -> None:
@@ -63,7 +67,7 @@ def register_pipeline_loader() -> None:
     text_config = CONFIG_MAPPING["qwen3_5_text"]
     if text_config.__module__.startswith("optimum_qwen35.") and text_config not in AutoModelForCausalLM._model_mapping:
         Qwen35ExportLoader.config_class = text_config
-        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader)
+        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
 
 
 def register_optimum_neuron() -> None:
@@ -93,7 +97,8 @@ def register_model_class(cls) -> None:
     register_transformers()
     text_config = CONFIG_MAPPING["qwen3_5_text"]
     if text_config.__module__.startswith("optimum_qwen35."):
-        AutoModelForCausalLM.register(text_config, cls, exist_ok=True)
+        Qwen35ExportLoader.config_class = text_config
+        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
     # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
     from ..quiet import image_text_to_text_pipeline  # noqa: PLC0415
 

@@ -286,7 +286,8 @@ print(json.dumps([type(chat.model).__name__, out[0]["generated_text"]]))
 """
 
 
-def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir, export_dir):
+@pytest.mark.parametrize("first", ["", "import optimum.neuron"])
+def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir, export_dir, first):
     """transformers 4.57 has no Qwen3.5 model: `pipeline("text-generation", model="out/")` used to fail with
     "Unrecognized configuration class" and ~150 class names. The export's class answers it, with the tokens the
     loaded model gives."""
@@ -295,7 +296,10 @@ def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir,
     from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
 
     folder = export_dir("tiny-2b", 1)
-    name, text = last_json_line(run_python(PIPELINE_BY_PATH, str(startup_dir), str(folder)).stdout)
+    code = PIPELINE_BY_PATH.replace("from transformers import pipeline", f"{first}\nfrom transformers import pipeline")
+    result = run_python(code, str(startup_dir), str(folder))
+    name, text = last_json_line(result.stdout)
+    assert "is not supported for text-generation" not in result.stderr
     assert name == "Qwen35NeuronModelForCausalLM"
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = tokenizer("The capital of France is", return_tensors="pt")
