@@ -54,7 +54,22 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
 
     from .config import Qwen35Config
 
+    if (Path(model_dir) / "neuron_config.json").is_file():  # before model_folder's "no weights" (they are in checkpoint/)
+        raise UsageError(
+            f"{model_dir} is an export folder (neuron_config.json): generate runs a checkpoint folder; load the export "
+            f"with NeuronModelForCausalLM.from_pretrained({str(model_dir)!r}), or pass the checkpoint it was exported from"
+        )
     model_dir = validation.model_folder(model_dir, "generate")  # before anything is loaded
+    if (model_dir / "tp_shards.json").is_file():
+        from .checkpoint.shard import read_manifest
+
+        degree = read_manifest(model_dir)["tp_degree"]
+        if degree != 1:
+            raise UsageError(
+                f"{model_dir} holds rank shards for tensor_parallel_size={degree}; generate runs one process "
+                "(tensor_parallel_size 1): pass the source checkpoint folder, or `optimum-qwen35 shard "
+                "--tensor_parallel_size 1` of it"
+            )
     Qwen35Config.from_pretrained(model_dir)  # a folder of another model is refused before its tokenizer loads
     tokenizer = _load_tokenizer(model_dir)
     if raw:

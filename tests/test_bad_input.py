@@ -321,6 +321,10 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
     gen = ["generate", "--model", str(ckpt), "--prompt", "hi", "--dtype", "float32"]
     export = tmp_path / "export"
     save_sharded(ckpt, None, 2, export, progress=False)
+    optimum_export = tmp_path / "optimum-export"
+    optimum_export.mkdir()
+    (optimum_export / "config.json").write_text((ckpt / "config.json").read_text())
+    (optimum_export / "neuron_config.json").write_text("{}")
     cases = [
         (gen + ["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
         (gen + ["--max-new-tokens", "-3"], "argument --max-new-tokens: must be an integer >= 1, got -3"),
@@ -334,6 +338,10 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "4", str(export)], "pass --overwrite"),
         (["shard", "--model", str(export), "--tensor-parallel-size", "2", str(tmp_path / "o")], "is a sharded export"),
         (["generate", "--model", str(ckpt)], "the following arguments are required: --prompt"),
+        # The rank shards of TP 2 (an export's checkpoint/): generate has no TP flag to suggest.
+        (["generate", "--model", str(export), "--prompt", "hi"], "holds rank shards for tensor_parallel_size=2; generate runs one process"),
+        # An optimum-neuron export folder: its weights are in checkpoint/, and generate is not the way to run it.
+        (["generate", "--model", str(optimum_export), "--prompt", "hi"], "is an export folder (neuron_config.json): generate runs a checkpoint"),
         (["build-tiny", str(ckpt)], "already holds a model or an export"),
         (["demo", "--out", str(export)], "already holds a model or an export"),
     ]
@@ -365,7 +373,6 @@ def test_cli_failures_exit_1(ckpt, export2, tmp_path, capsys):
     shutil.copytree(ckpt, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
     cases = [(path, message) for _, path, _, message in folder_cases(ckpt, tmp_path)]
     cases.append((no_tokenizer, "has no tokenizer files"))
-    cases.append((export2, "holds shards for tensor_parallel_size=2, not 1"))
     cases.append((nan_checkpoint(ckpt, tmp_path / "nan"), "layers.0.mlp.up_proj.weight (3 NaN"))
     for path, message in cases:
         start = time.perf_counter()
