@@ -86,8 +86,21 @@ def reference(session):
 def _install_startup_file(session):
     """The start-up file a regular install places in site-packages (an editable one does not): child interpreters
     (optimum-cli's export, `optimum-cli neuron cache lookup`) register Qwen3.5 through it, as on a user's machine
-    after the documented `pip install ".[optimum]"`."""
-    session.run("python", "-c", "import shutil, sysconfig; shutil.copy('optimum_qwen35.pth', sysconfig.get_paths()['purelib'])")
+    after the documented `pip install ".[optimum]"`; and the optimum-cli command file it places there (`optimum-cli
+    export neuron --instance_type cpu`, optimum_qwen35/optimum_cli.py), both as setup.py writes them."""
+    session.run("python", "-c", INSTALL_STARTUP_FILES)
+
+
+INSTALL_STARTUP_FILES = """
+import os, runpy, shutil, sysconfig, setuptools
+site = sysconfig.get_paths()["purelib"]
+shutil.copy("optimum_qwen35.pth", site)
+setuptools.setup = lambda **kwargs: None  # read setup.py's names without building
+setup = runpy.run_path("setup.py")
+target = os.path.join(site, setup["OPTIMUM_CLI_FILE"])
+os.makedirs(os.path.dirname(target), exist_ok=True)
+open(target, "w").write(setup["OPTIMUM_CLI_SOURCE"])
+"""
 
 
 # Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):

@@ -13,12 +13,14 @@ import warnings
 
 _HOOKS = {
     "transformers": "register_transformers",
+    "transformers.pipelines": "register_pipeline_loader",
     "optimum.neuron": "register_optimum_neuron",
 }
 
 
 def _run(hook: str, module) -> None:
-    if hook == "register_transformers" and not getattr(module, "__version__", "5").startswith("4."):
+    transformers = sys.modules.get("transformers", module)
+    if hook != "register_optimum_neuron" and not getattr(transformers, "__version__", "5").startswith("4."):
         return  # transformers >= 5 has Qwen3.5 itself
     try:
         from optimum_qwen35.optimum import registration
@@ -52,7 +54,13 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                loader.exec_module(module)
+                if hook == "register_optimum_neuron":  # its device probe and trn1-override warning: noise here
+                    from optimum_qwen35.quiet import optimum_neuron_import
+
+                    with optimum_neuron_import():
+                        loader.exec_module(module)
+                else:
+                    loader.exec_module(module)
                 _run(hook, module)
 
             def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's

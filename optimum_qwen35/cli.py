@@ -7,6 +7,7 @@ the commands, `optimum-qwen35 <command> --help` their options.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -53,7 +54,22 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
 
     from .config import Qwen35Config
 
+    if (Path(model_dir) / "neuron_config.json").is_file():  # before model_folder's "no weights" (they are in checkpoint/)
+        raise UsageError(
+            f"{model_dir} is an export folder (neuron_config.json): generate runs a checkpoint folder; load the export "
+            f"with NeuronModelForCausalLM.from_pretrained({str(model_dir)!r}), or pass the checkpoint it was exported from"
+        )
     model_dir = validation.model_folder(model_dir, "generate")  # before anything is loaded
+    if (model_dir / "tp_shards.json").is_file():
+        from .checkpoint.shard import read_manifest
+
+        degree = read_manifest(model_dir)["tp_degree"]
+        if degree != 1:
+            raise UsageError(
+                f"{model_dir} holds rank shards for tensor_parallel_size={degree}; generate runs one process "
+                "(tensor_parallel_size 1): pass the source checkpoint folder, or `optimum-qwen35 shard "
+                "--tensor_parallel_size 1` of it"
+            )
     Qwen35Config.from_pretrained(model_dir)  # a folder of another model is refused before its tokenizer loads
     tokenizer = _load_tokenizer(model_dir)
     if raw:
@@ -120,19 +136,19 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def cmd_export(args) -> int:
+def check_export(args):
+    """Everything `export` checks before the first graph is compiled: the destination, the arguments, the source.
+    Returns the neuron config."""
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
     from .errors import ExportError
     from .optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
 
-    # Everything is checked before the first graph is compiled: the destination, the arguments, the source.
-    out = Path(args.out)
     try:
-        check_save_directory(out, args.overwrite, source=args.model)
+        check_save_directory(Path(args.out), args.overwrite, source=args.model)
     except ExportError as error:
         raise UsageError(str(error).replace("overwrite=True (--overwrite)", "--overwrite")) from error
-    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+    return Qwen35NeuronModelForCausalLM.get_neuron_config(
         args.model,
         revision=args.revision,
         batch_size=args.batch_size,
@@ -141,6 +157,13 @@ def cmd_export(args) -> int:
         dtype=args.torch_dtype,
         target=args.target,
     )
+
+
+def cmd_export(args) -> int:
+    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+
+    out = Path(args.out)
+    neuron_config = check_export(args)
     model = Qwen35NeuronModelForCausalLM.export(
         args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets
     )
@@ -244,15 +267,49 @@ def cmd_cache_lookup(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (exit status 2) that point at --help."""
+    """argparse with one-line usage errors (exit status 2) that point at --help, and every long flag spelled both
+    ways (`--tensor_parallel_size` as optimum-cli writes it, `--tensor-parallel-size` as argparse users do)."""
+
+    def add_argument(self, *names, **kwargs):
+        spelled = list(names)
+        for name in names:
+            if name.startswith("--"):
+                for other in ("--" + name[2:].replace("_", "-"), "--" + name[2:].replace("-", "_")):
+                    if other not in spelled:
+                        spelled.append(other)
+        return super().add_argument(*spelled, **kwargs)
 
     def error(self, message: str):
+        message = re.sub(r"(--[\w-]+)/(--[\w-]+)", lambda m: m[1] if m[1].replace("_", "-") == m[2].replace("_", "-") else m[0], message)
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _fail(error: BaseException | str, status: int) -> int:
     print(f"optimum-qwen35: error: {error}", file=sys.stderr)
     return status
+
+
+def _add_export_arguments(p) -> None:
+    p.add_argument("--model", "-m", required=True, help="a Qwen3.5 checkpoint folder or Hugging Face Hub id")
+    p.add_argument("--revision", help="the Hub revision (branch, tag or commit) of --model")
+    p.add_argument("--task", default="text-generation", help="the task (only text-generation)")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=1, help="compiled batch size: sequences served at once (default 1)")
+    p.add_argument("--sequence_length", "--sequence-length", type=int, help="compiled length: prompt + new tokens (default min(max positions, 4096))")
+    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu; on Neuron, the largest valid degree <= the machine's cores)")
+    p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
+    p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    p.add_argument("--vision", action="store_true", help="also export the vision tower's graphs (cpu target, TP 1; docs/vision.md)")
+    p.add_argument("--image_buckets", "--image-buckets", type=_int_list,
+                   help="with --vision: image buckets in 16x16-pixel patches, comma-separated (default 256,1024,4096)")
+    p.add_argument("out", help="the export folder to write")
+
+
+def export_parser() -> argparse.ArgumentParser:
+    """`optimum-qwen35 export`'s arguments alone (optimum-cli's `export neuron` translates into them)."""
+    p = _Parser(prog="optimum-qwen35 export")
+    _add_export_arguments(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,19 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Compile a Qwen3.5 checkpoint for a target and save the export folder that "
         "`NeuronModelForCausalLM.from_pretrained` (and Qwen35NeuronModelForCausalLM) loads.",
     )
-    p.add_argument("--model", "-m", required=True, help="a Qwen3.5 checkpoint folder or Hugging Face Hub id")
-    p.add_argument("--revision", help="the Hub revision (branch, tag or commit) of --model")
-    p.add_argument("--task", default="text-generation", help="the task (only text-generation)")
-    p.add_argument("--batch_size", "--batch-size", type=int, default=1, help="compiled batch size: sequences served at once (default 1)")
-    p.add_argument("--sequence_length", "--sequence-length", type=int, help="compiled length: prompt + new tokens (default min(max positions, 4096))")
-    p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu; on Neuron, the largest valid degree <= the machine's cores)")
-    p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
-    p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
-    p.add_argument("--vision", action="store_true", help="also export the vision tower's graphs (cpu target, TP 1; docs/vision.md)")
-    p.add_argument("--image_buckets", "--image-buckets", type=_int_list,
-                   help="with --vision: image buckets in 16x16-pixel patches, comma-separated (default 256,1024,4096)")
-    p.add_argument("out", help="the export folder to write")
+    _add_export_arguments(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="greedy generation from a checkpoint folder on the CPU graphs")

@@ -589,10 +589,8 @@ def resolve_export(
     offline = local_files_only or _offline()
     try:
         folder = _download_export(name, revision, token, endpoint, cache_dir, local_files_only, offline, force_download, subfolder)
-    except HubNotFoundError as e:
-        if "not found on" in str(e):  # maybe a mistyped relative path
-            raise HubNotFoundError(f"{e}; there is no local folder {name} either") from e
-        raise
+    except (HubNotFoundError, HubConnectionError, HubOfflineError) as e:
+        raise _no_folder_either(name, e) from e
     missing = _missing(folder, ["config.json", NEURON_CONFIG])
     if missing and not offline:
         raise IncompatibleExportError(
@@ -663,10 +661,22 @@ def download_checkpoint(
     from huggingface_hub import snapshot_download
 
     problem = _repo_id_problem(repo_id)
+    if problem and repo_id.startswith((".", "/", "~")) or repo_id.endswith("/"):
+        raise ModelNotFoundError(f"no such folder: {repo_id!r}")  # a path, by its form
     if problem:
         raise ModelNotFoundError(f"{repo_id} is neither a local folder nor a valid Hub repository id ({problem})")
-    with _hub_errors("download", repo_id, endpoint, revision, token):
-        return Path(snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, allow_patterns=allow_patterns))
+    try:
+        with _hub_errors("download", repo_id, endpoint, revision, token):
+            return Path(snapshot_download(repo_id, revision=revision, token=token, endpoint=endpoint, allow_patterns=allow_patterns))
+    except (HubNotFoundError, HubConnectionError, HubOfflineError) as e:
+        raise _no_folder_either(repo_id, e) from e
+
+
+def _no_folder_either(name: str, error: HubError) -> HubError:
+    """A name that is no local folder and failed on the Hub may be a mistyped path (`tinyy`): say both."""
+    if "no local folder" in str(error) or Path(name).exists():
+        return error
+    return type(error)(f"{error}; there is no local folder {name!r} either")
 
 
 def resolve_source_checkpoint(

@@ -62,6 +62,63 @@ GENERATION_OPTIONS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "nu
                       "eos_token_id", "pad_token_id", "streamer")
 
 
+def to_rgb(image):
+    """A PIL image in RGB as transformers 5 converts it: any transparency (an alpha band, or a palette or grey image
+    with a transparent colour) composited onto white. transformers 4.57 drops the alpha channel instead, so the
+    model would see the colours hidden under transparent pixels."""
+    from PIL import Image  # noqa: PLC0415
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+def read_image(source):
+    """A local image file (or an opened PIL image) decoded now, upright (EXIF), in RGB: a truncated or unreadable
+    file raises `UsageError` naming it, instead of failing later inside the image processor."""
+    from PIL import Image, ImageOps  # noqa: PLC0415
+
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "filename", "") or "an image"
+    try:
+        image = Image.open(source) if isinstance(source, (str, os.PathLike)) else source
+        image.load()
+        return to_rgb(ImageOps.exif_transpose(image))
+    except OSError as error:  # UnidentifiedImageError, "image file is truncated", ...
+        raise UsageError(f"{name}: not an image Pillow can read ({error}): a truncated or corrupt file?") from None
+
+
+def _prepare_images(images):
+    """`images=` of the processor: PIL images and local files read by `read_image`, nested lists kept."""
+    from PIL import Image  # noqa: PLC0415
+
+    if isinstance(images, (list, tuple)):
+        return [_prepare_images(image) for image in images]
+    if isinstance(images, Image.Image) or (isinstance(images, (str, os.PathLike)) and Path(images).is_file()):
+        return read_image(images)
+    return images
+
+
+def _prepare_messages(conversation):
+    """The chat messages with each local image file or PIL image read by `read_image` (copies; the caller's stay)."""
+    from PIL import Image  # noqa: PLC0415
+
+    if isinstance(conversation, (list, tuple)):
+        return [_prepare_messages(item) for item in conversation]
+    if not isinstance(conversation, dict):
+        return conversation
+    if conversation.get("type") == "image":
+        item = dict(conversation)
+        for key in ("image", "path", "url"):
+            value = item.get(key)
+            if isinstance(value, Image.Image) or (isinstance(value, (str, os.PathLike)) and Path(value).is_file()):
+                item[key] = read_image(value)
+        return item
+    if isinstance(conversation.get("content"), list):
+        return {**conversation, "content": _prepare_messages(conversation["content"])}
+    return conversation
+
+
 def _require_pillow() -> None:
     try:
         from PIL import Image  # noqa: F401, PLC0415
@@ -181,6 +238,7 @@ class Qwen35Processor(ProcessorMixin):
         texts = [text] if isinstance(text, str) else list(text)
         image_inputs = {}
         if images is not None:
+            images = _prepare_images(images)
             image_inputs = self.image_processor(images=images, **kwargs["images_kwargs"])
             texts = self._expand_image_tokens(texts, image_inputs["image_grid_thw"])
         elif any(self.image_token in t for t in texts):
@@ -192,6 +250,7 @@ class Qwen35Processor(ProcessorMixin):
         """transformers' (images inside the messages are read here), with an unreadable image file as one line."""
         from PIL import UnidentifiedImageError  # noqa: PLC0415
 
+        conversation = _prepare_messages(conversation)
         try:
             return super().apply_chat_template(conversation, chat_template, **kwargs)
         except UnidentifiedImageError as error:

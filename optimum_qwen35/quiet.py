@@ -3,8 +3,9 @@
 - Importing optimum-neuron on a machine without a Neuron device logs "No major for neuron device could be found in
   /proc/devices!" and warns that the compilation target is overridden to trn1 (optimum/neuron/__init__.py): true of
   the machine, noise for the cpu target, printed by every command. `optimum_neuron_import()` hides both while this
-  package imports optimum-neuron (the override itself still happens; a program that imported optimum-neuron first
-  sees them as before).
+  package imports optimum-neuron, and the start-up hook (`_startup.py`) while any program does (the override itself
+  still happens; a program that imports optimum-neuron before `optimum_qwen35`, without the start-up file of a
+  regular install, sees them as before).
 - transformers' `pipeline("image-text-to-text")` checks the model's class name against a fixed list of its own
   classes and logs an error for any other, then runs it. `image_text_to_text_pipeline()` drops that record for this
   package's model classes only.

@@ -10,6 +10,7 @@ starts.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -320,16 +321,27 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
     gen = ["generate", "--model", str(ckpt), "--prompt", "hi", "--dtype", "float32"]
     export = tmp_path / "export"
     save_sharded(ckpt, None, 2, export, progress=False)
+    optimum_export = tmp_path / "optimum-export"
+    optimum_export.mkdir()
+    (optimum_export / "config.json").write_text((ckpt / "config.json").read_text())
+    (optimum_export / "neuron_config.json").write_text("{}")
     cases = [
         (gen + ["--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
         (gen + ["--max-new-tokens", "-3"], "argument --max-new-tokens: must be an integer >= 1, got -3"),
         (gen + ["--max-new-tokens", "many"], "argument --max-new-tokens: 'many' is not an integer"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "3", str(tmp_path / "o")], "Valid degrees: [1, 2, 4]"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "0", str(tmp_path / "o")], "must be an integer >= 1"),
+        # Spelled as `export` (and optimum-cli) spell it: the same check, not "the following arguments are required".
+        (["shard", "--model", str(ckpt), "--tensor_parallel_size", "3", str(tmp_path / "o")], "Valid degrees: [1, 2, 4]"),
+        (gen + ["--max_new_tokens", "0"], "must be an integer >= 1, got 0"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "2", str(ckpt)], "is the source folder"),
         (["shard", "--model", str(ckpt), "--tensor-parallel-size", "4", str(export)], "pass --overwrite"),
         (["shard", "--model", str(export), "--tensor-parallel-size", "2", str(tmp_path / "o")], "is a sharded export"),
         (["generate", "--model", str(ckpt)], "the following arguments are required: --prompt"),
+        # The rank shards of TP 2 (an export's checkpoint/): generate has no TP flag to suggest.
+        (["generate", "--model", str(export), "--prompt", "hi"], "holds rank shards for tensor_parallel_size=2; generate runs one process"),
+        # An optimum-neuron export folder: its weights are in checkpoint/, and generate is not the way to run it.
+        (["generate", "--model", str(optimum_export), "--prompt", "hi"], "is an export folder (neuron_config.json): generate runs a checkpoint"),
         (["build-tiny", str(ckpt)], "already holds a model or an export"),
         (["demo", "--out", str(export)], "already holds a model or an export"),
     ]
@@ -341,12 +353,26 @@ def test_cli_usage_errors_exit_2(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in export.glob("rank_*")) == [rank_file(0), rank_file(1)]
 
 
+def test_every_long_flag_of_every_command_is_spelled_both_ways(capsys):
+    """`--tensor_parallel_size` (optimum-cli's spelling) and `--tensor-parallel-size` everywhere, or a user who copies
+    a flag from one command to another is told it is missing."""
+    commands = [["demo"], ["export"], ["generate"], ["shard"], ["build-tiny"], ["push"], ["pull"], ["cache", "sync"],
+                ["cache", "lookup"]]
+    for command in commands:
+        status, out, _ = run_cli([*command, "--help"], capsys)
+        assert status == 0
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*", out)) - {"--help"}
+        for flag in flags:
+            if "_" in flag or "-" in flag[2:]:
+                other = "--" + (flag[2:].replace("_", "-") if "_" in flag else flag[2:].replace("-", "_"))
+                assert other in flags, f"{' '.join(command)}: {flag} but not {other}"
+
+
 def test_cli_failures_exit_1(ckpt, export2, tmp_path, capsys):
     no_tokenizer = tmp_path / "no-tokenizer"
     shutil.copytree(ckpt, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
     cases = [(path, message) for _, path, _, message in folder_cases(ckpt, tmp_path)]
     cases.append((no_tokenizer, "has no tokenizer files"))
-    cases.append((export2, "holds shards for tensor_parallel_size=2, not 1"))
     cases.append((nan_checkpoint(ckpt, tmp_path / "nan"), "layers.0.mlp.up_proj.weight (3 NaN"))
     for path, message in cases:
         start = time.perf_counter()

@@ -69,13 +69,13 @@ RUN_BY_OTHER_TESTS = {
 # Blocks not run, by their first line, and why.
 NOT_RUN = {
     "pip install nox && nox": "it is the CI command itself (.ci/run runs it; tests/test_readme.py checks that)",
+    "python -m venv ~/venvs/qwen35-optimum && source ~/venvs/qwen35-optimum/bin/activate":
+        "it makes a virtual environment; the test runs in the nox session's (its pip line is docs/optimum_neuron.md's, checked there)",
 }
 # (document, text in a block, replacement, why). Every substitution must apply, so a stale one fails too.
 SUBSTITUTIONS = [
-    ("README.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint built first stands in for a download"),
-    ("README.md", "path/to/checkpoint", "tiny-checkpoint", "the same, in commands"),
-    ("README.md", "--sequence_length 1024", "--sequence_length 128",
-     "one context bucket: 3 graphs instead of 12 (docs/optimum_neuron.md gives the cost of each)"),
+    ("README.md", "--sequence_length 256", "--sequence_length 128",
+     "one context bucket: 3 graphs instead of 6 (docs/optimum_neuron.md gives the cost of each)"),
     ("docs/optimum_neuron.md", "--sequence_length 256", "--sequence_length 128", "one context bucket, as above"),
     ("docs/optimum_neuron.md", "sequence_length=256", "sequence_length=128", "the same export from Python"),
     ("docs/tensor_parallel.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
@@ -84,7 +84,6 @@ SUBSTITUTIONS = [
 BUILD_TINY = f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"
 # Set up before a document runs, in its folder: shell commands, and what the stand-in Hub must hold.
 SETUP = {
-    "README.md": [BUILD_TINY],
     "docs/tensor_parallel.md": [BUILD_TINY],
     # `out/`: an export of a local copy of "Qwen/Qwen3.5-2B" (here the tiny checkpoint, also on the stand-in Hub).
     "docs/hub.md": [
@@ -211,6 +210,50 @@ def test_every_document_names_its_environment():
     for document, environment in DOCUMENTS.items():
         if environment is None:
             assert blocks(document) == [], f"{document} has bash/python blocks: name its environment in DOCUMENTS"
+
+
+# What a block writes into the reader's folder: (pattern, language); group 1 is the path.
+WRITES = [
+    (r"save_pretrained\(\s*[\"']([^\"']+)", "python"),
+    (r"build_tiny_checkpoint\(\s*[\"']([^\"']+)", "python"),
+    (r"\.save\(\s*[\"']([^\"']+)", "python"),
+    (r"build-tiny\s+(\S+)", "bash"),
+    (r"(?:optimum-qwen35|optimum-cli)\s+export\b.*\s(\S+)\s*$", "bash"),
+    (r"optimum-qwen35\s+shard\b.*\s(\S+)\s*$", "bash"),
+]
+
+
+def written_paths(document: str) -> set[str]:
+    """The top-level files and folders a document's blocks create in the folder they run in."""
+    found = set()
+    for language, code in blocks(document):
+        lines = [line.split(" #")[0] for line in shell_lines(code)] if language == "bash" else [code]
+        for line in lines:
+            for pattern, kind in WRITES:
+                if kind == language:
+                    for match in re.finditer(pattern, line, re.M):
+                        path = match.group(1).removeprefix("./").rstrip("/").split("/")[0]
+                        if not path.startswith("-"):
+                            found.add(path)
+    return found
+
+
+def test_documents_read_in_order_in_one_folder_do_not_collide():
+    """A reader runs README.md and then the docs in one folder of one environment: a page that writes a folder an
+    earlier page wrote (docs/vision.md's `out/` after docs/optimum_neuron.md's) fails for them after minutes of
+    compiling, although each page passes alone in its own folder (test_every_snippet_runs_as_written)."""
+    for environment in {e for e in DOCUMENTS.values() if e is not None}:
+        seen: dict[str, str] = {}
+        for document in (d for d, e in DOCUMENTS.items() if e == environment):
+            for path in sorted(written_paths(document)):
+                assert path not in seen, f"{document} writes {path}/, which {seen[path]} wrote before it: rename one"
+                seen[path] = document
+
+
+def test_the_collision_check_sees_what_each_page_writes():
+    assert {"tiny-qwen3.5", "qwen35-export", "shards"} <= written_paths("README.md")
+    assert {"tiny-vl", "vision-export", "vision-cli-export", "photo.png"} <= written_paths("docs/vision.md")
+    assert {"tiny", "out", "out-python"} <= written_paths("docs/optimum_neuron.md")
 
 
 def _run_setup(document: str, work: Path, env: dict, hub) -> None:

@@ -18,7 +18,8 @@ def test_readme_python_example_runs(tmp_path, capsys):
 
     block = re.search(r"```python\n(from transformers import AutoTokenizer\nfrom optimum_qwen35.runtime.cpu .*?)```", README.read_text(), re.S).group(1)
     build_tiny_checkpoint(tmp_path / "ckpt", "tiny-nv2x")
-    code = block.replace('"path/to/checkpoint"', repr(str(tmp_path / "ckpt")))
+    assert 'path = "tiny-qwen3.5/"' in block  # the folder the README's `build-tiny` command writes
+    code = block.replace('"tiny-qwen3.5/"', repr(str(tmp_path / "ckpt")))
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     prompts, logits, new_tokens = namespace["prompts"], namespace["logits"], namespace["new_tokens"]

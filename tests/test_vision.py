@@ -201,3 +201,27 @@ def test_bad_image_inputs_are_refused_before_anything_runs(ours, change, message
         ours.generate([prompt], 4, pixel_values=pixels, image_grid_thw=grids)
     assert "\n" not in str(error.value)
     assert not ours._graphs  # no decoder graph was built or run
+
+
+# ----------------------------------------------------------------------------------------------- image bucket edges
+@pytest.mark.parametrize("buckets", [[256, 1024, 4096], [32], [4, 8, 64]])
+def test_image_bucket_choice_at_and_around_every_bucket(buckets):
+    """The smallest bucket holding the patches, at each bucket size, one merge unit (4 patches) below and above it;
+    exactly the largest bucket runs there, one unit past it is refused in one line."""
+    from types import SimpleNamespace
+
+    from optimum_qwen35.errors import UsageError
+    from optimum_qwen35.runtime.vision import ImageInputs
+
+    runtime = SimpleNamespace(image_buckets=buckets)
+    choose = lambda patches: ImageInputs.image_bucket_for(runtime, patches)  # noqa: E731
+    for i, bucket in enumerate(buckets):
+        below = buckets[i - 1] if i else 0
+        assert choose(bucket) == bucket
+        if bucket - 4 > below:
+            assert choose(bucket - 4) == bucket
+        if i + 1 < len(buckets):
+            assert choose(bucket + 4) == buckets[i + 1]
+    assert choose(4) == buckets[0]
+    with pytest.raises(UsageError, match=rf"an image of {buckets[-1] + 4} patches is larger than the largest image bucket \({buckets[-1]} patches"):
+        choose(buckets[-1] + 4)

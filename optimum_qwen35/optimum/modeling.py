@@ -698,10 +698,12 @@ def default_tensor_parallel_size(qwen_config: Qwen35Config, cores: int, target: 
     """The degree a Neuron-target export takes when none is given: the largest the model splits into
     (`Qwen35Config.check_tp_degree`) within the machine's `cores` Neuron cores. optimum-neuron takes all the cores,
     which is no valid degree for any Qwen3.5 size on trn2.48xlarge (64), trn1.32xlarge (32) or inf2.48xlarge (24)."""
-    if cores < 1:
+    if cores < 1:  # optimum-neuron counts this machine's cores: none without a device
+        sdk = "" if _neuron_sdk_available() else " (nor the Neuron SDK)"
         raise UsageError(
-            f"no Neuron cores found on this machine to size target {target!r}: pass tensor_parallel_size, or export "
-            "for this machine with target='cpu'"
+            f"this machine has no Neuron cores{sdk} to size a {target} export by: pass tensor_parallel_size "
+            f"(--tensor_parallel_size; {qwen_config.valid_tp_degrees()} split this model), or export for this "
+            "machine with target='cpu' (--target cpu)"
         )
     for degree in sorted((t for t in qwen_config.valid_tp_degrees() if t <= cores), reverse=True):
         try:

@@ -48,6 +48,35 @@ def register_transformers() -> bool:
     return register_transformers_configs()
 
 
+class Qwen35ExportLoader:
+    """transformers 4.57's `AutoModelForCausalLM` entry for Qwen3.5's text config, so that
+    `transformers.pipeline("text-generation", model="out/")` loads an export (a folder or a Hub id) with
+    `Qwen35NeuronModelForCausalLM` instead of failing on a list of ~150 config classes. It takes transformers' loading
+    keywords (config=, _from_pipeline=, ...), which the class's strict `from_pretrained` refuses, and carries the
+    class's name: the text-generation pipeline checks the loaded model's class name against the mapping's names."""
+
+    @classmethod
+    def from_pretrained(cls, model_id, *args, revision=None, token=None, **kwargs):
+        from .modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
+
+        return Qwen35NeuronModelForCausalLM.from_pretrained(model_id, revision=revision, token=token)
+
+
+Qwen35ExportLoader.__name__ = "Qwen35NeuronModelForCausalLM"
+
+
+def register_pipeline_loader() -> None:
+    """When transformers 4.57's pipelines import: `Qwen35ExportLoader` for the text config, unless a class is mapped."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
+
+    register_transformers()
+    text_config = CONFIG_MAPPING["qwen3_5_text"]
+    if text_config.__module__.startswith("optimum_qwen35.") and text_config not in AutoModelForCausalLM._model_mapping:
+        Qwen35ExportLoader.config_class = text_config
+        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
+
+
 def register_optimum_neuron() -> None:
     """Register the model class in optimum-neuron's registry for both Qwen3.5 model types."""
     import sys
@@ -69,12 +98,14 @@ def register_model_class(cls) -> None:
         register_neuron_model(model_type, TASK, "inference")(cls)
     _dispatch_qwen35_first()
     _cpu_target_through_the_abstract_class()
+    _missing_models_in_one_line()
     # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
     # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
     register_transformers()
     text_config = CONFIG_MAPPING["qwen3_5_text"]
     if text_config.__module__.startswith("optimum_qwen35."):
-        AutoModelForCausalLM.register(text_config, cls, exist_ok=True)
+        Qwen35ExportLoader.config_class = text_config
+        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
     # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
     from ..quiet import image_text_to_text_pipeline  # noqa: PLC0415
 
@@ -139,6 +170,39 @@ def _cpu_target_through_the_abstract_class() -> None:
     get_neuron_config.__wrapped__ = original
     get_neuron_config.__doc__ = original.__doc__
     NeuronModelForCausalLM.get_neuron_config = classmethod(get_neuron_config)
+
+
+def _missing_models_in_one_line() -> None:
+    """`NeuronModelForCausalLM.from_pretrained(name)` (the abstract class) where `name` is no local folder: a name the
+    Hub refuses (`outt/`) raises `ModelNotFoundError`, and a Hub id is checked first the way this package downloads
+    (one request, no retries: huggingface_hub retries transformers' HEAD five times over 23 s before its OSError),
+    raising this package's Hub errors in one line. Its config.json lands in the Hugging Face cache, where
+    optimum-neuron then reads it; any model type then goes on through optimum-neuron's method unchanged. Idempotent."""
+    import inspect  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM  # noqa: PLC0415
+
+    original = NeuronModelForCausalLM.from_pretrained.__func__
+    if getattr(original, "_optimum_qwen35", False):
+        return
+
+    def from_pretrained(cls, model_id, *args, **kwargs):
+        if inspect.isabstract(cls) and isinstance(model_id, (str, os.PathLike)) and not Path(model_id).is_dir():
+            from ..hub import download_checkpoint  # noqa: PLC0415
+
+            if Path(model_id).exists():
+                from ..errors import ModelNotFoundError  # noqa: PLC0415
+
+                raise ModelNotFoundError(f"{model_id} is a file, not an export folder")
+            download_checkpoint(os.fspath(model_id), kwargs.get("revision"), kwargs.get("token"), allow_patterns=["config.json"])
+        return original(cls, model_id, *args, **kwargs)
+
+    from_pretrained._optimum_qwen35 = True
+    from_pretrained.__wrapped__ = original
+    from_pretrained.__doc__ = original.__doc__
+    NeuronModelForCausalLM.from_pretrained = classmethod(from_pretrained)
 
 
 def register() -> None:

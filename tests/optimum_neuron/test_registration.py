@@ -247,29 +247,62 @@ print(json.dumps([found, llama, auto_model.has_neuron_model_class.__wrapped__.__
     assert llama == "neuronx_distributed" and original == "optimum.neuron.models.auto_model"
 
 
-def test_optimum_cli_export_neuron_without_the_sdk_says_what_to_run(startup_dir, tmp_path):
-    """optimum-cli registers `export neuron` only with the Neuron SDK; the installed register file makes it say why it
-    cannot run and print the optimum-qwen35 command for this machine, which then exports (exit 0)."""
+def test_optimum_cli_export_neuron_instance_type_cpu_exports_without_the_sdk(startup_dir, tmp_path):
+    """optimum-cli registers `export neuron` only with the Neuron SDK; the installed register file makes it export for
+    the cpu target with `--instance_type cpu` (optimum-neuron's flags, compiler options left out), and say in one line
+    what to run for a Neuron instance type (tests/optimum_neuron/test_optimum_cli.py checks that line's command)."""
     import os
     import shlex
 
     optimum_cli = Path(sys.executable).with_name("optimum-cli")
     args = ["export", "neuron", "--model", str(ROOT / "tests" / "fixtures" / "tiny-2b"), "--batch_size", "1",
-            "--sequence_length", "128", "--num_cores", "2", "--auto_cast_type", "fp32", str(tmp_path / "out")]
-    bare = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300)
-    assert bare.returncode == 2 and "unrecognized arguments: neuron" in bare.stderr  # what users got before
+            "--sequence_length", "128", "--num_cores", "2", "--auto_cast_type", "bf16", "--instance_type", "trn1",
+            str(tmp_path / "out")]
     env = {**os.environ, "PYTHONPATH": str(startup_dir)}  # site-packages as a regular install leaves it
     hooked = subprocess.run([optimum_cli, *args], capture_output=True, text=True, timeout=300, env=env)
     assert hooked.returncode == 2 and not (tmp_path / "out").exists()
+    assert hooked.stderr.count("\n") == 1, hooked.stderr  # the one line, no optimum-neuron import noise before it
     last = hooked.stderr.strip().splitlines()[-1]
-    assert last.startswith("optimum-cli export neuron: error: the Neuron SDK (torch-neuronx, neuronx-distributed) is not")
+    assert last.startswith("optimum-cli export neuron: error: --instance_type trn1 needs the Neuron SDK")
     command = shlex.split(last.split("on this machine export Qwen3.5 for the cpu target: ")[1])
-    assert command[:2] == ["optimum-qwen35", "export"] and "--num_cores" not in command
-    exported = subprocess.run([sys.executable, "-m", "optimum_qwen35", *command[1:]], capture_output=True, text=True, timeout=600)
+    assert command[:3] == ["optimum-cli", "export", "neuron"] and command[-2:] == ["--instance_type", "cpu"]
+    exported = subprocess.run([optimum_cli, *command[1:]], capture_output=True, text=True, timeout=600, env=env)
     assert exported.returncode == 0, exported.stderr
-    assert (tmp_path / "out" / "neuron_config.json").is_file()
-    # Progress per graph (each named as it compiles), and nothing else from other libraries.
+    assert json.loads((tmp_path / "out" / "neuron_config.json").read_text())["tp_degree"] == 2
+    assert f"to {tmp_path / 'out'}" in exported.stdout
+    # Progress per graph (each named as it compiles).
     assert "compile (cpu: torch.export)" in exported.stderr and "3/3" in exported.stderr
     for name in ("context_encoding_128", "token_generation_128", "context_logits_128"):
         assert name in exported.stderr
-    assert "No major for neuron device" not in exported.stderr and "UserWarning" not in exported.stderr
+
+
+PIPELINE_BY_PATH = """
+import json, site, sys
+site.addsitedir(sys.argv[1])   # the start-up file, as site-packages holds it
+from transformers import pipeline
+chat = pipeline("text-generation", model=sys.argv[2])
+out = chat("The capital of France is", max_new_tokens=6, do_sample=False, return_full_text=False)
+print(json.dumps([type(chat.model).__name__, out[0]["generated_text"]]))
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import optimum.neuron"])
+def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir, export_dir, first):
+    """transformers 4.57 has no Qwen3.5 model: `pipeline("text-generation", model="out/")` used to fail with
+    "Unrecognized configuration class" and ~150 class names. The export's class answers it, with the tokens the
+    loaded model gives."""
+    from transformers import AutoTokenizer
+
+    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+
+    folder = export_dir("tiny-2b", 1)
+    code = PIPELINE_BY_PATH.replace("from transformers import pipeline", f"{first}\nfrom transformers import pipeline")
+    result = run_python(code, str(startup_dir), str(folder))
+    name, text = last_json_line(result.stdout)
+    assert "is not supported for text-generation" not in result.stderr
+    assert name == "Qwen35NeuronModelForCausalLM"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    model = Qwen35NeuronModelForCausalLM.from_pretrained(folder)
+    tokens = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)

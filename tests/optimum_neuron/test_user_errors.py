@@ -132,6 +132,19 @@ def test_python_import_prints_nothing():
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+def test_import_optimum_neuron_itself_prints_nothing_with_the_startup_file():
+    """What optimum-neuron users write first: with the start-up file in site-packages (a regular install, and this
+    session), its device probe and trn1-override warning are not printed; OPTIMUM_QWEN35_VERBOSE=1 shows them."""
+    import os
+
+    code = "from optimum.neuron import NeuronModelForCausalLM; NeuronModelForCausalLM"
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    env = {**os.environ, "OPTIMUM_QWEN35_VERBOSE": "1"}
+    verbose = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "override the platform target to trn1" in verbose.stderr
+
+
 def test_greedy_calls_raise_no_generation_flag_warning(export, caplog):
     """The export's generation_config.json samples (temperature, top_k, top_p): a greedy call from this package (or
     a pipeline's do_sample=False) does not make transformers warn that those flags "are not valid"."""
@@ -148,3 +161,55 @@ def test_greedy_calls_raise_no_generation_flag_warning(export, caplog):
     assert not [r for r in caplog.records if "are not valid" in r.getMessage()]
     # The reset is of the config's defaults only: greedy is argmax, whatever the saved sampling flags.
     assert torch.equal(greedy, model.generate(ids, max_new_tokens=4, do_sample=True, top_k=1))
+
+
+def test_a_neuron_target_without_a_tensor_parallel_size_says_there_are_no_cores_to_size_it_by(capsys):
+    """optimum-neuron counts the machine's Neuron cores for a missing degree: none here. The message used to be
+    "tensor_parallel_size must be a positive integer, got 0" (a number the user never gave)."""
+    from optimum_qwen35.cli import main
+
+    for target, compiled_for in (("trn1", "trn1"), ("trn2", "trn2"), ("inf2", "trn1")):  # inf2 compiles as trn1
+        with pytest.raises(UsageError) as error:
+            Qwen35NeuronModelForCausalLM.get_neuron_config(str(FIXTURES / "tiny-2b"), target=target)
+        text = str(error.value)
+        assert f"no Neuron cores (nor the Neuron SDK) to size a {compiled_for} export" in text and "got 0" not in text
+        assert "[1, 2, 4] split this model" in text and "--target cpu" in text
+    assert main(["export", "--model", str(FIXTURES / "tiny-2b"), "--target", "trn1", "never-written/"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass tensor_parallel_size (--tensor_parallel_size" in err
+    assert not Path("never-written").exists()
+
+
+@pytest.mark.parametrize("name, error, says", [
+    ("outt/", "ModelNotFoundError", "no such folder: 'outt/'"),
+    ("my-org/no-such-export", "HubConnectionError", "cannot be reached; there is no local folder 'my-org/no-such-export' either"),
+    ("tinyy", "HubConnectionError", "cannot be reached; there is no local folder 'tinyy' either"),
+])
+def test_the_abstract_class_answers_a_missing_model_in_one_line_without_waiting(monkeypatch, name, error, says):
+    """optimum-neuron's `NeuronModelForCausalLM.from_pretrained` used to give transformers' OSError for a mistyped
+    folder, and to wait 23 s through five retries for a Hub it cannot reach."""
+    import time
+
+    from huggingface_hub import constants
+    from optimum.neuron import NeuronModelForCausalLM
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: connection refused
+    start = time.perf_counter()
+    with pytest.raises(Exception) as raised:
+        NeuronModelForCausalLM.from_pretrained(name)
+    assert time.perf_counter() - start < 3
+    assert type(raised.value).__name__ == error and type(raised.value).__module__ == "optimum_qwen35.errors"
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_abstract_class_offline_says_so(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+    from optimum.neuron import NeuronModelForCausalLM
+
+    from optimum_qwen35.errors import HubOfflineError
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(HubOfflineError, match=r"offline mode \(HF_HUB_OFFLINE=1\) and it is not in the local cache"):
+        NeuronModelForCausalLM.from_pretrained("my-org/no-such-export")
