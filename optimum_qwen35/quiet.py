@@ -10,7 +10,9 @@
   classes and logs an error for any other, then runs it. `image_text_to_text_pipeline()` drops that record for this
   package's model classes only.
 - huggingface_hub logs two warnings per retry of a failed request (five retries: a push whose connection drops prints
-  a screen of them before this package's one-line error). `hub_retries()` hides those while a Hub call runs.
+  a screen of them before this package's one-line error). `hub_retries()` hides those while a Hub call runs, bounds
+  the retries (3, waiting 1 + 2 + 2 s instead of 1 + 2 + 4 + 8 + 8 s: a `cache lookup` against an unreachable Hub
+  took 31 s) and says once that it is retrying.
 
 `OPTIMUM_QWEN35_VERBOSE=1` (what the command line's `--verbose` sets) shows everything.
 """
@@ -65,11 +67,62 @@ def optimum_neuron_import():
         yield
 
 
+# huggingface_hub's `http_backoff` (0.x and 2.x) retries 5 times, waiting 1, 2, 4, 8, 8 s; within a Hub call of this
+# package, 3 times, waiting 1, 2, 2 s: HUB_RETRY_SECONDS in all.
+HUB_RETRY_LIMITS = {"max_retries": 3, "base_wait_time": 1, "max_wait_time": 2}
+HUB_RETRY_SECONDS = 5
+HUB_RETRY_NOTICE = f"optimum-qwen35: the Hub did not answer; retrying each request for up to {HUB_RETRY_SECONDS} s"
+NOTICE_LOGGER = "optimum_qwen35.hub"
+
+
+@contextmanager
+def _bounded_backoff():
+    """Lower the keyword defaults of huggingface_hub's backoff helpers for the duration (callers that pass their own
+    limits keep them). huggingface_hub has no setting for this; restored on exit."""
+    try:
+        from huggingface_hub.utils import _http
+    except ImportError:
+        yield
+        return
+    saved = []
+    for name in ("http_backoff", "http_stream_backoff", "_http_backoff_base"):
+        function = getattr(_http, name, None)
+        defaults = getattr(function, "__kwdefaults__", None)
+        if defaults and HUB_RETRY_LIMITS.keys() <= defaults.keys():
+            saved.append((function, dict(defaults)))
+            function.__kwdefaults__ = {**defaults, **HUB_RETRY_LIMITS}
+    try:
+        yield
+    finally:
+        for function, defaults in reversed(saved):
+            function.__kwdefaults__ = defaults
+
+
+class _AnnounceRetry(logging.Filter):
+    """On huggingface_hub's first "Retrying in" record: one line of this package's own (passes every record)."""
+
+    def __init__(self):
+        super().__init__()
+        self.done = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.done and "Retrying in" in record.getMessage():
+            self.done = True
+            logging.getLogger(NOTICE_LOGGER).warning(HUB_RETRY_NOTICE)
+        return True
+
+
 @contextmanager
 def hub_retries():
-    """Around a Hub call: huggingface_hub's per-retry warnings are not shown (the outcome is, once)."""
-    with _filtered(HUB_HTTP_LOGGER, "thrown while requesting", "Retrying in"):
-        yield
+    """Around a Hub call: at most HUB_RETRY_SECONDS of retry waits per request, announced once; huggingface_hub's
+    per-retry warnings are not shown (the outcome is, once)."""
+    logger, announce = logging.getLogger(HUB_HTTP_LOGGER), _AnnounceRetry()
+    logger.filters.insert(0, announce)  # before the filter that drops the record
+    try:
+        with _bounded_backoff(), _filtered(HUB_HTTP_LOGGER, "thrown while requesting", "Retrying in"):
+            yield
+    finally:
+        logger.removeFilter(announce)
 
 
 def image_text_to_text_pipeline(class_names: list[str]) -> None:

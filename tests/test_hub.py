@@ -549,3 +549,36 @@ def test_a_push_whose_connection_drops_prints_one_line(hub_server, export, capsy
     monkeypatch.setenv("OPTIMUM_QWEN35_VERBOSE", "1")
     assert main(args) == 1
     assert any("Retrying in" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------- an unreachable Hub (issue 29)
+def test_the_cache_commands_against_a_closed_port_answer_within_the_retry_bound(tmp_path, monkeypatch, capsys, caplog):
+    """huggingface_hub retries a refused connection 5 times (1 + 2 + 4 + 8 + 8 s: `cache lookup` took 31 s before its
+    line); within this package's Hub calls the waits are bounded to HUB_RETRY_SECONDS and announced once."""
+    pytest.importorskip("optimum.neuron", reason="the registry needs optimum-neuron (nox session `optimum`)")
+    import time
+
+    from huggingface_hub import constants
+
+    from optimum_qwen35.quiet import HUB_RETRY_NOTICE, HUB_RETRY_SECONDS
+
+    hub._optimum_neuron()  # imports outside the timed part
+    closed = f"http://127.0.0.1:{free_port()}"
+    # optimum-neuron's lookup takes the endpoint from huggingface_hub's constants (HF_ENDPOINT at import).
+    monkeypatch.setattr(constants, "ENDPOINT", closed)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    start = time.monotonic()
+    assert main(["cache", "lookup", "alice/never-cached"]) == 1
+    took = time.monotonic() - start
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "cannot be reached" in lines[0] and closed in lines[0], lines
+    assert HUB_RETRY_SECONDS <= took < HUB_RETRY_SECONDS + 8, took  # 23 s of waits without the bound
+    notices = [r.getMessage() for r in caplog.records if r.getMessage() == HUB_RETRY_NOTICE]
+    assert len(notices) == 1 and not [r for r in caplog.records if "Retrying in" in r.getMessage()]
+
+    export = build_fake_export(tmp_path / "export", build_tiny_checkpoint(tmp_path / "src", "tiny-2b"), SOURCE_ID)
+    start = time.monotonic()
+    assert main(["cache", "sync", str(export), "--cache-repo", "alice/cache", "--token", WRITE, "--endpoint", closed]) == 1
+    assert time.monotonic() - start < HUB_RETRY_SECONDS + 8
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "cannot be reached" in lines[0], lines
