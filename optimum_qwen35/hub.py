@@ -347,11 +347,33 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
             raise HubError(f"cannot {action} {where}: the branch changed during the push; push again") from e
         raise HubError(f"cannot {action} {where}: HTTP {status} {message}".rstrip()) from e
     except Exception as e:
+        answered = _status_in_message(e)
+        if answered:
+            # hf_xet (huggingface_hub's Xet uploads and downloads) reports an HTTP error status as a ConnectionError.
+            status, reason, url = answered
+            hint = " (a server without Xet storage: set HF_HUB_DISABLE_XET=1)" if "xet" in url.lower() else ""
+            said = f"cannot {action} {where}: the Hub at {_endpoint_name(endpoint)} answered {status} {reason} for {url}"
+            if status == 404:
+                raise HubNotFoundError(said + hint) from e
+            raise (HubAuthError if status in (401, 403) else HubError)(said) from e
         if _is_connection_error(e):
             raise HubConnectionError(
                 f"cannot {action} {where}: the Hub at {_endpoint_name(endpoint)} cannot be reached ({type(e).__name__})"
             ) from e
         raise
+
+
+_STATUS_IN_MESSAGE = re.compile(r"HTTP status (?:client|server) error \((\d{3}) ([^)]*)\)(?:, domain: (\S+))?")
+
+
+def _status_in_message(error: BaseException) -> tuple[int, str, str] | None:
+    """(status, reason, url) when an error of the chain is a server's HTTP answer reported in words (hf_xet's
+    "HTTP status client error (404 Not Found), domain: <url>"), else None."""
+    for e in _chain(error):
+        found = _STATUS_IN_MESSAGE.search(str(e))
+        if found:
+            return int(found.group(1)), found.group(2), found.group(3) or "a request"
+    return None
 
 
 def _short_url(error: BaseException) -> str:

@@ -582,3 +582,25 @@ def test_the_cache_commands_against_a_closed_port_answer_within_the_retry_bound(
     assert time.monotonic() - start < HUB_RETRY_SECONDS + 8
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "cannot be reached" in lines[0], lines
+
+
+def test_a_404_from_the_xet_token_endpoint_is_not_found_not_unreachable(hub_server, export, monkeypatch, capsys):
+    """huggingface_hub 2.x uploads through Xet when hf_xet is installed; hf_xet reports the stand-in's 404 for the
+    Xet write token as a ConnectionError ("HTTP status client error (404 Not Found)"): it is a not-found naming
+    the repo and the URL, with what to do, never "cannot be reached"."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    pytest.importorskip("hf_xet", reason="Xet uploads need hf_xet")
+    if int(huggingface_hub.__version__.split(".")[0]) < 1:
+        pytest.skip("huggingface_hub 0.x uses Xet only when the server offers it (nox session `reference` runs this)")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False, raising=False)
+    with pytest.raises(
+        HubNotFoundError,
+        match=r"alice/xet: .*answered 404 Not Found for http://127.0.0.1:\d+/api/models/alice/xet/xet-write-token/main"
+        r" \(a server without Xet storage: set HF_HUB_DISABLE_XET=1\)$",
+    ):
+        hub.push_to_hub(export, "alice/xet", token=WRITE, endpoint=hub_server.url)
+    assert main(["push", str(export), "alice/xet", "--token", WRITE, "--endpoint", hub_server.url]) == 1
+    lines = error_lines(capsys.readouterr().err)  # (hf_xet draws its own progress bars)
+    assert len(lines) == 1 and "404 Not Found" in lines[0] and "cannot be reached" not in lines[0], lines
