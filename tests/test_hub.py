@@ -604,3 +604,23 @@ def test_a_404_from_the_xet_token_endpoint_is_not_found_not_unreachable(hub_serv
     assert main(["push", str(export), "alice/xet", "--token", WRITE, "--endpoint", hub_server.url]) == 1
     lines = error_lines(capsys.readouterr().err)  # (hf_xet draws its own progress bars)
     assert len(lines) == 1 and "404 Not Found" in lines[0] and "cannot be reached" not in lines[0], lines
+
+
+def test_the_registry_files_an_entry_under_the_id_the_user_gives(hub_server, cache_setup, capsys):
+    """`model_id` (`cache sync --model-id`) wins over the checkpoint_id the export records (SOURCE_ID here): the
+    entry, its model-id alias path and the commit name the given id; without it, the recorded one."""
+    export = cache_setup
+    assert json.loads((export / "neuron_config.json").read_text())["checkpoint_id"] == SOURCE_ID
+    assert hub.registry_entry(export).model_id == SOURCE_ID
+    assert hub.registry_entry(export, model_id="alice/renamed").model_id == "alice/renamed"
+    result = hub.sync_registry(
+        export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url, model_id="alice/renamed"
+    )
+    alias = result.paths[1].split("/0_REGISTRY/0.4.5/", 1)[1]
+    assert alias.startswith("qwen3_5_text/alice/renamed/") and SOURCE_ID not in "".join(result.paths), result.paths
+    # The digest is the config's, not the id's: the same entry under either id.
+    assert result.arch_digest == hub.registry_entry(export).arch_digest()
+    args = ["cache", "sync", str(export), "--cache-repo", "alice/neuron-cache", "--token", WRITE]
+    assert main([*args, "--endpoint", hub_server.url, "--model-id", "alice/other"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_5_text/alice/other/" in out and f"qwen3_5_text/{SOURCE_ID}/" not in out, out
