@@ -100,7 +100,7 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
     new_tokens = model.generate([ids], max_new_tokens=max_new_tokens, eos_token_id=eos, streamer=on_step)[0]
     progress.close()
     done = time.perf_counter()
-    print(f"prompt ({len(ids)} tokens): {prompt!r}")
+    print(f"prompt ({len(ids)} tokens{'' if raw else ', chat template included'}): {prompt!r}")
     print(f"reply ({len(new_tokens)} tokens): {tokenizer.decode(new_tokens, skip_special_tokens=True)!r}")
     decode_s = done - first_token_at[0]
     print(
@@ -325,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="Give me a short introduction to large language models.", help="the user message")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="how many tokens to generate at most (default 32)")
     p.add_argument("--layout", default="tiny-2b", choices=["tiny-2b", "tiny-nv2x", "tiny-nv3x"], help="which tiny layout to build")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and activations dtype")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="weights and activations dtype (default float32; `generate` defaults to bfloat16)",
+    )
     p.add_argument("--out", help="keep the tiny checkpoint in this folder (default: a temporary one)")
     p.add_argument("--overwrite", action="store_true", help="replace a model already in --out, whole")
     p.set_defaults(func=cmd_demo)
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="a Qwen3.5 checkpoint folder (a Hub snapshot)")
     p.add_argument("--prompt", required=True, help="the user message (chat template applied unless --raw)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="how many tokens to generate at most (default 64)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations dtype (default bfloat16)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations dtype (default bfloat16; `demo` defaults to float32)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=cmd_generate)
 

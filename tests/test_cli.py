@@ -34,6 +34,12 @@ def test_demo_builds_a_checkpoint_and_chats(tmp_path, capsys):
     assert main(["demo", "--max-new-tokens", "5", "--prompt", "Hello! Who are you?", "--out", str(tmp_path / "tiny")]) == 0
     out = capsys.readouterr().out
     assert "tok/s" in out
+    # The prompt's token count includes the chat template's tokens, and says so.
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tiny")
+    chat = [{"role": "user", "content": "Hello! Who are you?"}]
+    n = len(tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))["input_ids"])
+    assert n > len(tokenizer("Hello! Who are you?")["input_ids"])
+    assert f"prompt ({n} tokens, chat template included): 'Hello! Who are you?'" in out, out
     assert json.loads((tmp_path / "tiny" / "config.json").read_text())["model_type"] == "qwen3_5"
     assert printed_reply(out) == expected_reply(tmp_path / "tiny", "Hello! Who are you?", 5, raw=False)
 
@@ -54,3 +60,13 @@ def test_build_tiny_shard_then_generate_from_the_shards(tmp_path, capsys):
         replies.append(printed_reply(capsys.readouterr().out))
         assert replies[-1] == expected_reply(tmp_path / "ckpt", "hello there", 6, raw)
     assert replies[0] != replies[1]  # with and without the chat template: so --raw is seen to matter
+
+
+def test_demo_and_generate_state_their_default_dtypes(capsys):
+    import pytest
+
+    for command, default, other in (("demo", "float32", "`generate` defaults to bfloat16"), ("generate", "bfloat16", "`demo` defaults to float32")):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert f"(default {default}; {other})" in help_text, help_text
