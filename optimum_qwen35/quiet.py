@@ -14,6 +14,10 @@
   the retries (3, waiting 1 + 2 + 2 s instead of 1 + 2 + 4 + 8 + 8 s: a `cache lookup` against an unreachable Hub
   took 31 s) and says once that it is retrying.
 
+- transformers 4.57's `Pipeline.__init__` logs "Device set to use cpu" as a warning for every pipeline (5.x logs it at
+  debug level). `pipeline_device_line()` drops that record when the pipeline's model is one of this package's classes;
+  transformers' logging is otherwise untouched (other models' pipelines still log it).
+
 `OPTIMUM_QWEN35_VERBOSE=1` (what the command line's `--verbose` sets) shows everything.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -134,3 +139,35 @@ def image_text_to_text_pipeline(class_names: list[str]) -> None:
     fragments = tuple(f"The model '{name}' is not supported for image-text-to-text" for name in class_names)
     if not any(isinstance(f, _DropMessages) and f.fragments == fragments for f in logger.filters):
         logger.addFilter(_DropMessages(*fragments))
+
+
+class _DropDeviceLine(logging.Filter):
+    """Drops "Device set to use ..." when the `Pipeline.__init__` logging it holds a model of the named classes."""
+
+    def __init__(self, class_names: tuple[str, ...]):
+        super().__init__()
+        self.class_names = class_names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith("Device set to use") or record.funcName != "__init__":
+            return True
+        frame = sys._getframe(1)
+        for _ in range(16):  # from here up to the logging call in Pipeline.__init__
+            if frame is None:
+                break
+            if frame.f_code.co_name == "__init__" and frame.f_code.co_filename == record.pathname:
+                model = getattr(frame.f_locals.get("self"), "model", None)
+                return not any(c.__name__ in self.class_names for c in type(model).__mro__)
+            frame = frame.f_back
+        return True
+
+
+def pipeline_device_line(class_names: list[str]) -> None:
+    """For the life of the process: no "Device set to use cpu" for pipelines of the named model classes (the only
+    device they run on, said by every pipeline). Idempotent; `--verbose` keeps it."""
+    if verbose():
+        return
+    logger = logging.getLogger(PIPELINE_LOGGER)
+    names = tuple(class_names)
+    if not any(isinstance(f, _DropDeviceLine) and f.class_names == names for f in logger.filters):
+        logger.addFilter(_DropDeviceLine(names))

@@ -107,9 +107,10 @@ def register_model_class(cls) -> None:
         Qwen35ExportLoader.config_class = text_config
         AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
     # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
-    from ..quiet import image_text_to_text_pipeline  # noqa: PLC0415
+    from ..quiet import image_text_to_text_pipeline, pipeline_device_line  # noqa: PLC0415
 
     image_text_to_text_pipeline([cls.__name__])
+    pipeline_device_line([cls.__name__])
 
 
 def _dispatch_qwen35_first() -> None:

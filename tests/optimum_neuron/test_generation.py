@@ -116,6 +116,20 @@ def test_chat_pipeline_and_streamer_give_transformers_reply(model, tokenizer):
     assert streamer.text == expected
 
 
+def test_a_pipeline_of_this_model_does_not_say_device_set_to_use_cpu(model, tokenizer, caplog):
+    """transformers 4.57 logs "Device set to use cpu" for every pipeline: dropped for this package's model only."""
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    caplog.set_level(logging.INFO)
+    pipeline("text-generation", model=model, tokenizer=tokenizer)
+    assert not [r for r in caplog.records if "Device set to use" in r.getMessage()]
+    other = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=len(tokenizer)))
+    pipeline("text-generation", model=other, tokenizer=tokenizer)  # any other model: transformers as it is
+    assert [r.levelname for r in caplog.records if "Device set to use cpu" in r.getMessage()] == ["WARNING"]
+
+
 def test_continuous_batching_slots(model):
     """prefill writes only the slots in seq_ids; decode steps every slot; each sequence equals its solo run."""
     ref = load_reference("tiny-2b")
