@@ -65,7 +65,10 @@ def test_build_tiny_shard_then_generate_from_the_shards(tmp_path, capsys):
 def test_demo_and_generate_state_their_default_dtypes(capsys):
     import pytest
 
-    for command, default, other in (("demo", "float32", "`generate` defaults to bfloat16"), ("generate", "bfloat16", "`demo` defaults to float32")):
+    for command, default, other in (
+        ("demo", "float32", "`generate` defaults to bfloat16"),
+        ("generate", "bfloat16", "`demo` defaults to float32"),
+    ):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         help_text = " ".join(capsys.readouterr().out.split())
