@@ -808,6 +808,13 @@ def registry_entry(folder: str | os.PathLike, model_id: str | None = None, confi
             " installed: its cache entry would be filed for the wrong version"
         )
     text_config = _load_config(config if config is not None else folder)
+    if config is None:
+        # The export's config.json names the architecture vLLM looks up; the Hub's config of `model_id`, which a
+        # lookup digests, does not (a text sub-config has none): leave it out so that the two digests agree.
+        from .optimum.registration import EXPORT_ARCHITECTURE  # noqa: PLC0415
+
+        if getattr(text_config, "architectures", None) == [EXPORT_ARCHITECTURE]:
+            text_config.architectures = None
     return SingleModelCacheEntry(model_id, TASK, text_config, neuron_config=dict(nc))
 
 
