@@ -20,6 +20,15 @@ import pytest
 if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("optimum.neuron") is None:
     collect_ignore_glob = ["*.py"]
 
+# vLLM forks its engine process from this one (`vllm.LLM(...)` in test_offline.py). A fork taken after torch's OpenMP
+# pool has started deadlocks the child's first parallel op (seen: the engine idle in `torch.zeros` for 37 minutes when
+# the session ran with torch's default threads). One thread from the start, as this folder's subprocesses get.
+os.environ["OMP_NUM_THREADS"] = "1"
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "serving.md"
 EXPORT = "qwen35-cpu/"  # the export folder docs/serving.md names
