@@ -70,10 +70,10 @@ FORM_EXCEPTIONS: dict[str, str] = {
 }
 
 
-def _comparisons_only(hlo_ids, users, inst) -> bool:
-    """True when every path from inst ends in a compare (through s64 broadcast / reshape / convert), and one does (a
-    value without users is a graph output)."""
-    seen, todo, compared = set(), [inst["id"]], False
+def _only_reaches(users, inst, ends, passes_through) -> bool:
+    """True when every path of uses from inst stops at a user `ends(user, value_id)` accepts, going on through
+    users `passes_through(user)` accepts, and one such end is reached (a value without users is a graph output)."""
+    seen, todo, reached = set(), [inst["id"]], False
     while todo:
         i = todo.pop()
         if i in seen:
@@ -82,39 +82,38 @@ def _comparisons_only(hlo_ids, users, inst) -> bool:
         if not users.get(i):
             return False
         for user in users[i]:
-            if user["opcode"] == "compare":
-                compared = True
-            elif user["opcode"] in ("broadcast", "reshape", "convert") and user["shape"]["elementType"] == "S64":
+            if ends(user, i):
+                reached = True
+            elif passes_through(user):
                 todo.append(user["id"])
             else:
                 return False
-    return compared
+    return reached
+
+
+def _comparisons_only(users, inst) -> bool:
+    """s64 that only feeds compares, through s64 broadcasts / reshapes / converts."""
+    return _only_reaches(
+        users, inst,
+        ends=lambda user, _: user["opcode"] == "compare",
+        passes_through=lambda user: user["opcode"] in ("broadcast", "reshape", "convert")
+        and user["shape"]["elementType"] == "S64",
+    )
 
 
 def _gather_indices_only(users, inst) -> bool:
-    """True when inst is used only to make the indices of gathers (operand 1): through s64 values and converts."""
-    seen, todo = set(), [inst["id"]]
-    while todo:
-        i = todo.pop()
-        if i in seen:
-            continue
-        seen.add(i)
-        if not users.get(i):
-            return False  # a graph output
-        for user in users[i]:
-            if user["opcode"] == "gather" and user["operandIds"][1] == i:
-                continue
-            if user["opcode"] in ("convert", "reshape") or user["shape"]["elementType"] == "S64":
-                todo.append(user["id"])
-            else:
-                return False
-    return True
+    """s64 used only to make the indices of gathers (operand 1), through s64 values and converts."""
+    return _only_reaches(
+        users, inst,
+        ends=lambda user, i: user["opcode"] == "gather" and user["operandIds"][1] == i,
+        passes_through=lambda user: user["opcode"] in ("convert", "reshape") or user["shape"]["elementType"] == "S64",
+    )
 
 
 # s64 values that may remain, each with the test that recognises it and why it stays.
 S64_ALLOWED: dict[str, tuple] = {
     "compared": (
-        lambda ids, users, inst: _comparisons_only(ids, users, inst),
+        lambda ids, users, inst: _comparisons_only(users, inst),
         "s64 only as an operand of a compare: torch-xla compares an int32 tensor with a Python int (`seq_ids >= 0`) "
         "and wraps negative indices in its index / index_put lowering (index < 0) in s64; the result is a "
         "predicate, no s64 value is stored or computed with (the census's token-generation graphs have the same)",
