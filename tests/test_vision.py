@@ -1,8 +1,8 @@
 """Images in: the vision tower, the merger, the 3-D rotary positions and the decoder's image graphs (CPU target).
 
-Parity against transformers' `Qwen3_5ForConditionalGeneration` (`Qwen3_5MoeForConditionalGeneration` for the MoE layouts; the
-`reference` tests, transformers >= 5) on the
-committed tiny checkpoints, whose `model.visual.*` tensors are in the real on-disk format: image features, then
+Parity against transformers' `Qwen3_5ForConditionalGeneration` (`Qwen3_5MoeForConditionalGeneration` for the MoE
+layouts; the `reference` tests, transformers >= 5) on the committed tiny checkpoints, whose `model.visual.*` tensors
+are in the real on-disk format: image features, then
 teacher-forced logits at every position (fp32, within 1e-4) of prompts holding one image, two images of different
 sizes, and an image in the middle of text; greedy tokens for 32 steps; bf16 no worse than transformers' bf16.
 The other tests need no transformers: text-only prompts give bit-identical numbers through the image model, and
