@@ -225,3 +225,14 @@ def test_hub_push_and_load_by_id(hub_server, loaded, tmp_path):
     assert result == {"class": "Qwen35NeuronModelForCausalLM", "tokens": ref["gen_tokens_0"].tolist()[:16], "moe_parallel": "ep"}
     card = hub.model_card(loaded["tiny-moe"].folder, "alice/qwen35-moe-tiny")
     assert "- qwen3_5_moe\n" in card and "`qwen3_5_moe_text`" in card
+
+
+def test_the_compile_cache_entry_digest_is_the_one_a_lookup_of_the_source_computes(exports):
+    """A synced MoE export is found by a lookup of its source: the entry's architecture digest (the export's
+    config.json without the architecture it names for vLLM) equals optimum-neuron's from the source checkpoint."""
+    from optimum.neuron.cache.entries.cache_entry import ModelCacheEntry
+
+    from optimum_qwen35 import hub
+
+    entry = hub.registry_entry(exports["tiny-moe"], model_id="Qwen/Qwen3.5-moe-tiny")
+    assert entry.arch_digest() == ModelCacheEntry.create(str(FIXTURES / "tiny-moe"), "text-generation").arch_digest()
