@@ -1,8 +1,9 @@
 """transformers configuration classes for Qwen3.5, for transformers releases that predate it (4.57).
 
-optimum-neuron 0.4.x pins transformers ~= 4.57, which has no `qwen3_5`, so `AutoConfig.from_pretrained`
-on a Qwen3.5 folder fails there. `register()` adds these classes to AutoConfig, and only when the
-installed transformers lacks its own (transformers >= 5 ships them, and those are always preferred).
+optimum-neuron 0.4.x pins transformers ~= 4.57, which has no `qwen3_5` nor `qwen3_5_moe`, so
+`AutoConfig.from_pretrained` on a Qwen3.5 folder fails there. `register()` adds these classes to AutoConfig, and
+only when the installed transformers lacks its own (transformers >= 5 ships them, and those are always preferred).
+The MoE classes carry the fields transformers 5.24's `Qwen3_5MoeTextConfig` names (no `intermediate_size`).
 """
 
 from __future__ import annotations
@@ -74,11 +75,92 @@ class Qwen3_5TextConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
+class Qwen3_5MoeTextConfig(Qwen3_5TextConfig):
+    """`qwen3_5_moe_text`: the dense text fields without `intermediate_size`, plus the experts'."""
+
+    model_type = "qwen3_5_moe_text"
+    base_config_key = "text_config"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters=None,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=8,
+        num_experts=256,
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+        layer_types=None,
+        full_attention_interval=4,
+        attention_bias=False,
+        attention_dropout=0.0,
+        initializer_range=0.02,
+        use_cache=True,
+        tie_word_embeddings=False,
+        **kwargs,
+    ):
+        self.moe_intermediate_size = moe_intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.num_experts_per_tok = num_experts_per_tok
+        self.num_experts = num_experts
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
+        # The dense class sets the shared fields; the MoE text config has no intermediate_size (as transformers').
+        super().__init__(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=None,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            head_dim=head_dim,
+            hidden_act=hidden_act,
+            max_position_embeddings=max_position_embeddings,
+            rms_norm_eps=rms_norm_eps,
+            rope_parameters=rope_parameters,
+            linear_conv_kernel_dim=linear_conv_kernel_dim,
+            linear_key_head_dim=linear_key_head_dim,
+            linear_value_head_dim=linear_value_head_dim,
+            linear_num_key_heads=linear_num_key_heads,
+            linear_num_value_heads=linear_num_value_heads,
+            layer_types=layer_types,
+            full_attention_interval=full_attention_interval,
+            attention_bias=attention_bias,
+            attention_dropout=attention_dropout,
+            initializer_range=initializer_range,
+            use_cache=use_cache,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        del self.intermediate_size
+
+
 class Qwen3_5VisionConfig(PretrainedConfig):
     """Kept as written in the file: this package runs the text decoder only."""
 
     model_type = "qwen3_5_vision"
     base_config_key = "vision_config"
+
+
+class Qwen3_5MoeVisionConfig(Qwen3_5VisionConfig):
+    """The MoE checkpoints' file names the tower's model_type "qwen3_5_moe"; kept as written, like the dense one."""
+
+    model_type = "qwen3_5_moe_vision"
 
 
 class Qwen3_5Config(PretrainedConfig):
@@ -94,19 +176,27 @@ class Qwen3_5Config(PretrainedConfig):
             text_config = {"dtype": dtype, **{k: v for k, v in text_config.items() if v is not None or k != "dtype"}}
             if text_config.get("torch_dtype") and "dtype" not in text_config:
                 text_config["dtype"] = text_config["torch_dtype"]
-            text_config = Qwen3_5TextConfig(**text_config)
-        self.text_config = text_config if text_config is not None else Qwen3_5TextConfig()
+            text_config = self.sub_configs["text_config"](**text_config)
+        self.text_config = text_config if text_config is not None else self.sub_configs["text_config"]()
         if isinstance(vision_config, dict):
             vision_config = {k: v for k, v in vision_config.items() if k != "model_type"}
-            vision_config = Qwen3_5VisionConfig(**vision_config)
-        self.vision_config = vision_config if vision_config is not None else Qwen3_5VisionConfig()
+            vision_config = self.sub_configs["vision_config"](**vision_config)
+        self.vision_config = vision_config if vision_config is not None else self.sub_configs["vision_config"]()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
+class Qwen3_5MoeConfig(Qwen3_5Config):
+    model_type = "qwen3_5_moe"
+    sub_configs = {"text_config": Qwen3_5MoeTextConfig, "vision_config": Qwen3_5MoeVisionConfig}
+
+
 def register() -> bool:
-    """Register the classes above with AutoConfig where transformers lacks `qwen3_5`. True if it did."""
-    if "qwen3_5" in CONFIG_MAPPING:
-        return False
-    AutoConfig.register("qwen3_5_text", Qwen3_5TextConfig)
-    AutoConfig.register("qwen3_5", Qwen3_5Config)
-    return True
+    """Register the classes above with AutoConfig where transformers lacks `qwen3_5` (and `qwen3_5_moe`). True if it
+    registered any."""
+    done = False
+    for text, nested in ((Qwen3_5TextConfig, Qwen3_5Config), (Qwen3_5MoeTextConfig, Qwen3_5MoeConfig)):
+        if nested.model_type not in CONFIG_MAPPING:
+            AutoConfig.register(text.model_type, text)
+            AutoConfig.register(nested.model_type, nested)
+            done = True
+    return done

@@ -174,6 +174,7 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
         "- optimum-neuron",
         "- optimum-qwen35",
         "- qwen3_5",
+        *(["- qwen3_5_moe"] if config.get("model_type") == "qwen3_5_moe_text" else []),
         f"- {'cpu' if target == 'cpu' else 'neuron'}",
     ]
     front.append("---")
@@ -811,9 +812,9 @@ def registry_entry(folder: str | os.PathLike, model_id: str | None = None, confi
     if config is None:
         # The export's config.json names the architecture vLLM looks up; the Hub's config of `model_id`, which a
         # lookup digests, does not (a text sub-config has none): leave it out so that the two digests agree.
-        from .optimum.registration import EXPORT_ARCHITECTURE  # noqa: PLC0415
+        from .optimum.registration import EXPORT_ARCHITECTURES  # noqa: PLC0415
 
-        if getattr(text_config, "architectures", None) == [EXPORT_ARCHITECTURE]:
+        if getattr(text_config, "architectures", None) == [EXPORT_ARCHITECTURES.get(text_config.model_type)]:
             text_config.architectures = None
     return SingleModelCacheEntry(model_id, TASK, text_config, neuron_config=dict(nc))
 

@@ -53,7 +53,7 @@ DOCUMENTS = {
     "docs/kernels.md": "reference",
     "docs/nki_emulator.md": "reference",
     "docs/tensor_parallel.md": "reference",
-    "docs/moe.md": "reference",
+    "docs/moe.md": "optimum",  # its second half exports through optimum-cli and optimum-neuron's class
     "docs/vision.md": "optimum",  # its second block exports through optimum-neuron's class
     "docs/evaluation.md": "optimum",  # lm-eval is in the optimum session (the `eval` extra)
     "docs/model.md": None,
@@ -106,6 +106,7 @@ EXPECTED_OUTPUT = [
     ("docs/hub.md", "print(lookup_registry(", "'batch_size': 4", "lookup_registry returns the entry"),
     ("docs/hub.md", "optimum-qwen35 pull", "snapshots", "pull prints the downloaded folder"),
     ("docs/moe.md", "print(config.num_experts", "6 2 ['tp', 'ep', 'ep']", "the tiny MoE layout and the 'auto' rule"),
+    ("docs/moe.md", "moe_parallel", "ep\n", "the TP 2 export records its experts split by whole experts"),
 ]
 
 PYTHON_DRIVER = r"""

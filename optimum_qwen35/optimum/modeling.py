@@ -19,7 +19,7 @@ its `Qwen35NxDModelForCausalLM`, and the export folder is optimum-neuron's: mode
 
 An export folder:
 
-    config.json              the text config (qwen3_5_text), `_name_or_path` = the source checkpoint
+    config.json              the text config (qwen3_5_text or qwen3_5_moe_text), `_name_or_path` = the source checkpoint
     neuron_config.json       a plain NxDNeuronConfig (see neuron_config.py)
     generation_config.json, tokenizer files
     compiled/, checkpoint/   cpu target: the programs and each rank's weights (runtime/compiled.py)
@@ -127,7 +127,7 @@ def _is_export(folder: Path) -> bool:
 
 
 class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
-    """Qwen3.5 (dense, text) for optimum-neuron, on a Neuron target or on this project's cpu target."""
+    """Qwen3.5 (dense or MoE, text and vision) for optimum-neuron, on a Neuron target or on this project's cpu target."""
 
     main_input_name = "input_ids"
     # optimum-neuron main's chunked-prefill switch: this model's state must not be prefilled in chunks there.
@@ -649,7 +649,7 @@ def _export_config(config, model_id, dtype, vision=None):
     config.dtype = dtype
     # What vLLM resolves first (it refuses a config.json naming no architecture): the text model's class name,
     # which this package registers with vLLM (registration.vllm_plugin).
-    config.architectures = [registration.EXPORT_ARCHITECTURE]
+    config.architectures = [registration.EXPORT_ARCHITECTURES[config.model_type]]
     if vision is not None:
         from ..neuron.state_dict import with_vision_export  # noqa: PLC0415
 

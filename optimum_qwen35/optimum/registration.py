@@ -3,7 +3,8 @@
 - transformers 4.57 (optimum-neuron's pin) has no `qwen3_5`: its AutoConfig learns this package's config
   classes (`hf_configs`), so Qwen3.5 folders and exports load there.
 - optimum-neuron looks a model class up in a plain registry by `model_type`: this package's class is
-  registered for `qwen3_5` and `qwen3_5_text` (exports save the text config).
+  registered for `qwen3_5`, `qwen3_5_text` and their MoE forms `qwen3_5_moe`, `qwen3_5_moe_text` (exports save the
+  text config).
 - `optimum-cli export neuron` exports in a child interpreter (`python3 -m optimum.exporters.neuron`), so a
   registration made in the calling process is lost. The installed `optimum_qwen35.pth` startup hook
   (`optimum_qwen35/_startup.py`) makes every interpreter register when it imports `transformers` (configs
@@ -29,12 +30,16 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+# The text config's model type, which an export's config.json carries: dense and MoE.
+TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 TASK = "text-generation"
 # What a Qwen3.5 config.json names as its architecture, which vLLM 0.11 does not know; an export's config.json
-# (the text config) names the second.
-ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
-EXPORT_ARCHITECTURE = "Qwen3_5ForCausalLM"
+# (the text config) names the text model's class (EXPORT_ARCHITECTURES).
+ARCHITECTURES = (
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+)
+EXPORT_ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 # The class vLLM inspects for them (torch only); optimum-neuron's platform loads the export itself.
 VLLM_MODEL_CLASS = "optimum_qwen35.optimum.vllm_model:Qwen35ForOptimumNeuron"
 # optimum-neuron's worker, with the export loaded by this package's class: for cpu-target exports only.
@@ -71,10 +76,26 @@ def register_pipeline_loader() -> None:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: PLC0415
 
     register_transformers()
-    text_config = CONFIG_MAPPING["qwen3_5_text"]
-    if text_config.__module__.startswith("optimum_qwen35.") and text_config not in AutoModelForCausalLM._model_mapping:
-        Qwen35ExportLoader.config_class = text_config
-        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
+    for model_type in TEXT_MODEL_TYPES:
+        text_config = CONFIG_MAPPING[model_type]
+        if text_config.__module__.startswith("optimum_qwen35.") and text_config not in AutoModelForCausalLM._model_mapping:
+            _map_export_loader(text_config)
+
+
+class Qwen35MoeExportLoader(Qwen35ExportLoader):
+    """`Qwen35ExportLoader` for the MoE text config (transformers wants one `config_class` per mapped class)."""
+
+
+Qwen35MoeExportLoader.__name__ = "Qwen35NeuronModelForCausalLM"
+
+
+def _map_export_loader(text_config) -> None:
+    """The export loader for one of this package's text config classes, in AutoModelForCausalLM's mapping."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    loader = Qwen35MoeExportLoader if text_config.model_type == "qwen3_5_moe_text" else Qwen35ExportLoader
+    loader.config_class = text_config
+    AutoModelForCausalLM.register(text_config, loader, exist_ok=True)
 
 
 def register_optimum_neuron() -> None:
@@ -102,10 +123,10 @@ def register_model_class(cls) -> None:
     # transformers' text-generation pipeline checks the model class against AutoModelForCausalLM's mapping;
     # with this package's own config class (transformers 4.57), map it to this class, as NxD models are not.
     register_transformers()
-    text_config = CONFIG_MAPPING["qwen3_5_text"]
-    if text_config.__module__.startswith("optimum_qwen35."):
-        Qwen35ExportLoader.config_class = text_config
-        AutoModelForCausalLM.register(text_config, Qwen35ExportLoader, exist_ok=True)
+    for model_type in TEXT_MODEL_TYPES:
+        text_config = CONFIG_MAPPING[model_type]
+        if text_config.__module__.startswith("optimum_qwen35."):
+            _map_export_loader(text_config)
     # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
     from ..quiet import image_text_to_text_pipeline, pipeline_device_line  # noqa: PLC0415
 

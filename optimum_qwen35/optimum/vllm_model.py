@@ -21,7 +21,8 @@ NOT_THROUGH_OPTIMUM_NEURON = (
 
 
 class Qwen35ForOptimumNeuron(nn.Module):
-    """What vLLM inspects for `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration`: a text-generation model."""
+    """What vLLM inspects for `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` (and their `Qwen3_5Moe` forms):
+    a text-generation model."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         raise RuntimeError(NOT_THROUGH_OPTIMUM_NEURON)

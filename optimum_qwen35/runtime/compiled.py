@@ -395,7 +395,10 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
         return
     try:
         while True:
-            message = _recv(conn)
+            try:
+                message = _recv(conn)
+            except EOFError:  # the parent exited without close() (e.g. vLLM's engine shut down): stop quietly
+                break
             if message is None:
                 break
             name, inputs, restore = message

@@ -49,16 +49,17 @@ site.addsitedir(sys.argv[1])   # what the interpreter does with site-packages at
 import optimum.neuron
 from optimum.neuron.models.auto_model import _REGISTERED_NEURON_MODELS
 from transformers import AutoConfig
-found = {t: _REGISTERED_NEURON_MODELS.get((t, "text-generation", "inference")) for t in ("qwen3_5", "qwen3_5_text")}
+found = {t: _REGISTERED_NEURON_MODELS.get((t, "text-generation", "inference")) for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
 print(json.dumps({t: None if c is None else f"{c.__module__}.{c.__qualname__}" for t, c in found.items()}
-                 | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}))
+                 | {"config": [type(AutoConfig.for_model(t)).__name__ for t in ("qwen3_5_text", "qwen3_5_moe_text")]}))
 """
 
 
 def test_import_optimum_neuron_finds_the_class_in_a_fresh_process(startup_dir):
     found = last_json_line(run_python(FIND_CLASSES, str(startup_dir)).stdout)
     expected = "optimum_qwen35.optimum.modeling.Qwen35NeuronModelForCausalLM"
-    assert found == {"qwen3_5": expected, "qwen3_5_text": expected, "config": "Qwen3_5TextConfig"}
+    assert found == {"qwen3_5": expected, "qwen3_5_text": expected, "qwen3_5_moe": expected, "qwen3_5_moe_text": expected,
+                     "config": ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]}
 
 
 def test_without_the_startup_file_nothing_is_registered():
@@ -68,12 +69,12 @@ def test_without_the_startup_file_nothing_is_registered():
     file there, as a regular install does."""
     code = FIND_CLASSES.replace(
         "site.addsitedir(sys.argv[1])", "sys.path.append(sys.argv[1])"
-    ).replace(' | {"config": type(AutoConfig.for_model("qwen3_5_text")).__name__}', "")
+    ).replace(' | {"config": [type(AutoConfig.for_model(t)).__name__ for t in ("qwen3_5_text", "qwen3_5_moe_text")]}', "")
     site_packages = sysconfig.get_paths()["purelib"]
     result = subprocess.run([sys.executable, "-S", "-c", code, site_packages], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "optimum_qwen35" not in result.stderr
-    assert last_json_line(result.stdout) == {"qwen3_5": None, "qwen3_5_text": None}
+    assert last_json_line(result.stdout) == {"qwen3_5": None, "qwen3_5_text": None, "qwen3_5_moe": None, "qwen3_5_moe_text": None}
 
 
 def test_startup_file_imports_no_torch_or_transformers(startup_dir):
@@ -228,13 +229,13 @@ def test_abstract_class_get_neuron_config_and_export_for_the_cpu_target(tmp_path
 
 
 def test_dispatch_leaves_other_model_types_to_optimum_neuron():
-    """Only the two Qwen3.5 model types skip optimum-neuron's import of its built-in models; any other model type
+    """Only the Qwen3.5 model types (dense and MoE) skip optimum-neuron's import of its built-in models; any other model type
     still goes through optimum-neuron's own lookup (which, without the SDK, fails as it always did)."""
     code = """
 import json, optimum_qwen35
 from optimum.neuron.models import auto_model
 import optimum.neuron  # the hook registers here
-found = {t: auto_model.has_neuron_model_class(t, "text-generation", "inference") for t in ("qwen3_5", "qwen3_5_text")}
+found = {t: auto_model.has_neuron_model_class(t, "text-generation", "inference") for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
 try:
     auto_model.has_neuron_model_class("llama", "text-generation", "inference")
     llama = "answered"
@@ -243,7 +244,7 @@ except ModuleNotFoundError as error:
 print(json.dumps([found, llama, auto_model.has_neuron_model_class.__wrapped__.__module__]))
 """
     found, llama, original = last_json_line(run_python(code).stdout)
-    assert found == {"qwen3_5": True, "qwen3_5_text": True}
+    assert found == {"qwen3_5": True, "qwen3_5_text": True, "qwen3_5_moe": True, "qwen3_5_moe_text": True}
     assert llama == "neuronx_distributed" and original == "optimum.neuron.models.auto_model"
 
 
