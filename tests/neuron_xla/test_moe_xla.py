@@ -17,7 +17,17 @@ from optimum_qwen35.testing import TINY_MOE_LAYOUTS
 from optimum_qwen35.testing.neuron_xla import CONTEXT, TOKENS, XlaGraphs, build_graphs, neuron_config, traced_parallel_state
 
 from ..conftest import FIXTURES, load_reference, reference_prompts
-from .test_neuron_graphs import LOGIT_ATOL, SEQUENCE_LENGTH, TIE_MARGIN, column, context_inputs
+from .test_neuron_graphs import BF16_ATOL, LOGIT_ATOL, SEQUENCE_LENGTH, TIE_MARGIN, column, context_inputs
+
+
+def assert_nxd_moe_modules(graphs) -> None:
+    """Every MoE layer of every graph holds neuronx-distributed's modules (not the CPU block's)."""
+    from neuronx_distributed.modules.moe.experts import Experts
+    from neuronx_distributed.modules.moe.shared_experts import SharedExperts
+
+    for graph in graphs.values():
+        for layer in graph.module.layers:
+            assert isinstance(layer.mlp.experts, Experts) and isinstance(layer.mlp.shared_expert, SharedExperts)
 
 
 @pytest.mark.parametrize("layout", TINY_MOE_LAYOUTS)
@@ -45,7 +55,9 @@ def test_moe_graphs_on_xla_match_the_cpu_model(layout):
         worst_hf = max(worst_hf, (got - hf_logits).abs().max().item())
 
     with traced_parallel_state(1, nc.logical_nc_config):
-        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
+        graphs = build_graphs(FIXTURES / layout, nc, load_weights=True)
+        assert_nxd_moe_modules(graphs)
+        run = XlaGraphs(graphs)
         starts = {0: 80, 1: 40}
         for slot, (seq, cpu_logits, hf_logits) in ((0, (long, long_cpu, long_hf)), (1, (short, short_cpu, short_hf))):
             got = run(CONTEXT, *context_inputs(seq[: starts[slot]]), [slot])
@@ -69,3 +81,26 @@ def test_moe_graphs_on_xla_match_the_cpu_model(layout):
             assert float(ref["gen_margin_0"][step]) < TIE_MARGIN, f"greedy tokens part from transformers' at step {step}"
             break
     print(f"\n{layout}: XLA CPU run, max |logit - CPU model| {worst_cpu:.2e}, max |logit - transformers| {worst_hf:.2e}")
+
+
+@pytest.mark.parametrize("layout", TINY_MOE_LAYOUTS)
+def test_moe_graphs_in_bf16_on_xla(layout):
+    """bf16 weights (router fp32): 40 prompt tokens, then 23 decode steps, against transformers' fp32 logits: within
+    0.25 everywhere, mean error no worse than transformers' own bf16 model on the same prompt."""
+    ref = load_reference(layout)
+    index, (prompt, logits) = next((i, (p, torch.from_numpy(l))) for i, (p, l) in enumerate(reference_prompts(ref))
+                                   if len(p) == 63)
+    nc = neuron_config(FIXTURES / layout, "trn2", dtype=torch.bfloat16)
+    with traced_parallel_state(1, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES / layout, nc, load_weights=True)
+        router = graphs[TOKENS].module.layers[0].mlp.gate.weight
+        assert router.dtype == torch.float32  # the routing decision is made on fp32 logits
+        run = XlaGraphs(graphs)
+        got = [run(CONTEXT, *context_inputs(prompt[:40]), [0])[0]]
+        for position in range(40, 63):
+            got.append(run(TOKENS, column([prompt[position], 0]), column([position, 0]), [0, -1])[0])
+    errors = (torch.stack(got) - logits[39:63]).abs()
+    print(f"\n{layout} bf16 XLA run: max |logit - transformers fp32| {errors.max():.3f}, mean {errors.mean():.4f} "
+          f"(transformers' bf16 over the prompt: {float(ref[f'hf_bf16_mae_{index}']):.4f})")
+    assert errors.max() <= BF16_ATOL
+    assert float(errors.mean()) <= float(ref[f"hf_bf16_mae_{index}"])
