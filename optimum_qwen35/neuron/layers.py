@@ -59,7 +59,9 @@ class RoutedExperts(Experts):
     `modeling.moe.Experts` (same arguments, same fp32 [N, H] result)."""
 
     def __init__(self, experts: int, intermediate: int, hidden_size: int, dtype: torch.dtype):
-        # `intermediate` is global (per-rank x t): NxD's expert-fused linears divide it by t themselves.
+        # `intermediate` is per-rank x t: NxD's expert-fused linears divide it by t themselves. With whole experts a
+        # rank ("ep") that is not the checkpoint layout's size, but only the per-rank shapes matter: the tensors
+        # reach NxD already split per rank (neuron/state_dict.py), and NxD's expert-parallel group is one rank.
         super().__init__(
             num_experts=experts, hidden_size=hidden_size, intermediate_size=intermediate, glu=True,
             activation_fn=F.silu, dtype=dtype, device=torch.device("cpu"),
