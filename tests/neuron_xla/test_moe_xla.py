@@ -5,7 +5,7 @@ built as the export builds them for trn2 at TP 1, lowered and run on the XLA CPU
 Context encoding routes 40 to 80 tokens (N k >= the experts): the dense form, every token through every expert (NxD's
 all-experts path); token generation routes 2 rows (2 k < the experts): the gathered form, the chosen experts' weights
 gathered (NxD's selective loading, `expert_indices`). fp32 against the CPU model and transformers at 1e-4; bf16
-against transformers' own bf16 error. The compiler contract of the same graphs at TP 1 and 2 is
+against transformers' own bf16 error; optimum-neuron's `generate` through the NxD class. The compiler contract of the same graphs at TP 1 and 2 is
 checked in test_hlo_contract.py.
 """
 
@@ -105,3 +105,26 @@ def test_moe_graphs_in_bf16_on_xla(layout):
           f"(transformers' bf16 over the prompt: {float(ref[f'hf_bf16_mae_{index}']):.4f})")
     assert errors.max() <= BF16_ATOL
     assert float(errors.mean()) <= float(ref[f"hf_bf16_mae_{index}"])
+
+
+def test_optimum_neurons_generate_drives_the_moe_graphs():
+    """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) around the MoE graphs,
+    optimum-neuron's own `generate` (right padding, context encoding row by row, token generation of the batch):
+    16 greedy tokens of two prompts of different lengths equal the CPU model's."""
+    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+    from optimum_qwen35.testing.neuron_xla import TracedModel, export_config, model_class
+
+    layout = "tiny-moe"
+    ref = load_reference(layout)
+    prompts = [ref["gen_prompt_0"].tolist(), ref["gen_prompt_1"].tolist()]
+    expected = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, max_length=SEQUENCE_LENGTH).generate(prompts, 16)
+    width = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    nc = neuron_config(FIXTURES / layout, "trn2")
+    cls, config = model_class(), export_config(FIXTURES / layout, nc)
+    with traced_parallel_state(1, nc.logical_nc_config):
+        run = XlaGraphs(build_graphs(FIXTURES / layout, nc, load_weights=True))
+        model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    assert out[:, width:].tolist() == expected
