@@ -4,6 +4,8 @@
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
     /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --logits --only 27B:8:1:4096
         # one configuration, each graph also checked by the compiler contract (hlo_contract.violations)
+    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --moe 4:4:1:4096
+        # Qwen3.5-35B-A3B's graphs with its first 4 layers (3 DeltaNet + 1 attention), real widths, contract-checked
 
 The graphs are built exactly as the export builds them (`get_neuron_config` -> `create_graph_builders` -> the
 builders' model instances -> `load_module` / `get`, under neuronx-distributed's ahead-of-time parallel state,
@@ -401,7 +403,8 @@ class Lowered:
 
 
 def reference_census() -> set[str]:
-    """The compiler contract's reference: optimum-neuron 0.4.5's own Qwen3 and Llama graphs, as its test builds it."""
+    """The compiler contract's reference: optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE graphs, as its test
+    builds it."""
     from optimum_qwen35.testing import hlo_contract
 
     hlos = []
@@ -440,6 +443,41 @@ def lower_configuration(size: str, tp: int, batch: int, sequence: int, target: s
                                             "s64": c.dtypes.get("s64", 0)}, (low.contract, c.dtypes)
                 out.append(low)
     return shapes, out
+
+
+MOE_CONFIG = ROOT / "tests" / "qwen3.5-35b-a3b.config.json"  # Qwen3.5-35B-A3B's published config.json
+
+
+def lower_moe(layers: int, tp: int, batch: int, sequence: int, reference: set[str] | None,
+              target: str = "trn2", dtype=torch.bfloat16) -> list[tuple[str, int, dict | None, list | None]]:
+    """The 35B-A3B's context-encoding and token-generation graphs at its real widths (256 experts, top 8, hidden
+    2048) with its first `layers` layers, shape-only, lowered; with `reference`, each checked by the compiler
+    contract. Returns (graph, HLO instructions, dtype census, violations) per graph."""
+    from optimum_qwen35.testing import hlo_contract
+
+    config = json.loads(MOE_CONFIG.read_text())
+    text = config["text_config"]
+    text["num_hidden_layers"] = layers
+    text["layer_types"] = text["layer_types"][:layers]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        nc = neuron_config(tmp, target, tp, dtype, batch, sequence)
+        with traced_parallel_state(tp, nc.logical_nc_config):
+            graphs = build_modules(Path(tmp), nc)
+            for key in (CONTEXT, TOKENS):
+                start = time.perf_counter()
+                text_hlo, hlo = lower_graph(graphs[key], proto=reference is not None)
+                c = census(text_hlo)
+                found = None if hlo is None else hlo_contract.violations(hlo, reference)
+                contract = None if hlo is None else hlo_contract.dtype_census(hlo)
+                print(f"lowered 35B-A3B ({layers} layers) TP {tp} batch {batch} {sequence} {target} {key}: "
+                      f"{c.instructions:,} instructions in {time.perf_counter() - start:.0f} s, max rank {c.max_rank}, "
+                      f"{c.collective_summary()}"
+                      + ("" if found is None else f"; contract {contract}: "
+                         + (f"{len(found)} violations: {found[:20]}" if found else "holds")), flush=True)
+                out.append((key, c.instructions, contract, found))
+    return out
 
 
 def check_against_hlo(shapes: RankShapes, lowered: Lowered) -> None:
@@ -602,8 +640,20 @@ def main():
     parser.add_argument("--logits", action="store_true", help="with --only: also the per-position logits graph")
     parser.add_argument("--contract", action="store_true",
                         help="also check every lowered graph with the compiler contract (hlo_contract.violations)")
+    parser.add_argument("--moe", action="append", metavar="LAYERS:TP:BATCH:TOKENS",
+                        help="lower Qwen3.5-35B-A3B's graphs with its first LAYERS layers (repeatable), e.g. "
+                        "--moe 4:4:1:4096; with --contract each graph is checked; nothing else is lowered")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.moe:
+        reference = reference_census() if args.contract else None
+        for spec in args.moe:
+            parts = spec.split(":")
+            if len(parts) != 4 or not all(p.isdigit() for p in parts):
+                parser.error(f"--moe {spec}: expected LAYERS:TP:BATCH:TOKENS, e.g. 4:4:1:4096")
+            lower_moe(*map(int, parts), reference=reference)
+        print(f"peak RSS {rss_gib():.2f} GiB")
+        return
     rows = []
     plan = [(*q, "trn2") for q in QUICK] if args.quick else ([] if args.no_lower else LOWERED)
     if args.only:

@@ -178,12 +178,3 @@ def test_compiled_cpu_graphs_run_the_moe(tmp_path, layout="tiny-moe"):
         assert model.generate([prompt], max_new_tokens=24) == [expected[:24]]
     finally:
         model.close()
-
-
-def test_the_neuron_layer_factory_is_refused_in_one_line():
-    class OtherLayers:  # any factory but TorchLayers (the Neuron one: neuron/layers.py NxDLayers)
-        tp_degree = 1
-
-    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe-top1"))
-    with pytest.raises(UnsupportedModelError, match="no OtherLayers form yet"):
-        SparseMoeBlock(config, OtherLayers())

@@ -80,6 +80,36 @@ def test_rank_weights_equal_the_cpu_runtime_shards(layout, dtype):
             assert got[nsd.RANK_KEY].dtype == torch.int32 and got[nsd.RANK_KEY].tolist() == [rank]
 
 
+@pytest.mark.parametrize("layout", ["tiny-moe", "tiny-moe-top1"])
+def test_moe_rank_weights_are_the_cpu_runtime_shards_with_the_experts_in_nxds_layout(layout):
+    """Both on-disk expert forms (tiny-moe per expert, tiny-moe-top1 fused), every valid degree (experts split
+    whole, padded when 6 do not divide by 4): each rank's tensors are the CPU runtime's shard, the routed experts
+    transposed under `.weight` as neuronx-distributed's `Experts` holds them (gate_up [E_r, H, 2 I_r], each expert's
+    gate columns before its up columns; down [E_r, I_r, H])."""
+    folder = FIXTURES / layout
+    config = Qwen35Config.from_pretrained(folder)
+    raw = checkpoint_state_dict(folder)
+    for t in config.valid_tp_degrees():
+        whole = nsd.convert_hf_to_neuron_state_dict(dict(raw), config, TP(t))
+        if config.tie_word_embeddings:
+            nsd.tie_lm_head(whole)
+        for rank in range(t):
+            got = nsd.rank_state_dict(whole, t, rank, torch.float32, config)
+            want = dict(convert_and_shard(CheckpointReader(folder), config, t, rank, torch.float32))
+            names, experts = set(), 0
+            for name, tensor in want.items():
+                suffix = next((x for x in nsd.NXD_EXPERT_NAMES if name.endswith(x)), None)
+                if suffix is not None:
+                    name, tensor, experts = name[: -len(suffix)] + nsd.NXD_EXPERT_NAMES[suffix], tensor.transpose(1, 2), experts + 1
+                names.add(name)
+                assert torch.equal(got[name], tensor), f"{layout} t={t} rank {rank}: {name}"
+            assert experts == 2 * config.num_hidden_layers
+            tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+            assert set(got) == names | {nsd.RANK_KEY} | tied
+            gate_up = got["layers.0.mlp.experts.gate_up_proj.weight"]
+            assert gate_up.shape[1] == config.hidden_size and gate_up.is_contiguous()
+
+
 @pytest.mark.parametrize("size", sorted(REAL_HEADS))
 def test_rank_weights_fit_the_decoder_at_every_degree(size):
     """Names and shapes of every rank = the decoder's parameters (real head counts; tied and untied); every

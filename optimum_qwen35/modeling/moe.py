@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from ..errors import UnsupportedModelError
-from .parallel import Linear, TorchLayers, all_reduce
+from .parallel import Linear
 from .precision import accumulation_dtype, upcast
 
 
@@ -130,18 +129,16 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: Qwen35Config, layers):
         super().__init__()
-        if not isinstance(layers, TorchLayers):
-            raise UnsupportedModelError(
-                f"the Qwen3.5 MoE block has no {type(layers).__name__} form yet (Neuron targets): MoE models run on the "
-                "cpu target only so far (docs/moe.md)"
-            )
-        torch_layers: TorchLayers = layers  # the CPU factory alone has a process group name (NxDLayers has none)
-        self.tp_degree, self.group_name = torch_layers.tp_degree, torch_layers.group_name
+        # The layer factory builds the experts, the shared expert and the one all-reduce: plain torch modules and
+        # torch.distributed's functional collective (TorchLayers), or neuronx-distributed's MoE modules
+        # (NxDLayers of the neuron package). The router and `shared_expert_gate` are replicated plain linears in both.
+        self.layers = layers
+        self.tp_degree = layers.tp_degree
         self.sharding = s = ExpertSharding.from_config(config, self.tp_degree)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.gate = Router(config.num_experts, config.hidden_size)
-        self.experts = Experts(s.experts_per_rank, s.intermediate_per_rank, config.hidden_size)
-        self.shared_expert = SharedExpert(config.hidden_size, s.shared_per_rank)
+        self.experts = layers.routed_experts(s.experts_per_rank, s.intermediate_per_rank, config.hidden_size)
+        self.shared_expert = layers.shared_expert(config.hidden_size, s.shared_per_rank)
         self.shared_expert_gate = Linear(config.hidden_size, 1)
         self._rank_source: list[nn.Module] = []  # the module holding the rank tensor (not a submodule)
 
@@ -150,31 +147,37 @@ class SparseMoeBlock(nn.Module):
         one graph serves every rank); needed for expert parallelism only."""
         self._rank_source = [module]
 
-    def _local_first_expert(self) -> torch.Tensor:
-        return self._rank_source[0].rank * self.sharding.experts_per_rank  # [1] int64
+    def _rank(self) -> torch.Tensor:
+        """[1]: the CPU embedding's `rank` buffer, or neuronx-distributed's `rank_util.rank` (int32)."""
+        source = self._rank_source[0]
+        return source.rank if hasattr(source, "rank") else source.rank_util.rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k = x.shape[0], self.top_k
         weights, ids = route(self.gate(x), k, x.dtype)
+        ids = ids.to(torch.int32)  # int32 indices, as the Neuron graphs take them (the compiler contract)
         ep = self.sharding.mode == "ep" and self.tp_degree > 1
         E_r = self.sharding.experts_per_rank
         if N * k < E_r:
             if ep:
-                local = ids - self._local_first_expert()
+                local = ids - self._rank() * E_r
                 mine = (local >= 0) & (local < E_r)
                 weights = weights * mine.to(weights.dtype)
-                ids = torch.where(mine, local, torch.zeros_like(local))
+                ids = torch.where(mine, local, torch.zeros_like(local)).to(torch.int32)
             y = self.experts.gathered(x, weights, ids)
         else:
-            dense = torch.zeros(N, E_r * self.tp_degree if ep else E_r, dtype=weights.dtype, device=x.device)
-            dense = dense.scatter(1, ids, weights)
+            # [N, E] weights, 0 for experts not chosen: a one-hot sum over the k choices (each row's ids are distinct,
+            # so every entry is one weight or 0, the values of a scatter; no scatter op in the graph).
+            E = E_r * self.tp_degree if ep else E_r
+            experts = torch.arange(E, dtype=torch.int32, device=x.device)
+            dense = (weights[:, :, None] * (ids[:, :, None] == experts).to(weights.dtype)).sum(1)
             if ep:
-                dense = dense.view(N, self.tp_degree, E_r).index_select(1, self._rank_source[0].rank).view(N, E_r)
+                dense = dense.view(N, self.tp_degree, E_r).index_select(1, self._rank()).view(N, E_r)
             y = self.experts.dense(x, dense)
         gate = torch.sigmoid(upcast(self.shared_expert_gate(x)))
         y = y + gate * upcast(self.shared_expert(x))
         if self.tp_degree > 1:
-            y = all_reduce(y, self.group_name)
+            y = self.layers.reduce(y)
         return y.view(*shape[:-1], -1)

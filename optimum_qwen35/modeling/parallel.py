@@ -251,3 +251,18 @@ class TorchLayers:
 
     def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int) -> nn.Module:
         return VocabParallelHead(hidden_size, vocab_per_rank, vocab_size, self.group_name, self.tp_degree, self.precision)
+
+    # The sparse MoE block's parts (modeling/moe.py), per-rank sizes (`moe.ExpertSharding`).
+    def routed_experts(self, experts_per_rank: int, intermediate_per_rank: int, hidden_size: int) -> nn.Module:
+        from .moe import Experts  # noqa: PLC0415 (moe.py imports this module)
+
+        return Experts(experts_per_rank, intermediate_per_rank, hidden_size)
+
+    def shared_expert(self, hidden_size: int, intermediate_per_rank: int) -> nn.Module:
+        from .moe import SharedExpert  # noqa: PLC0415
+
+        return SharedExpert(hidden_size, intermediate_per_rank)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's partial x (the MoE block's routed and shared outputs, summed once)."""
+        return x if self.tp_degree == 1 else all_reduce(x, self.group_name)

@@ -12,6 +12,15 @@ row-parallel layer takes them as they are); row-parallel layers all-reduce (in f
 - lm_head: a ColumnParallelLinear whose logits come out in fp32 (as `TorchLayers`' head: the host samples from
   fp32 logits), gathered across ranks along the vocabulary, the vocabulary padding cut off.
 
+- the MoE block's routed experts: neuronx-distributed's `Experts` (modules/moe/experts.py: the fused
+  `gate_up_proj` [E_r, H, 2 I_r] an ExpertFusedColumnParallelLinear split with stride 2, i.e. each rank its block of
+  gate rows and the same block of up rows, `down_proj` [E_r, I_r, H] an ExpertFusedRowParallelLinear without its
+  reduce), the mlp_op of its ExpertMLPs, run in the block's two forms: every token through every local expert (NxD's
+  all-experts path) or the chosen experts' weights gathered (NxD's selective loading, `expert_indices`);
+- the shared expert: neuronx-distributed's `SharedExperts` (one expert, separate gate/up/down projections, no
+  reduce); its sigmoid gate is a replicated linear of the block beside it (NxD's module has none);
+- `reduce`: the block's one all-reduce (routed + gated shared), `reduce_from_tensor_model_parallel_region`.
+
 The precision policy's Neuron form (`modeling.precision.NeuronPrecision`, SDK-free and tested on CPU) gives the
 attention core, the lm_head's matmul and the operand casts.
 """
@@ -19,10 +28,16 @@ attention core, the lm_head's matmul and the operand casts.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from neuronx_distributed.modules.moe.experts import Experts
+from neuronx_distributed.modules.moe.shared_experts import SharedExperts
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
-from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region
+from neuronx_distributed.parallel_layers.mappings import (
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
-from ..modeling.precision import NeuronPrecision
+from ..modeling.precision import NeuronPrecision, upcast
 
 
 class VocabGatheringHead(ColumnParallelLinear):
@@ -37,6 +52,44 @@ class VocabGatheringHead(ColumnParallelLinear):
         logits = self.precision.logits(x, self.weight)
         logits = gather_from_tensor_model_parallel_region(logits, process_group=self.tensor_parallel_group)
         return logits[..., : self.vocab_size]
+
+
+class RoutedExperts(Experts):
+    """This rank's routed experts as neuronx-distributed's `Experts` holds them, in the two forms of
+    `modeling.moe.Experts` (same arguments, same fp32 [N, H] result)."""
+
+    def __init__(self, experts: int, intermediate: int, hidden_size: int, dtype: torch.dtype):
+        # `intermediate` is per-rank x t: NxD's expert-fused linears divide it by t themselves. With whole experts a
+        # rank ("ep") that is not the checkpoint layout's size, but only the per-rank shapes matter: the tensors
+        # reach NxD already split per rank (neuron/state_dict.py), and NxD's expert-parallel group is one rank.
+        super().__init__(
+            num_experts=experts, hidden_size=hidden_size, intermediate_size=intermediate, glu=True,
+            activation_fn=F.silu, dtype=dtype, device=torch.device("cpu"),
+        )
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, E_r] -> [N, H] fp32: every token through every local expert (NxD's all-experts
+        path), combined by one batched matmul in fp32."""
+        out = self(x[None])  # [E_r, N, H]
+        return torch.bmm(upcast(weights)[:, None, :], upcast(out).transpose(0, 1))[:, 0]
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, k], local expert ids [N, k] int32 -> [N, H] fp32: each (token, expert) pair's
+        weights gathered (NxD's selective loading, `expert_indices`), one batched matmul per projection."""
+        N, k = ids.shape
+        out = self(x.repeat_interleave(k, dim=0)[:, None, :], expert_indices=ids.reshape(-1))  # [N k, 1, H]
+        return torch.bmm(upcast(weights)[:, None, :], upcast(out).view(N, k, -1))[:, 0]
+
+
+class SharedExpert(SharedExperts):
+    """The shared SwiGLU expert (neuronx-distributed's SharedExperts: gate_proj / up_proj column-parallel,
+    down_proj row-parallel without reduce); its partial output, summed by the block's one all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate: int, dtype: torch.dtype):
+        super().__init__(hidden_size, intermediate, num_shared_experts=1, hidden_act="silu", dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, x.shape[0])
 
 
 class NxDLayers:
@@ -71,3 +124,13 @@ class NxDLayers:
 
     def lm_head(self, hidden_size: int, vocab_per_rank: int, vocab_size: int):
         return VocabGatheringHead(hidden_size, vocab_per_rank * self.tp_degree, vocab_size, self.dtype, self.precision)
+
+    # The sparse MoE block's parts (modeling/moe.py), per-rank sizes (`moe.ExpertSharding`) x t.
+    def routed_experts(self, experts_per_rank: int, intermediate_per_rank: int, hidden_size: int):
+        return RoutedExperts(experts_per_rank, intermediate_per_rank * self.tp_degree, hidden_size, self.dtype)
+
+    def shared_expert(self, hidden_size: int, intermediate_per_rank: int):
+        return SharedExpert(hidden_size, intermediate_per_rank * self.tp_degree, self.dtype)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(x)

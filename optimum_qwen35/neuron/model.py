@@ -383,7 +383,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         every safetensors file, prefix stripped, `convert_hf_to_neuron_state_dict`, the tied lm_head)."""
         whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
         nc = self.neuron_config
-        ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+        ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype, self.config) for r in self._ranks()]
         vision = weights.vision_export(self.config)
         if vision is not None:  # the vision graphs' weights, beside the decoder's in each rank's file
             for rank, tensors in zip(self._ranks(), ranks):

@@ -15,6 +15,11 @@ each rank holds only its heads. So this backend keeps optimum-neuron's conversio
   that one graph serves every rank);
 - `rank_state_dict` cuts rank r's tensors out of it, every tensor (A_log, dt_bias and conv_weight with their value
   heads, as the CPU runtime's `convert_and_shard` does) -- the same tensors `shard.save_sharded` writes;
+- MoE blocks: the routed experts are neuronx-distributed's `Experts` in the traced module (neuron/layers.py), which
+  holds them transposed under `.weight`: `mlp.experts.gate_up_proj` [E_r, 2 I_r, H] -> `mlp.experts.gate_up_proj.weight`
+  [E_r, H, 2 I_r] (each expert's gate columns, then its up columns: the order NxD's GLU chunks them in) and
+  `mlp.experts.down_proj` [E_r, H, I_r] -> `mlp.experts.down_proj.weight` [E_r, I_r, H], done per rank after the
+  split (`nxd_expert_tensors`); the router, the shared expert and its gate keep their names;
 - tied embeddings: the traced module has its own lm_head weight (as optimum-neuron's tied models do), filled
   from the embedding by `tie_lm_head` (optimum-neuron's `update_state_dict_for_tied_weights`).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint.experts import fuse, fuse_expert_names
 from ..checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes, stored_dtype
 from ..checkpoint.reader import text_name
 from ..checkpoint.shard import shard_dim, tp_layout
@@ -58,8 +64,15 @@ class _Tensors:
 
 def text_tensors(state_dict: dict[str, torch.Tensor], config: Qwen35Config) -> dict[str, torch.Tensor]:
     """The text decoder's tensors by checkpoint-relative name (`layers.0.linear_attn.conv1d.weight`), from keys
-    with or without optimum-neuron's prefix strip; the vision tower and the MTP head are left out."""
+    with or without optimum-neuron's prefix strip; the vision tower and the MTP head are left out; MoE experts in
+    either on-disk form, given fused (checkpoint/experts.py)."""
     expected = expected_shapes(config)
+    # MoE experts stored per expert (the published checkpoints' form) are stacked into the fused tensors first.
+    fused = fuse_expert_names(list(state_dict))
+    if fused:
+        state_dict = dict(state_dict)
+        for name, parts in fused.items():
+            state_dict[name] = fuse(name, [state_dict.pop(part) for part in parts])
     out = {}
     for key, tensor in state_dict.items():
         name = key if key in expected else text_name(key)
@@ -95,23 +108,44 @@ def tie_lm_head(state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def rank_state_dict(
-    neuron_state_dict: dict[str, torch.Tensor], tp_degree: int, rank: int, dtype: torch.dtype | None = None
+    neuron_state_dict: dict[str, torch.Tensor], tp_degree: int, rank: int, dtype: torch.dtype | None = None,
+    config=None,
 ) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors (owned, contiguous) from `convert_hf_to_neuron_state_dict`'s output; floating tensors
     cast to `dtype` (the model dtype; the DeltaNet gate parameters fp32, the precision policy), the rank tensor
-    kept int32."""
+    kept int32. `config` (a MoE model's: how its experts split depends on it) as `convert_hf_to_neuron_state_dict`
+    takes it."""
     if not 0 <= rank < tp_degree:
         raise ValueError(f"rank {rank} is outside 0..{tp_degree - 1}")
+    cfg = qwen_config(config) if config is not None else None
     out = {}
     for name, tensor in neuron_state_dict.items():
         if name == RANK_KEY:
             out[name] = tensor[rank : rank + 1].clone()
             continue
-        dim = shard_dim(name)
+        dim = shard_dim(name, cfg, tp_degree)
         shard = tensor if dim is None else tensor.chunk(tp_degree, dim)[rank]
         cast = stored_dtype(name, dtype) if dtype is not None and shard.is_floating_point() else shard.dtype
         # A copy, so that a rank's tensors do not keep the whole layout alive.
         out[name] = shard.to(dtype=cast, memory_format=torch.contiguous_format, copy=True)
+    return nxd_expert_tensors(out)
+
+
+# The fused expert tensors of the MoE block: this project's name -> neuronx-distributed `Experts`' (transposed 1, 2).
+NXD_EXPERT_NAMES = {"mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj.weight",
+                    "mlp.experts.down_proj": "mlp.experts.down_proj.weight"}
+
+
+def nxd_expert_tensors(rank_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One rank's tensors with the MoE experts as neuronx-distributed's `Experts` holds them (module docstring);
+    a dense model's are returned as they are."""
+    out = {}
+    for name, tensor in rank_tensors.items():
+        suffix = next((s for s in NXD_EXPERT_NAMES if name.endswith(s)), None)
+        if suffix is None:
+            out[name] = tensor
+        else:
+            out[name[: -len(suffix)] + NXD_EXPERT_NAMES[suffix]] = tensor.transpose(1, 2).contiguous()
     return out
 
 

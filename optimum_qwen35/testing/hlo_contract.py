@@ -8,7 +8,7 @@ it) and returns one line per breach of these rules:
 3. no s64 value, except the uses `S64_ALLOWED` names with their reason (NxD's own models index in int32);
 4. every opcode and every form of the ops the compiler restricts (gather and scatter dimension numbers,
    dynamic-slice / dynamic-update-slice indices, the combiner of reduce and friends) must be in `reference`, the
-   census of optimum-neuron 0.4.5's own Qwen3 and Llama NxD graphs lowered on the same path (`reference_census`),
+   census of optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE NxD graphs lowered on the same path (`reference_census`),
    unless `FORM_EXCEPTIONS` names it with a sourced reason.
 
 Sources of the reasons: the neuron-cc operator notes for XLA ("neuron-cc list-operators --framework XLA", Neuron
@@ -124,6 +124,14 @@ S64_ALLOWED: dict[str, tuple] = {
         "casts them (`masked_input.long()`) and at TP > 1 multiplies them by its vocabulary-range mask in s64 "
         "(`input_mask.long()`, parallel_layers/layers.py L323-333); torch-xla converts them to u32 for the gather. "
         "The census's graphs have the same",
+    ),
+    "top-k indices": (
+        lambda ids, users, inst: inst["opcode"] == "convert"
+        and ids[inst["operandIds"][0]]["shape"]["elementType"] == "S32"
+        and users.get(inst["id"]) and all(u["opcode"] == "convert" and u["shape"]["elementType"] == "S32"
+                                          for u in users[inst["id"]]),
+        "torch.topk's indices (the MoE router): torch-xla sorts an s32 iota beside the values and converts the "
+        "indices to s64, which the block converts straight back to s32; no s64 value is computed with",
     ),
     "scalar constant": (
         lambda ids, users, inst: inst["opcode"] == "constant" and not inst["shape"].get("dimensions")
@@ -260,15 +268,21 @@ def violations(hlo: dict, reference: set[str] | dict, exceptions: dict[str, str]
 
 
 # ------------------------------------------------------------------------------- the reference graphs' census
-REFERENCE_MODELS = ("qwen3", "llama")
+# qwen3_moe: optimum-neuron's MoE decoder (neuronx-distributed's RouterTopK + ExpertMLPs), whose router's torch.topk
+# brings the sort the MoE graphs here have too.
+REFERENCE_MODELS = ("qwen3", "llama", "qwen3_moe")
 
 
 def tiny_reference_config(kind: str):
-    """A tiny transformers config of optimum-neuron 0.4.5's Qwen3 or Llama NxD model: 2 layers, GQA 4/2."""
-    from transformers import LlamaConfig, Qwen3Config
+    """A tiny transformers config of optimum-neuron 0.4.5's Qwen3, Llama or Qwen3-MoE NxD model: 2 layers, GQA 4/2
+    (MoE: 6 experts, top 2)."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, torch_dtype="float32")
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=16, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                              norm_topk_prob=True, **common)
     return Qwen3Config(head_dim=16, **common) if kind == "qwen3" else LlamaConfig(**common)
 
 
@@ -324,11 +338,13 @@ def reference_hlos(kind: str, target: str, tp: int, dtype, batch_size: int = 2, 
     import torch_xla
     from optimum.neuron.models.inference.llama.modeling_llama import LlamaNxDModelForCausalLM
     from optimum.neuron.models.inference.qwen3.modeling_qwen3 import Qwen3NxDModelForCausalLM
+    from optimum.neuron.models.inference.qwen3_moe.modeling_qwen3_moe import Qwen3MoeNxDModelForCausalLM
     from optimum.neuron.utils.instance import align_compilation_target
 
     from .neuron_xla import Graph, lower, traced_parallel_state
 
-    cls = Qwen3NxDModelForCausalLM if kind == "qwen3" else LlamaNxDModelForCausalLM
+    cls = {"qwen3": Qwen3NxDModelForCausalLM, "llama": LlamaNxDModelForCausalLM,
+           "qwen3_moe": Qwen3MoeNxDModelForCausalLM}[kind]
     align_compilation_target(target, override=True)
     nc = cls._get_neuron_config(None, None, target, batch_size, sequence_length, tp, dtype)
     nc.on_device_sampling = False

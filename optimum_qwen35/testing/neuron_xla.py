@@ -48,8 +48,26 @@ def neuron_config(folder: str | os.PathLike, target: str, tp: int = 1, dtype=tor
     align_compilation_target(target, override=True)
     return Qwen35NeuronModelForCausalLM.get_neuron_config(
         Path(folder), batch_size=batch_size, sequence_length=sequence_length, tensor_parallel_size=tp,
-        target=target, dtype=dtype,
+        target=target, dtype=dtype, config=text_config(folder),
     )
+
+
+def text_config(folder: str | os.PathLike):
+    """The folder's text config as a transformers config (AutoConfig's). A MoE folder (`qwen3_5_moe`) AutoConfig does
+    not know (the optimum layer registers `qwen3_5` / `qwen3_5_text` only, so far) gets a bare transformers config of
+    its text part (model_type `qwen3_5_moe_text`), what the NxD class reads through `Qwen35Config`."""
+    data = json.loads((Path(folder) / "config.json").read_text())
+    try:
+        return AutoConfig.from_pretrained(folder).get_text_config()
+    except ValueError:
+        if not data.get("model_type", "").startswith("qwen3_5_moe"):
+            raise
+    from transformers import PretrainedConfig
+
+    class MoeTextConfig(PretrainedConfig):
+        model_type = "qwen3_5_moe_text"
+
+    return MoeTextConfig(**data.get("text_config", data))
 
 
 def model_class():
@@ -62,7 +80,7 @@ def export_config(folder: str | os.PathLike, nc, image_buckets=None):
     """The text config `Qwen35NeuronModelForCausalLM._export` hands the NxD class (a vision export's with
     `image_buckets`)."""
     vision = (vision_config(folder), image_buckets) if image_buckets else None
-    return _export_config(AutoConfig.from_pretrained(folder).get_text_config(), str(folder), nc.torch_dtype, vision)
+    return _export_config(text_config(folder), str(folder), nc.torch_dtype, vision)
 
 
 @contextlib.contextmanager
@@ -112,7 +130,7 @@ def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, imag
     rank0 = None
     if load_weights:
         whole = cls.get_state_dict(str(folder), config, nc)
-        rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype)
+        rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype, config)
         if image_buckets:
             rank0.update(weights.vision_rank_state_dict(folder, vision_config(folder), nc.tp_degree, 0, nc.torch_dtype))
     graphs, used = {}, set()

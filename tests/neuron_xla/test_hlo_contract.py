@@ -55,6 +55,52 @@ def test_every_graph_of_the_export_keeps_the_contract(reference, tp, dtype):
     assert not failures, json.dumps(failures, indent=1)
 
 
+MOE_CASES = [("tiny-moe", 1, torch.float32), ("tiny-moe", 2, torch.bfloat16), ("tiny-moe-top1", 1, torch.bfloat16),
+             ("tiny-moe-top1", 2, torch.float32)]
+
+
+@pytest.mark.parametrize(("layout", "tp", "dtype"), MOE_CASES, ids=[f"{l}-tp{t}-{str(d)[6:]}" for l, t, d in MOE_CASES])
+def test_the_moe_graphs_keep_the_contract(reference, layout, tp, dtype):
+    """The three text graphs of the MoE layouts (neuronx-distributed's Experts / SharedExperts; at TP 2 the experts
+    split whole, 3 and 2 a rank): no violation. What the contract allows them beyond the dense graphs: the router's
+    torch.topk (a sort, in the census of optimum-neuron's own Qwen3-MoE graphs) and its indices' s64 round trip."""
+    nc = neuron_config(FIXTURES / layout, "trn2", tp, dtype)
+    with traced_parallel_state(tp, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES / layout, nc)
+        failures = {}
+        for key, graph in graphs.items():
+            hlo = lower(graph).hlo
+            print(f"\n{layout} tp{tp} {str(dtype)[6:]} {key}: {hlo_contract.dtype_census(hlo)}")
+            assert "opcode sort" in hlo_contract.census(hlo)  # the router's top-k is in the graph
+            found = hlo_contract.violations(hlo, reference)
+            if found:
+                failures[key] = found[:20]
+    assert not failures, json.dumps(failures, indent=1)
+
+
+def test_the_35b_a3b_graphs_keep_the_contract(reference):
+    """Qwen3.5-35B-A3B's real widths (256 experts, top 8) with its first 4 layers, shape-only
+    (benchmarks/neuron_real_shapes.py --moe), at TP 2: the experts split inside (256 of 512 rows a rank), the form
+    the tiny layouts do not reach; both graphs keep the contract."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "neuron_real_shapes.py"
+    spec = importlib.util.spec_from_file_location("neuron_real_shapes", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    config = json.loads(bench.MOE_CONFIG.read_text())["text_config"]
+    from optimum_qwen35 import Qwen35Config
+
+    assert Qwen35Config.from_pretrained(bench.MOE_CONFIG).expert_parallel_mode(2) == "tp"
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (256, 8)
+    results = bench.lower_moe(4, 2, 1, 256, reference)
+    assert [key for key, *_ in results] == ["context_encoding", "token_generation"]
+    assert all(found == [] for *_, found in results), results
+
+
 # ------------------------------------------------------------------------------------------- the check itself
 def lowered(fn, *inputs) -> dict:
     """The HLO of fn(*inputs) on the XLA device (lowered, not run)."""
@@ -98,6 +144,11 @@ def test_an_s64_outside_the_allowlist_fails(reference):
     # Python int).
     assert hlo_contract.violations(lowered(lambda i: i * 3, ids), reference) == []
     assert hlo_contract.violations(lowered(lambda i: (i >= 0).to(torch.int32), ids), reference) == []
+    # torch.topk's indices (s32 made s64 by torch-xla) converted straight back to int32 pass; computed with, not.
+    scores = torch.randn(4, 6)
+    assert hlo_contract.violations(lowered(lambda x: torch.topk(x, 2).indices.to(torch.int32), scores), reference) == []
+    found = hlo_contract.violations(lowered(lambda x: torch.topk(x, 2).indices + 1, scores), reference)
+    assert found and all(f.startswith("s64 not allowed") for f in found), found
 
 
 def test_an_opcode_outside_the_census_fails(reference):
