@@ -1,4 +1,4 @@
-"""The Qwen3.5 MoE models without transformers: config parsing, both on-disk expert forms, the block's two forms.
+"""The Qwen3.5 MoE models without transformers: config parsing, both on-disk expert forms, the block's three forms.
 
 Parity with transformers is in tests/test_moe_parity.py, tensor/expert parallelism in tests/test_moe_parallel.py.
 """
@@ -114,7 +114,9 @@ def test_incomplete_per_expert_checkpoint_names_what_is_missing(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_and_gathered_forms_agree(dtype):
+def test_the_three_forms_agree(dtype):
+    """The looped form (eager), the gathered one (traced decode) and the dense one (traced prompts) on the same
+    tokens, also with pairs of weight 0 (what expert parallelism leaves for another rank's experts)."""
     config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
     torch.manual_seed(0)
     block = SparseMoeBlock(config, TorchLayers())
@@ -122,15 +124,24 @@ def test_dense_and_gathered_forms_agree(dtype):
         p.data.normal_(0, 0.2)
     block.to(dtype)
     block.gate.weight.data = block.gate.weight.data.float()
-    x = torch.randn(2, 1, config.hidden_size).to(dtype)  # 2 tokens x top-2 < 6 experts: the gathered form
-    gathered = block(x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    x = torch.randn(2, 1, config.hidden_size).to(dtype)  # 2 tokens x top-2 < 6 experts: the gathered form if static
+    looped, gathered = block(x), block(x, static=True)
     weights, ids = route(block.gate(x.reshape(-1, config.hidden_size)), config.num_experts_per_tok, dtype)
     dense = torch.zeros(2, config.num_experts, dtype=dtype).scatter(1, ids, weights)
     expected = block.experts.dense(x.reshape(2, -1), dense)
     expected = expected + torch.sigmoid(block.shared_expert_gate(x.reshape(2, -1)).float()) * block.shared_expert(x.reshape(2, -1)).float()
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(gathered.reshape(2, -1), expected, atol=tol, rtol=tol)
-    assert gathered.dtype == torch.float32
+    for got in (looped, gathered):
+        torch.testing.assert_close(got.reshape(2, -1), expected, atol=tol, rtol=tol)
+        assert got.dtype == torch.float32
+    # Experts alone, 5 tokens (more pairs than experts), one pair in three weighted 0 (skipped by the looped form).
+    x = torch.randn(5, config.hidden_size).to(dtype)
+    weights, ids = route(block.gate(x), config.num_experts_per_tok, dtype)
+    weights = weights * (torch.arange(weights.numel()).view(weights.shape) % 3 != 0).to(dtype)
+    dense = torch.zeros(5, config.num_experts, dtype=dtype).scatter(1, ids, weights)
+    expected = block.experts.dense(x, dense)
+    torch.testing.assert_close(block.experts.looped(x, weights, ids), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(block.experts.gathered(x, weights, ids), expected, atol=tol, rtol=tol)
 
 
 def test_routing_ties_and_renormalisation():

@@ -8,12 +8,18 @@ Each chosen expert computes down(silu(gate(x)) * up(x)), weighted; the shared ex
 sigmoid(shared_expert_gate(x)) and added. The weighted sum is accumulated in fp32 (transformers' bf16 path adds
 bf16 expert outputs into a bf16 buffer).
 
-Two static-shape forms, chosen by the (static) number of routed (token, expert) pairs, with no data-dependent
-shapes, so that `torch.export` and Neuron can trace them:
+Three forms. Run eagerly (no graph being traced), the block uses the looped form:
+- looped: each expert some token chose runs once, on the rows that chose it, from views of its weights. Its
+  shapes depend on the routing (a Python loop over the chosen experts), so no graph can hold it; it reads each
+  chosen expert's weights once per step, what decode on CPU is bound by (docs/moe.md, "Speed on CPU").
+Graphs being traced (`torch.jit.trace`, `torch.export`) get one of two static-shape forms, chosen by the (static)
+number of routed (token, expert) pairs, with no data-dependent shapes, so that `torch.export` and Neuron can
+trace them:
 - dense: every local expert runs on every token and a [tokens, experts] weight matrix (zero for experts not
   chosen) combines them. For prompts (many pairs) and tiny expert counts.
 - gathered: the weights of each chosen (token, expert) pair are gathered and applied with a batched matmul. For
-  decode, where the pairs are fewer than the local experts (reads k experts' weights per token, not all).
+  decode, where the pairs are fewer than the local experts (reads k experts' weights per token, not all, but
+  copies them first).
 
 Tensor parallelism (`Qwen35Config.expert_parallel_mode`): the router and `shared_expert_gate` are replicated,
 the shared expert is split like the dense MLP (intermediate rows, zero-padded), and the routed experts are split
@@ -99,6 +105,21 @@ class Experts(nn.Module):
         # Summed in expert order, in fp32: [N, 1, E_r] @ [N, E_r, H].
         return torch.bmm(upcast(weights)[:, None, :], upcast(out).transpose(0, 1))[:, 0]
 
+    def looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, k], local expert ids [N, k] -> [N, H] fp32. Eager only (data-dependent shapes): each
+        chosen expert runs once on the rows that chose it, its weights used in place (views, nothing gathered);
+        pairs of weight 0 (another rank's experts) are skipped. A token's pairs are summed in expert order."""
+        y = torch.zeros(x.shape, dtype=accumulation_dtype(x.dtype), device=x.device)
+        rows, slots = (weights != 0).nonzero(as_tuple=True)
+        chosen = ids[rows, slots]
+        for e in chosen.unique().tolist():  # sorted
+            pick = chosen == e
+            r = rows[pick]
+            gate, up = F.linear(x[r], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
+            out = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y.index_add_(0, r, upcast(out) * upcast(weights[r, slots[pick]])[:, None])
+        return y
+
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] (weight 0 for a pair another rank serves) -> [N, H] fp32:
         each pair's expert weights gathered, one batched matmul per projection."""
@@ -153,20 +174,23 @@ class SparseMoeBlock(nn.Module):
     def _local_first_expert(self) -> torch.Tensor:
         return self._rank_source[0].rank * self.sharding.experts_per_rank  # [1] int64
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static: bool | None = None) -> torch.Tensor:
+        """`static`: use the static-shape forms (dense or gathered); by default only while a graph is traced."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k = x.shape[0], self.top_k
         weights, ids = route(self.gate(x), k, x.dtype)
         ep = self.sharding.mode == "ep" and self.tp_degree > 1
         E_r = self.sharding.experts_per_rank
-        if N * k < E_r:
+        if static is None:
+            static = torch.jit.is_tracing() or torch.compiler.is_compiling()  # is_compiling: torch.export too
+        if not static or N * k < E_r:
             if ep:
                 local = ids - self._local_first_expert()
                 mine = (local >= 0) & (local < E_r)
                 weights = weights * mine.to(weights.dtype)
                 ids = torch.where(mine, local, torch.zeros_like(local))
-            y = self.experts.gathered(x, weights, ids)
+            y = self.experts.gathered(x, weights, ids) if static else self.experts.looped(x, weights, ids)
         else:
             dense = torch.zeros(N, E_r * self.tp_degree if ep else E_r, dtype=weights.dtype, device=x.device)
             dense = dense.scatter(1, ids, weights)
