@@ -144,6 +144,36 @@ def test_the_three_forms_agree(dtype):
     torch.testing.assert_close(block.experts.gathered(x, weights, ids), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_give_the_same_outputs_and_state_dict(dtype):
+    """`pack_linears` re-blocks every expert's matrices for oneDNN (the looped form runs them so): the same outputs,
+    the same state_dict, and the static forms refused in one line."""
+    from optimum_qwen35.modeling.parallel import can_pack, pack_linears
+
+    if not can_pack(dtype):
+        pytest.skip(f"this CPU / torch build cannot pack {dtype}")
+    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
+    torch.manual_seed(0)
+    block = SparseMoeBlock(config, TorchLayers())
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block.to(dtype)
+    block.gate.weight.data = block.gate.weight.data.float()
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    x = torch.randn(5, 1, config.hidden_size).to(dtype)
+    expected = block(x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # another GEMM kernel: another summation order
+    assert pack_linears(block, 1) == 5  # the shared expert's 3 linears, its gate, the experts
+    assert block.experts.packed_for == 1 and block.experts.gate_up_proj.numel() == 0  # no second copy
+    torch.testing.assert_close(block(x), expected, atol=tol, rtol=tol)
+    pack_linears(block, 4)  # re-packed for another batch size, from the packed weights
+    torch.testing.assert_close(block(x), expected, atol=tol, rtol=tol)
+    after = block.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(UsageError, match="packed for eager CPU inference"):
+        block(x, static=True)
+
+
 def test_routing_ties_and_renormalisation():
     # Equal logits: torch.topk's tie order (the lowest indices on CPU), weights renormalised to 1/k each.
     weights, ids = route(torch.zeros(3, 6), 2, torch.float32)

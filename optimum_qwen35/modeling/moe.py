@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Qwen35Config
-from ..errors import UnsupportedModelError
+from ..errors import UnsupportedModelError, UsageError
 from .parallel import Linear, TorchLayers, all_reduce
 from .precision import accumulation_dtype, upcast
 
@@ -91,11 +91,45 @@ class Experts(nn.Module):
     """This rank's routed experts, fused as transformers holds them: gate_up_proj [E_r, 2 I_r, H] (each expert's
     gate rows, then its up rows) and down_proj [E_r, H, I_r]."""
 
+    packed_for: int | None = None  # the batch size the experts are packed for (`pack`)
+
     def __init__(self, experts: int, intermediate: int, hidden_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * intermediate, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden_size, intermediate))
         self.intermediate = intermediate
+        self._packed: list = []  # per expert (gate_up, down), re-blocked
+
+    def pack(self, batch_size: int) -> None:
+        """Re-block each expert's two matrices for oneDNN's GEMM at about `batch_size` rows, as `parallel.Linear.pack`
+        does for a linear (CPU inference; measured on one core, bf16 [1024, 2048]: 1.9x faster at 1 row, 1.6x at 4,
+        the plain weight being re-blocked on every call otherwise). The looped form then uses them; the fused
+        parameters become empty (no second copy; `state_dict` still gives them), so the static forms cannot run."""
+        if self.packed_for == batch_size:
+            return
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        experts = len(self._packed) or self.gate_up_proj.shape[0]
+        packed = self._packed or [None] * experts
+        for e in range(experts):  # expert by expert: a re-pack holds one expert's plain copy at a time
+            gate_up, down = self.expert_weights(e)
+            packed[e] = (reorder(gate_up.detach(), batch_size), reorder(down.detach(), batch_size))
+        self._packed = packed
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
+        self.packed_for = batch_size
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2 I_r, H], down [H, I_r]) as plain tensors (views of the fused ones unless packed)."""
+        if self._packed:
+            return self._packed[e][0].to_dense(), self._packed[e][1].to_dense()
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._packed:
+            plain = [self.expert_weights(e) for e in range(len(self._packed))]
+            destination[prefix + "gate_up_proj"] = torch.stack([gu for gu, _ in plain])
+            destination[prefix + "down_proj"] = torch.stack([down for _, down in plain])
 
     def dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, E_r] (0 for experts a token did not choose) -> sum_e w[n, e] expert_e(x[n]), fp32."""
@@ -115,8 +149,9 @@ class Experts(nn.Module):
         for e in chosen.unique().tolist():  # sorted
             pick = chosen == e
             r = rows[pick]
-            gate, up = F.linear(x[r], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
-            out = F.linear(F.silu(gate) * up, self.down_proj[e])
+            gate_up, down = self._packed[e] if self._packed else (self.gate_up_proj[e], self.down_proj[e])
+            gate, up = _linear(x[r], gate_up).split(self.intermediate, dim=-1)
+            out = _linear(F.silu(gate) * up, down)
             y.index_add_(0, r, upcast(out) * upcast(weights[r, slots[pick]])[:, None])
         return y
 
@@ -130,6 +165,12 @@ class Experts(nn.Module):
         gate, up = h.split(self.intermediate, dim=-1)
         out = torch.bmm(self.down_proj.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
         return torch.bmm(upcast(weights)[:, None, :], upcast(out).view(N, k, -1))[:, 0]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.is_mkldnn:  # re-blocked by `Experts.pack`
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return F.linear(x, weight)
 
 
 class SharedExpert(nn.Module):
@@ -184,6 +225,9 @@ class SparseMoeBlock(nn.Module):
         E_r = self.sharding.experts_per_rank
         if static is None:
             static = torch.jit.is_tracing() or torch.compiler.is_compiling()  # is_compiling: torch.export too
+        if static and self.experts.packed_for is not None:
+            raise UsageError("the MoE experts are packed for eager CPU inference (pack_weights=True): graphs cannot be "
+                             "traced from them; load the model again without packing to trace it")
         if not static or N * k < E_r:
             if ep:
                 local = ids - self._local_first_expert()
