@@ -21,7 +21,8 @@ is not timed). Each worker's peak RSS is printed after each dtype.
 The roofline: at batch 1 a decode step must read every weight it uses once (the k chosen experts of every layer,
 the shared expert, router, attention / DeltaNet projections, lm_head) and read and write the recurrent state and
 the KV cache. `--threads` cores can stream those bytes at most at the read bandwidth this script measures (a sum
-over 512 MiB with the same thread count), so steps/s <= bandwidth / bytes per step. At batch B the experts are
+over 512 MiB with the same thread count, by CPU time, the best of 10, before and after each dtype's runs: the best
+of those), so steps/s <= bandwidth / bytes per step. At batch B the experts are
 those distinct among B x k choices (expected count for uniform routing). The table gives each side's step rate as
 a fraction of that bound. Asserts nothing.
 """
@@ -121,15 +122,16 @@ class Worker:
         self.process.wait()
 
 
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s of a sum over 512 MiB (fp32), the best of 5, with this process's torch threads: what the decode
-    step's weight reads can stream at most."""
+def read_bandwidth(threads: int, repeat: int = 10) -> float:
+    """Bytes per second of process CPU time of a sum over 512 MiB (fp32), the best of `repeat`, with this process's
+    torch threads: what the decode step's weight reads can stream at most. CPU time, as the runs are timed, and the
+    best of several, since other jobs on a shared machine slow some of them down."""
     a = torch.ones(128 * 2**20)
     best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
+    for _ in range(repeat):
+        t = time.process_time()
         a.sum()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, (time.process_time() - t) / threads)
     return a.numel() * a.element_size() / best
 
 
@@ -189,7 +191,7 @@ def main() -> None:
 
         print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s); layers "
               f"{args.layers}, vocab {text['vocab_size']}; prompt {args.prompt}, decode {args.decode}, {args.repeat} runs "
-              f"per side and cell; read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 512 MiB, {args.threads} thread(s))")
+              f"per side and cell; read bandwidth {bandwidth / 1e9:.1f} GB/s at the start (sum over 512 MiB, CPU time)")
         workers = [Worker("transformers", args), Worker("ours", args)]
         peak: dict[str, float] = {}
         try:
@@ -204,6 +206,7 @@ def main() -> None:
                         for b in args.batches:
                             runs[b][w.side].append(w.ask(cmd="run", batch=b, prompt=args.prompt, decode=args.decode))
                         peak[w.side] = max(peak.get(w.side, 0), w.ask(cmd="drop")["peak_mib"])
+                bandwidth = max(bandwidth, read_bandwidth(args.threads))
                 report(name, runs, args, text, bandwidth)
                 print("peak RSS of each worker so far (MiB): " + ", ".join(f"{s} {m:.0f}" for s, m in peak.items()))
         finally:
@@ -213,7 +216,8 @@ def main() -> None:
 
 def report(name, runs, args, text, bandwidth) -> None:
     dtype = getattr(torch, name)
-    print(f"\n{name} (process CPU time; ratio = how many times faster ours is, median [min-max] over runs)")
+    print(f"\n{name} (process CPU time; ratio = how many times faster ours is, median [min-max] over runs; roofline at "
+          f"{bandwidth / 1e9:.1f} GB/s)")
     print("| batch | TTFT transformers / ours (ms) | TTFT ratio | decode transformers / ours (tok/s) | decode ratio "
           "| bytes per step (MB) | roofline (steps/s) | transformers / ours of roofline | equal greedy tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
