@@ -228,3 +228,31 @@ def test_the_neuron_layer_factory_is_refused_in_one_line():
     config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe-top1"))
     with pytest.raises(UnsupportedModelError, match="no OtherLayers form yet"):
         SparseMoeBlock(config, OtherLayers())
+
+
+def test_the_cpu_benchmarks_roofline_counts_the_decoders_weights():
+    """benchmarks/moe_cpu_decode.py's bytes per decode step (its roofline) against the parameters of the decoder it
+    measures, built on the meta device: each part's weights, the k chosen experts' share of the routed ones."""
+    import sys
+
+    from optimum_qwen35.modeling.decoder import Qwen35Decoder
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from moe_cpu_decode import step_bytes, text_config
+    finally:
+        sys.path.pop(0)
+    text = text_config("LF", 32000)
+    config = Qwen35Config.from_dict(text)
+    with torch.device("meta"):
+        params = dict(Qwen35Decoder(config, 1, TorchLayers(1)).named_parameters())
+
+    def size(*parts, skip=("norm.weight", "A_log", "dt_bias")):
+        return sum(4 * p.numel() for n, p in params.items() if any(s in n for s in parts) and not n.endswith(skip))
+
+    got = step_bytes(text, torch.float32, batch=1, positions=0)
+    assert got["experts"] == size(".experts.") * config.num_experts_per_tok / config.num_experts
+    assert got["shared expert + router"] == size(".shared_expert", ".mlp.gate.")
+    assert got["attention / DeltaNet"] == size(".self_attn.", ".linear_attn.")
+    assert got["lm_head"] == size("lm_head")
+    assert got["states"] > 0
