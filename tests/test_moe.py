@@ -1,4 +1,4 @@
-"""The Qwen3.5 MoE models without transformers: config parsing, both on-disk expert forms, the block's two forms.
+"""The Qwen3.5 MoE models without transformers: config parsing, both on-disk expert forms, the block's three forms.
 
 Parity with transformers is in tests/test_moe_parity.py, tensor/expert parallelism in tests/test_moe_parallel.py.
 """
@@ -114,7 +114,9 @@ def test_incomplete_per_expert_checkpoint_names_what_is_missing(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_and_gathered_forms_agree(dtype):
+def test_the_three_forms_agree(dtype):
+    """The looped form (eager), the gathered one (traced decode) and the dense one (traced prompts) on the same
+    tokens, also with pairs of weight 0 (what expert parallelism leaves for another rank's experts)."""
     config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
     torch.manual_seed(0)
     block = SparseMoeBlock(config, TorchLayers())
@@ -122,15 +124,54 @@ def test_dense_and_gathered_forms_agree(dtype):
         p.data.normal_(0, 0.2)
     block.to(dtype)
     block.gate.weight.data = block.gate.weight.data.float()
-    x = torch.randn(2, 1, config.hidden_size).to(dtype)  # 2 tokens x top-2 < 6 experts: the gathered form
-    gathered = block(x)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    x = torch.randn(2, 1, config.hidden_size).to(dtype)  # 2 tokens x top-2 < 6 experts: the gathered form if static
+    looped, gathered = block(x), block(x, static=True)
     weights, ids = route(block.gate(x.reshape(-1, config.hidden_size)), config.num_experts_per_tok, dtype)
     dense = torch.zeros(2, config.num_experts, dtype=dtype).scatter(1, ids, weights)
     expected = block.experts.dense(x.reshape(2, -1), dense)
     expected = expected + torch.sigmoid(block.shared_expert_gate(x.reshape(2, -1)).float()) * block.shared_expert(x.reshape(2, -1)).float()
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(gathered.reshape(2, -1), expected, atol=tol, rtol=tol)
-    assert gathered.dtype == torch.float32
+    for got in (looped, gathered):
+        torch.testing.assert_close(got.reshape(2, -1), expected, atol=tol, rtol=tol)
+        assert got.dtype == torch.float32
+    # Experts alone, 5 tokens (more pairs than experts), one pair in three weighted 0 (skipped by the looped form).
+    x = torch.randn(5, config.hidden_size).to(dtype)
+    weights, ids = route(block.gate(x), config.num_experts_per_tok, dtype)
+    weights = weights * (torch.arange(weights.numel()).view(weights.shape) % 3 != 0).to(dtype)
+    dense = torch.zeros(5, config.num_experts, dtype=dtype).scatter(1, ids, weights)
+    expected = block.experts.dense(x, dense)
+    torch.testing.assert_close(block.experts.looped(x, weights, ids), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(block.experts.gathered(x, weights, ids), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_give_the_same_outputs_and_state_dict(dtype):
+    """`pack_linears` re-blocks every expert's matrices for oneDNN (the looped form runs them so): the same outputs,
+    the same state_dict, and the static forms refused in one line."""
+    from optimum_qwen35.modeling.parallel import can_pack, pack_linears
+
+    if not can_pack(dtype):
+        pytest.skip(f"this CPU / torch build cannot pack {dtype}")
+    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
+    torch.manual_seed(0)
+    block = SparseMoeBlock(config, TorchLayers())
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block.to(dtype)
+    block.gate.weight.data = block.gate.weight.data.float()
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    x = torch.randn(5, 1, config.hidden_size).to(dtype)
+    expected = block(x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # another GEMM kernel: another summation order
+    assert pack_linears(block, 1) == 5  # the shared expert's 3 linears, its gate, the experts
+    assert block.experts.packed_for == 1 and block.experts.gate_up_proj.numel() == 0  # no second copy
+    torch.testing.assert_close(block(x), expected, atol=tol, rtol=tol)
+    pack_linears(block, 4)  # re-packed for another batch size, from the packed weights
+    torch.testing.assert_close(block(x), expected, atol=tol, rtol=tol)
+    after = block.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(UsageError, match="packed for eager CPU inference"):
+        block(x, static=True)
 
 
 def test_routing_ties_and_renormalisation():
@@ -178,3 +219,31 @@ def test_compiled_cpu_graphs_run_the_moe(tmp_path, layout="tiny-moe"):
         assert model.generate([prompt], max_new_tokens=24) == [expected[:24]]
     finally:
         model.close()
+
+
+def test_the_cpu_benchmarks_roofline_counts_the_decoders_weights():
+    """benchmarks/moe_cpu_decode.py's bytes per decode step (its roofline) against the parameters of the decoder it
+    measures, built on the meta device: each part's weights, the k chosen experts' share of the routed ones."""
+    import sys
+
+    from optimum_qwen35.modeling.decoder import Qwen35Decoder
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        from moe_cpu_decode import step_bytes, text_config
+    finally:
+        sys.path.pop(0)
+    text = text_config("LF", 32000)
+    config = Qwen35Config.from_dict(text)
+    with torch.device("meta"):
+        params = dict(Qwen35Decoder(config, 1, TorchLayers(1)).named_parameters())
+
+    def size(*parts, skip=("norm.weight", "A_log", "dt_bias")):
+        return sum(4 * p.numel() for n, p in params.items() if any(s in n for s in parts) and not n.endswith(skip))
+
+    got = step_bytes(text, torch.float32, batch=1, positions=0)
+    assert got["experts"] == size(".experts.") * config.num_experts_per_tok / config.num_experts
+    assert got["shared expert + router"] == size(".shared_expert", ".mlp.gate.")
+    assert got["attention / DeltaNet"] == size(".self_attn.", ".linear_attn.")
+    assert got["lm_head"] == size("lm_head")
+    assert got["states"] > 0

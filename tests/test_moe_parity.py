@@ -28,8 +28,8 @@ def layout(request):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout, tokens", [("tiny-moe", 1), ("tiny-moe", 40), ("tiny-moe-top1", 3), ("tiny-moe-top1", 40)])
 def test_block_matches_transformers_including_router_ties(layout, tokens, dtype):
-    """Our SparseMoeBlock against transformers' Qwen3_5MoeSparseMoeBlock (eager experts) on the same weights (fewer
-    routed pairs than experts: the gathered form; else the dense form). Router rows 1, 3 and 5 (top-1: 1 and 3) are
+    """Our SparseMoeBlock against transformers' Qwen3_5MoeSparseMoeBlock (eager experts) on the same weights, in its
+    looped form (eager) and its static one (fewer routed pairs than experts: the gathered form; else the dense form). Router rows 1, 3 and 5 (top-1: 1 and 3) are
     equal and the tokens lean towards them, so that k + 1 experts tie exactly at the top: the same experts chosen
     (torch.topk's tie order, which on CPU is not simply the lowest index), the same output to rounding."""
     import torch
@@ -65,7 +65,8 @@ def test_block_matches_transformers_including_router_ties(layout, tokens, dtype)
         # Every token's choice is k of the k + 1 tied experts: which k is torch.topk's tie order, ours as theirs.
         assert torch.isin(their_ids, torch.tensor(tied)).all()
         torch.testing.assert_close(our_weights, their_weights, atol=0, rtol=0)
-        got, expected = ours(x), theirs(x)
+        looped, static, expected = ours(x), ours(x, static=True), theirs(x)
     # Outputs of magnitude ~3: fp32 rounding (a different summation order) is a few 1e-7 relative.
     tol = 2e-6 if dtype == torch.float32 else 1e-13
-    torch.testing.assert_close(got.to(dtype), expected, atol=tol, rtol=tol)
+    for got in (looped, static):
+        torch.testing.assert_close(got.to(dtype), expected, atol=tol, rtol=tol)

@@ -122,15 +122,20 @@ class Linear(nn.Linear):
 
 
 def pack_linears(module: nn.Module, batch_size: int) -> int:
-    """Prepack every `Linear` of `module` (the lm_head too) whose dtype this build can pack, for calls of about
-    `batch_size` rows (CPU inference: the module is not trained or re-loaded afterwards). Returns how many were
-    packed. A packed weight replaces the plain one, except where the plain one is also used elsewhere: the lm_head
+    """Prepack every `Linear` of `module` (the lm_head too), and the MoE experts' matrices (`moe.Experts.pack`),
+    whose dtype this build can pack, for calls of about `batch_size` rows (CPU inference: the module is not trained
+    or re-loaded afterwards). Returns how many modules were packed. A packed weight replaces the plain one, except where the plain one is also used elsewhere: the lm_head
     of a model with tied embeddings gets a packed copy (vocab x hidden more in the model dtype), the embedding keeps
     the plain rows it looks up."""
+    from .moe import Experts  # noqa: PLC0415 (moe imports this module)
+
     linears = [m for m in module.modules() if isinstance(m, Linear) and can_pack(m.weight.dtype)]
     for m in linears:
         m.pack(batch_size)
-    return len(linears)
+    experts = [m for m in module.modules() if isinstance(m, Experts) and can_pack(m.gate_up_proj.dtype)]
+    for m in experts:
+        m.pack(batch_size)
+    return len(linears) + len(experts)
 
 
 class RowParallelLinear(Linear):

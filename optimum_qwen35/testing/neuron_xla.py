@@ -53,21 +53,9 @@ def neuron_config(folder: str | os.PathLike, target: str, tp: int = 1, dtype=tor
 
 
 def text_config(folder: str | os.PathLike):
-    """The folder's text config as a transformers config (AutoConfig's). A MoE folder (`qwen3_5_moe`) AutoConfig does
-    not know (the optimum layer registers `qwen3_5` / `qwen3_5_text` only, so far) gets a bare transformers config of
-    its text part (model_type `qwen3_5_moe_text`), what the NxD class reads through `Qwen35Config`."""
-    data = json.loads((Path(folder) / "config.json").read_text())
-    try:
-        return AutoConfig.from_pretrained(folder).get_text_config()
-    except ValueError:
-        if not data.get("model_type", "").startswith("qwen3_5_moe"):
-            raise
-    from transformers import PretrainedConfig
-
-    class MoeTextConfig(PretrainedConfig):
-        model_type = "qwen3_5_moe_text"
-
-    return MoeTextConfig(**data.get("text_config", data))
+    """The folder's text config as AutoConfig reads it (the package registers every Qwen3.5 type with transformers
+    4.57, the MoE ones included)."""
+    return AutoConfig.from_pretrained(folder).get_text_config()
 
 
 def model_class():

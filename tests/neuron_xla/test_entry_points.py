@@ -26,7 +26,8 @@ from optimum_qwen35.testing.neuron_xla import export_config, model_class, neuron
 from ..conftest import FIXTURES
 
 
-def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
+@pytest.mark.parametrize("fixture", ["tiny-2b", "tiny-moe"], ids=["dense", "moe"])
+def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path, fixture):
     cli = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
     assert cli, "optimum-cli is not installed in this environment"
     site = Path(subprocess.check_output([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
@@ -34,7 +35,7 @@ def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(
-        [cli, "export", "neuron", "--model", str(FIXTURES / "tiny-2b"), "--task", "text-generation", "--batch_size", "2",
+        [cli, "export", "neuron", "--model", str(FIXTURES / fixture), "--task", "text-generation", "--batch_size", "2",
          "--sequence_length", "128", "--tensor_parallel_size", "1", "--instance_type", "trn2", str(out)],
         capture_output=True, text=True, env=env, timeout=600,
     )
@@ -48,17 +49,19 @@ def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("image_buckets", [None, [32, 128]], ids=["text", "vision"])
-def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypatch, tmp_path, image_buckets):
+@pytest.mark.parametrize(
+    "fixture, image_buckets", [("tiny-2b", None), ("tiny-2b", [32, 128]), ("tiny-moe", None)], ids=["text", "vision", "moe"]
+)
+def test_the_compile_step_builds_each_graph_and_stops_at_hlo_generation(monkeypatch, tmp_path, fixture, image_buckets):
     """The text export's three graphs; a vision export's seven (a vision graph per image bucket, image context
-    encoding and image token generation besides)."""
+    encoding and image token generation besides); a MoE checkpoint's three, through the same class."""
     import neuron_sdk_standin
     from optimum.neuron.models.inference.backend.pretrained_model import NxDPreTrainedModel
 
     monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "nxd"))
-    nc = neuron_config(FIXTURES / "tiny-2b", "trn2")
+    nc = neuron_config(FIXTURES / fixture, "trn2")
     cls = model_class()
-    builders = cls.create_graph_builders(export_config(FIXTURES / "tiny-2b", nc, image_buckets), nc)
+    builders = cls.create_graph_builders(export_config(FIXTURES / fixture, nc, image_buckets), nc)
     built = []
     for builder in builders.values():
         original = builder.get_model_instance
