@@ -372,4 +372,6 @@ def register_transformers_configs() -> bool:
     `qwen3_5`. Does nothing on transformers >= 5. Returns True when it registered classes."""
     from . import hf_configs  # noqa: PLC0415 (imports transformers only when asked)
 
+    if not hasattr(hf_configs, "register"):
+        return False  # hf_configs is the importer of transformers, half built: it registers itself once built
     return hf_configs.register()

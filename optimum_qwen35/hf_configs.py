@@ -84,34 +84,15 @@ class Qwen3_5MoeTextConfig(Qwen3_5TextConfig):
 
     def __init__(
         self,
-        vocab_size=248320,
         hidden_size=2048,
         num_hidden_layers=40,
-        num_attention_heads=16,
         num_key_value_heads=2,
-        head_dim=256,
-        hidden_act="silu",
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_parameters=None,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
         num_experts_per_tok=8,
         num_experts=256,
         output_router_logits=False,
         router_aux_loss_coef=0.001,
-        layer_types=None,
-        full_attention_interval=4,
-        attention_bias=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        tie_word_embeddings=False,
         **kwargs,
     ):
         self.moe_intermediate_size = moe_intermediate_size
@@ -120,31 +101,14 @@ class Qwen3_5MoeTextConfig(Qwen3_5TextConfig):
         self.num_experts = num_experts
         self.output_router_logits = output_router_logits
         self.router_aux_loss_coef = router_aux_loss_coef
-        # The dense class sets the shared fields; the MoE text config has no intermediate_size (as transformers').
+        # The dense class sets the shared fields (the 35B-A3B's defaults where they differ); the MoE text config has
+        # no intermediate_size, as transformers' has none.
+        kwargs.pop("intermediate_size", None)
         super().__init__(
-            vocab_size=vocab_size,
             hidden_size=hidden_size,
-            intermediate_size=None,
             num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
-            head_dim=head_dim,
-            hidden_act=hidden_act,
-            max_position_embeddings=max_position_embeddings,
-            rms_norm_eps=rms_norm_eps,
-            rope_parameters=rope_parameters,
-            linear_conv_kernel_dim=linear_conv_kernel_dim,
-            linear_key_head_dim=linear_key_head_dim,
-            linear_value_head_dim=linear_value_head_dim,
-            linear_num_key_heads=linear_num_key_heads,
-            linear_num_value_heads=linear_num_value_heads,
-            layer_types=layer_types,
-            full_attention_interval=full_attention_interval,
-            attention_bias=attention_bias,
-            attention_dropout=attention_dropout,
-            initializer_range=initializer_range,
-            use_cache=use_cache,
-            tie_word_embeddings=tie_word_embeddings,
+            intermediate_size=None,
             **kwargs,
         )
         del self.intermediate_size
@@ -200,3 +164,8 @@ def register() -> bool:
             AutoConfig.register(nested.model_type, nested)
             done = True
     return done
+
+
+# The start-up hook registers these classes when transformers is imported; where this module is the first importer
+# of transformers, the hook finds it half built and leaves the registration to this line.
+register()

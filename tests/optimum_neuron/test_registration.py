@@ -62,6 +62,20 @@ def test_import_optimum_neuron_finds_the_class_in_a_fresh_process(startup_dir):
                      "config": ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]}
 
 
+def test_hf_configs_imported_first_registers_without_a_warning(startup_dir):
+    """`import optimum_qwen35.hf_configs` as a program's first import: that module imports transformers, whose import
+    hook finds it half built; the registration must still happen, and no warning be printed."""
+    code = (
+        "import site, sys, warnings; site.addsitedir(sys.argv[1]); warnings.simplefilter('error')\n"
+        "import optimum_qwen35.hf_configs\n"
+        "from transformers import AutoConfig\n"
+        "print([type(AutoConfig.for_model(t)).__name__ for t in ('qwen3_5', 'qwen3_5_moe')])\n"
+    )
+    result = run_python(code, str(startup_dir))
+    assert result.stdout.strip().splitlines()[-1] == "['Qwen3_5Config', 'Qwen3_5MoeConfig']"
+    assert "could not register" not in result.stderr, result.stderr[-2000:]
+
+
 def test_without_the_startup_file_nothing_is_registered():
     """The check above would pass for nothing if plain `import optimum.neuron` registered by itself.
 
