@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_vs_transformers  # noqa: E402
 from cpu_vs_transformers import _cell, agreement, model_vocab, prompts_for, run_hf, run_ours  # noqa: E402
 
 CONFIG = Path(__file__).parents[1] / "tests" / "qwen3.5-35b-a3b.config.json"
@@ -100,7 +101,9 @@ def worker(args) -> None:
         print(json.dumps(answer), flush=True)
 
 
-class Worker:
+class Worker(cpu_vs_transformers.Worker):
+    """cpu_vs_transformers' worker process (its `ask` / `close`), started on this script with its own flags."""
+
     def __init__(self, side: str, args):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model", args.model, "--threads",
                str(args.threads)]
@@ -108,18 +111,6 @@ class Worker:
             cmd += ["--hf-experts", args.hf_experts]
         self.side = side
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, **cmd) -> dict:
-        self.process.stdin.write(json.dumps(cmd) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"the {self.side} worker stopped (its error is above)")
-        return json.loads(line)
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait()
 
 
 def read_bandwidth(threads: int, repeat: int = 10) -> float:

@@ -136,8 +136,7 @@ class Experts(nn.Module):
         h = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E_r, N, 2 I_r]
         gate, up = h.split(self.intermediate, dim=-1)
         out = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E_r, N, H]
-        # Summed in expert order, in fp32: [N, 1, E_r] @ [N, E_r, H].
-        return torch.bmm(upcast(weights)[:, None, :], upcast(out).transpose(0, 1))[:, 0]
+        return weighted_sum(weights, out.transpose(0, 1))
 
     def looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] -> [N, H] fp32. Eager only (data-dependent shapes): each
@@ -164,7 +163,13 @@ class Experts(nn.Module):
         h = torch.bmm(self.gate_up_proj.index_select(0, flat), xk)[..., 0]  # [N k, 2 I_r]
         gate, up = h.split(self.intermediate, dim=-1)
         out = torch.bmm(self.down_proj.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
-        return torch.bmm(upcast(weights)[:, None, :], upcast(out).view(N, k, -1))[:, 0]
+        return weighted_sum(weights, out.view(N, k, -1))
+
+
+def weighted_sum(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """weights [N, m], outputs [N, m, H] -> [N, H]: sum_j weights[n, j] * outputs[n, j], in fp32 and in j order (one
+    batched matmul [N, 1, m] @ [N, m, H]): how every form of the experts, on every backend, combines its outputs."""
+    return torch.bmm(upcast(weights)[:, None, :], upcast(outputs))[:, 0]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

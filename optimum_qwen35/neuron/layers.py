@@ -37,7 +37,8 @@ from neuronx_distributed.parallel_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from ..modeling.precision import NeuronPrecision, upcast
+from ..modeling.moe import weighted_sum
+from ..modeling.precision import NeuronPrecision
 
 
 class VocabGatheringHead(ColumnParallelLinear):
@@ -71,14 +72,14 @@ class RoutedExperts(Experts):
         """x [N, H], weights [N, E_r] -> [N, H] fp32: every token through every local expert (NxD's all-experts
         path), combined by one batched matmul in fp32."""
         out = self(x[None])  # [E_r, N, H]
-        return torch.bmm(upcast(weights)[:, None, :], upcast(out).transpose(0, 1))[:, 0]
+        return weighted_sum(weights, out.transpose(0, 1))
 
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] int32 -> [N, H] fp32: each (token, expert) pair's
         weights gathered (NxD's selective loading, `expert_indices`), one batched matmul per projection."""
         N, k = ids.shape
         out = self(x.repeat_interleave(k, dim=0)[:, None, :], expert_indices=ids.reshape(-1))  # [N k, 1, H]
-        return torch.bmm(upcast(weights)[:, None, :], upcast(out).view(N, k, -1))[:, 0]
+        return weighted_sum(weights, out.view(N, k, -1))
 
 
 class SharedExpert(SharedExperts):
