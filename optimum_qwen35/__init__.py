@@ -5,9 +5,9 @@ registers Qwen3.5 with transformers 4.57 (optimum-neuron's pin, which predates i
 as soon as the program imports them; the installed `optimum_qwen35.pth` does the same in every interpreter.
 """
 
-from . import _startup
-from .config import Qwen35Config, register_transformers_configs
-from .errors import Qwen35Error, UnsupportedModelError
+from optimum_qwen35 import _startup
+from optimum_qwen35.config import Qwen35Config, register_transformers_configs
+from optimum_qwen35.errors import Qwen35Error, UnsupportedModelError
 
 __version__ = "0.1.0.dev0"
 

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from optimum_qwen35.cli import main
 
 sys.exit(main())

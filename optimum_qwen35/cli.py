@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .errors import CheckpointError, Qwen35Error, UsageError
+from optimum_qwen35.errors import CheckpointError, Qwen35Error, UsageError
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -49,10 +49,10 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
     import torch
     from tqdm.auto import tqdm
 
-    from . import validation
-    from .runtime.cpu import Qwen35ForCausalLM
+    from optimum_qwen35 import validation
+    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
 
-    from .config import Qwen35Config
+    from optimum_qwen35.config import Qwen35Config
 
     if (Path(model_dir) / "neuron_config.json").is_file():  # before model_folder's "no weights" (they are in checkpoint/)
         raise UsageError(
@@ -61,7 +61,7 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
         )
     model_dir = validation.model_folder(model_dir, "generate")  # before anything is loaded
     if (model_dir / "tp_shards.json").is_file():
-        from .checkpoint.shard import read_manifest
+        from optimum_qwen35.checkpoint.shard import read_manifest
 
         degree = read_manifest(model_dir)["tp_degree"]
         if degree != 1:
@@ -112,9 +112,9 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
 
 
 def cmd_demo(args) -> int:
-    from .testing import build_tiny_checkpoint
+    from optimum_qwen35.testing import build_tiny_checkpoint
 
-    from .output import output_folder
+    from optimum_qwen35.output import output_folder
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out) if args.out else Path(tmp) / "tiny-qwen3.5"
@@ -141,8 +141,8 @@ def check_export(args):
     Returns the neuron config."""
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
-    from .errors import ExportError
-    from .optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
+    from optimum_qwen35.errors import ExportError
+    from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
 
     try:
         check_save_directory(Path(args.out), args.overwrite, source=args.model)
@@ -160,7 +160,7 @@ def check_export(args):
 
 
 def cmd_export(args) -> int:
-    from .optimum.modeling import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM
 
     out = Path(args.out)
     neuron_config = check_export(args)
@@ -178,7 +178,7 @@ def cmd_export(args) -> int:
 def cmd_shard(args) -> int:
     import torch
 
-    from .checkpoint.shard import save_sharded
+    from optimum_qwen35.checkpoint.shard import save_sharded
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = save_sharded(args.model, None, args.tensor_parallel_size, args.out, dtype, overwrite=args.overwrite)
@@ -187,9 +187,9 @@ def cmd_shard(args) -> int:
 
 
 def cmd_build_tiny(args) -> int:
-    from .testing import build_tiny_checkpoint
+    from optimum_qwen35.testing import build_tiny_checkpoint
 
-    from .output import output_folder
+    from optimum_qwen35.output import output_folder
 
     with output_folder(args.out, overwrite=args.overwrite) as partial:
         build_tiny_checkpoint(partial, args.layout, seed=args.seed, dtype=args.dtype)
@@ -198,7 +198,7 @@ def cmd_build_tiny(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from .hub import push_to_hub
+    from optimum_qwen35.hub import push_to_hub
 
     result = push_to_hub(
         args.folder,
@@ -221,14 +221,14 @@ def cmd_push(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .hub import resolve_export
+    from optimum_qwen35.hub import resolve_export
 
     print(resolve_export(args.model, revision=args.revision, token=args.token, endpoint=args.endpoint))
     return 0
 
 
 def cmd_cache_sync(args) -> int:
-    from .hub import sync_registry
+    from optimum_qwen35.hub import sync_registry
 
     result = sync_registry(
         args.folder,
@@ -245,7 +245,7 @@ def cmd_cache_sync(args) -> int:
 
 
 def cmd_cache_lookup(args) -> int:
-    from .hub import lookup_registry
+    from optimum_qwen35.hub import lookup_registry
 
     entries = lookup_registry(
         args.model_id,
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         import os
 
-        from .quiet import VERBOSE_ENV
+        from optimum_qwen35.quiet import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
     try:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ModelNotFoundError, UnsupportedModelError, UsageError
+from optimum_qwen35.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -148,7 +148,7 @@ class Qwen35Config:
         return "tp" if self.moe_intermediate_size // tp_degree >= MIN_EXPERT_ROWS_PER_RANK else "ep"
 
     def check_tp_degree(self, tp_degree: int) -> None:
-        from .validation import positive_int  # noqa: PLC0415
+        from optimum_qwen35.validation import positive_int  # noqa: PLC0415
 
         positive_int(tp_degree, "tensor_parallel_size")
         valid = self.valid_tp_degrees()
@@ -277,7 +277,7 @@ class Qwen35Config:
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            from .validation import looks_like_hub_id, missing_folder_error  # noqa: PLC0415
+            from optimum_qwen35.validation import looks_like_hub_id, missing_folder_error  # noqa: PLC0415
 
             if not os.path.exists(path) and looks_like_hub_id(path):
                 raise missing_folder_error(path, "this call")
@@ -370,7 +370,7 @@ class Qwen35Config:
 def register_transformers_configs() -> bool:
     """Make `transformers.AutoConfig` read Qwen3.5 folders where the installed transformers (4.57) lacks
     `qwen3_5`. Does nothing on transformers >= 5. Returns True when it registered classes."""
-    from . import hf_configs  # noqa: PLC0415 (imports transformers only when asked)
+    from optimum_qwen35 import hf_configs  # noqa: PLC0415 (imports transformers only when asked)
 
     if not hasattr(hf_configs, "register"):
         return False  # hf_configs is the importer of transformers, half built: it registers itself once built

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import (
+from optimum_qwen35.errors import (
     CheckpointError,
     HubAuthError,
     HubConnectionError,
@@ -138,7 +138,7 @@ def _package_version(name: str) -> str | None:
 
 def _export_versions(folder: Path, nc: dict) -> dict[str, str | None]:
     """Versions to state in the card: the export's own records first, the installed packages otherwise."""
-    from . import __version__
+    from optimum_qwen35 import __version__
 
     recorded: dict[str, Any] = {}
     for manifest in CPU_MANIFESTS:
@@ -286,7 +286,7 @@ def _hub_errors(action: str, repo_id: str, endpoint: str | None, revision: str |
     """Turn huggingface_hub's exceptions into one-line package errors saying what to do."""
     from huggingface_hub import errors as hf_errors
 
-    from .quiet import hub_retries
+    from optimum_qwen35.quiet import hub_retries
 
     where = f"{repo_id}" + (f" (revision {revision!r})" if revision and revision != "main" else "")
     try:
@@ -751,7 +751,7 @@ def resolve_source_checkpoint(
 
 
 def _optimum_neuron():
-    from .quiet import optimum_neuron_import
+    from optimum_qwen35.quiet import optimum_neuron_import
 
     try:
         with optimum_neuron_import():
@@ -770,7 +770,7 @@ def _load_config(config):
     """A transformers text config from a folder, a config.json path, a dict or a PretrainedConfig."""
     from transformers import AutoConfig, PretrainedConfig
 
-    from .config import register_transformers_configs
+    from optimum_qwen35.config import register_transformers_configs
 
     register_transformers_configs()
     if isinstance(config, PretrainedConfig):
@@ -812,7 +812,7 @@ def registry_entry(folder: str | os.PathLike, model_id: str | None = None, confi
     if config is None:
         # The export's config.json names the architecture vLLM looks up; the Hub's config of `model_id`, which a
         # lookup digests, does not (a text sub-config has none): leave it out so that the two digests agree.
-        from .optimum.registration import EXPORT_ARCHITECTURES  # noqa: PLC0415
+        from optimum_qwen35.optimum.registration import EXPORT_ARCHITECTURES  # noqa: PLC0415
 
         if getattr(text_config, "architectures", None) == [EXPORT_ARCHITECTURES.get(text_config.model_type)]:
             text_config.architectures = None
@@ -977,7 +977,7 @@ def lookup_registry(
     if cache_repo is not None:
         _check_repo_id(cache_repo)
     hub_cache, _, _ = _optimum_neuron()
-    from .config import register_transformers_configs
+    from optimum_qwen35.config import register_transformers_configs
 
     register_transformers_configs()
     with _hub_errors("look up the cache registry for", model_id, None):

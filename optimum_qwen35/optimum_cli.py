@@ -85,7 +85,7 @@ def cpu_command(kept: list[str]) -> str:
 
 def check_cpu_export(export: list[str]) -> None:
     """What `optimum-qwen35 export --target cpu` checks before compiling (folder, sizes, TP degree, source)."""
-    from .cli import export_parser, check_export  # noqa: PLC0415
+    from optimum_qwen35.cli import export_parser, check_export  # noqa: PLC0415
 
     check_export(export_parser().parse_args([*export, "--target", "cpu"]))
 
@@ -102,8 +102,8 @@ def message(arguments: list[str]) -> str:
 
 
 def run(arguments: list[str]) -> int:
-    from .cli import main  # noqa: PLC0415
-    from .errors import Qwen35Error  # noqa: PLC0415
+    from optimum_qwen35.cli import main  # noqa: PLC0415
+    from optimum_qwen35.errors import Qwen35Error  # noqa: PLC0415
 
     try:
         export, instance_type, _ = translate(arguments)

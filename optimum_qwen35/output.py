@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ExportError, UsageError
+from optimum_qwen35.errors import ExportError, UsageError
 
 # Files that mark a folder as a model or an export this package (or transformers, optimum-neuron) wrote.
 MODEL_MARKERS = ("config.json", "tp_shards.json", "neuron_config.json", "model.safetensors.index.json", "model.pt")

@@ -28,7 +28,7 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_processing_base import ImageProcessingMixin
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
 
-from .errors import MissingDependencyError, UsageError
+from optimum_qwen35.errors import MissingDependencyError, UsageError
 
 _NO_VIDEO = (
     "videos are not supported: the Qwen3.5 export runs images only (pass images=, or frames as separate images)"
@@ -44,7 +44,7 @@ def copy_processor_files(model_id, target: str | os.PathLike, revision=None, tok
     """The checkpoint's processor files into a vision export (from a folder, or a Hub id downloaded for them alone)."""
     source = Path(model_id)
     if not source.is_dir():
-        from . import hub  # noqa: PLC0415
+        from optimum_qwen35 import hub  # noqa: PLC0415
 
         source = hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=list(PROCESSOR_FILES))
     for name in PROCESSOR_FILES:
@@ -147,8 +147,8 @@ def _largest_image_bucket(path, hub_kwargs) -> int | None:
     """The largest image bucket (in patches) of a vision export: a cpu-target export names its buckets in
     `compiled/graphs.json`, a Neuron export in its config.json (`neuron.state_dict.VISION_EXPORT_KEY`). None for a
     checkpoint or a text-only export."""
-    from .neuron.state_dict import VISION_EXPORT_KEY  # noqa: PLC0415
-    from .runtime.compiled import COMPILED_DIR, GRAPHS_FILE  # noqa: PLC0415
+    from optimum_qwen35.neuron.state_dict import VISION_EXPORT_KEY  # noqa: PLC0415
+    from optimum_qwen35.runtime.compiled import COMPILED_DIR, GRAPHS_FILE  # noqa: PLC0415
 
     graphs = _export_file(path, f"{COMPILED_DIR}/{GRAPHS_FILE}", hub_kwargs)
     if graphs is not None:

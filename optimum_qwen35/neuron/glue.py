@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..modeling.state import StateSpec
+from optimum_qwen35.modeling.state import StateSpec
 
 # Graph outputs: [logits, *held state]: the held state j is output STATE_OUTPUT_OFFSET + j.
 STATE_OUTPUT_OFFSET = 1
@@ -176,7 +176,7 @@ def restore_state_dtypes(held: Sequence[torch.nn.Parameter], specs: Sequence[Sta
 def restore_fp32_parameters(module: torch.nn.Module) -> None:
     """The DeltaNet gate parameters (`precision.FP32_PARAMETERS`) back to fp32 after the same load-time cast, in place
     on the same Parameter objects, so that the traced graph takes them as the per-rank weights hold them (fp32)."""
-    from ..modeling.precision import FP32_PARAMETERS  # noqa: PLC0415
+    from optimum_qwen35.modeling.precision import FP32_PARAMETERS  # noqa: PLC0415
 
     for name, param in module.named_parameters():
         if name.endswith(FP32_PARAMETERS) and param.dtype != torch.float32:
@@ -226,7 +226,7 @@ def kernel_backend(requested: str | None = None, target: str | None = None, real
             f"({', '.join(NKI_TARGETS)}); use 'torch'"
         )
     if real_nki is None:
-        from ..kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
+        from optimum_qwen35.kernels.nki_import import USING_EMULATOR  # noqa: PLC0415
 
         real_nki = not USING_EMULATOR
     if not real_nki:

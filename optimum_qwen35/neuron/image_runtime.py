@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UsageError
-from ..runtime.cpu import Qwen35ForCausalLM
-from ..runtime.vision import ImageInputs
-from . import glue
+from optimum_qwen35.errors import UsageError
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.runtime.vision import ImageInputs
+from optimum_qwen35.neuron import glue
 
 
 class NxDImageRuntime(ImageInputs, Qwen35ForCausalLM):

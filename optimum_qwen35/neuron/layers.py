@@ -37,8 +37,8 @@ from neuronx_distributed.parallel_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from ..modeling.moe import weighted_sum
-from ..modeling.precision import NeuronPrecision
+from optimum_qwen35.modeling.moe import weighted_sum
+from optimum_qwen35.modeling.precision import NeuronPrecision
 
 
 class VocabGatheringHead(ColumnParallelLinear):

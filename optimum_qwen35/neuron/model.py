@@ -41,14 +41,14 @@ LOGITS_MODEL_TAG = "context_logits_model"
 # The image graphs of a vision export (`vision_graph_builders`), beside one `vision_<N>` graph per image bucket.
 IMAGE_CONTEXT_MODEL_TAG, IMAGE_TOKEN_MODEL_TAG = "image_context_encoding", "image_token_generation"
 
-from ..errors import UsageError
-from ..modeling.decoder import Qwen35Decoder
-from ..modeling.vision import VisionEncoder, image_bucket_inputs
-from ..optimum.neuron_config import nxd_neuron_config
-from ..optimum.scoring import causal_lm_forward
-from . import glue
-from . import state_dict as weights
-from .layers import NxDLayers
+from optimum_qwen35.errors import UsageError
+from optimum_qwen35.modeling.decoder import Qwen35Decoder
+from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
+from optimum_qwen35.optimum.neuron_config import nxd_neuron_config
+from optimum_qwen35.optimum.scoring import causal_lm_forward
+from optimum_qwen35.neuron import glue
+from optimum_qwen35.neuron import state_dict as weights
+from optimum_qwen35.neuron.layers import NxDLayers
 
 
 def shard_file(checkpoint_dir: str, rank: int) -> str:
@@ -295,7 +295,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
             if stopping_criteria is not None:  # optimum-neuron's loop (NxDGenerationMixin) takes it as a keyword
                 kwargs["stopping_criteria"] = stopping_criteria
             return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
-        from ..optimum import generation  # noqa: PLC0415
+        from optimum_qwen35.optimum import generation  # noqa: PLC0415
 
         return generation.generate(
             self._runtime_for_images(), self.generation_config, input_ids, attention_mask, generation_config,
@@ -305,11 +305,11 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def _runtime_for_images(self):
         vision = weights.vision_export(self.config)
         if vision is None:
-            from ..optimum.generation import TEXT_ONLY_EXPORT  # noqa: PLC0415
+            from optimum_qwen35.optimum.generation import TEXT_ONLY_EXPORT  # noqa: PLC0415
 
             raise UsageError(TEXT_ONLY_EXPORT)
         if getattr(self, "_images", None) is None:
-            from .image_runtime import NxDImageRuntime  # noqa: PLC0415
+            from optimum_qwen35.neuron.image_runtime import NxDImageRuntime  # noqa: PLC0415
 
             self._images = NxDImageRuntime(self._traced_model, self.config, vision[0], self.neuron_config, vision[1])
         return self._images
@@ -404,7 +404,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         saving needs the compiled graphs)."""
         super()._save_pretrained(save_directory, **kwargs)
         if weights.vision_export(self.config) is not None:
-            from ..processing import copy_processor_files  # noqa: PLC0415
+            from optimum_qwen35.processing import copy_processor_files  # noqa: PLC0415
 
             copy_processor_files(self.config._name_or_path, save_directory)
 

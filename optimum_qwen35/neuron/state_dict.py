@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.experts import fuse, fuse_expert_names
-from ..checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes, stored_dtype
-from ..checkpoint.reader import text_name
-from ..checkpoint.shard import shard_dim, tp_layout
-from ..config import Qwen35Config
+from optimum_qwen35.checkpoint.experts import fuse, fuse_expert_names
+from optimum_qwen35.checkpoint.convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes, stored_dtype
+from optimum_qwen35.checkpoint.reader import text_name
+from optimum_qwen35.checkpoint.shard import shard_dim, tp_layout
+from optimum_qwen35.config import Qwen35Config
 
 # The rank tensor of the vocabulary-parallel embedding (neuronx-distributed's SPMDRank inside ParallelEmbedding).
 RANK_KEY = "embed_tokens.rank_util.rank"
@@ -158,7 +158,7 @@ VISION_PREFIX = "visual."
 
 def vision_export(config):
     """(VisionConfig, image buckets) of a vision export's config, None for a text-only one."""
-    from ..modeling.vision import VisionConfig  # noqa: PLC0415
+    from optimum_qwen35.modeling.vision import VisionConfig  # noqa: PLC0415
 
     entry = getattr(config, VISION_EXPORT_KEY, None)
     if not entry:
@@ -176,8 +176,8 @@ def with_vision_export(config, vision, image_buckets) -> None:
 def vision_rank_state_dict(checkpoint_path, vision, tp_degree: int, rank: int, dtype) -> dict[str, torch.Tensor]:
     """Rank `rank`'s vision tower tensors (`Qwen35NxDVisionModel`'s names: `visual.` + the tower's), read from the
     checkpoint and split by heads (`modeling.vision.shard_vision_params`)."""
-    from ..modeling.vision import shard_vision_params  # noqa: PLC0415
-    from ..runtime.vision import load_vision_encoder  # noqa: PLC0415
+    from optimum_qwen35.modeling.vision import shard_vision_params  # noqa: PLC0415
+    from optimum_qwen35.runtime.vision import load_vision_encoder  # noqa: PLC0415
 
     tower = load_vision_encoder(checkpoint_path, vision, dtype).state_dict()
     return {VISION_PREFIX + k: v.contiguous() for k, v in shard_vision_params(tower, tp_degree, rank).items()}

@@ -10,11 +10,11 @@ __all__ = ["Qwen35NeuronModelForCausalLM", "register"]
 
 def __getattr__(name: str):
     if name == "Qwen35NeuronModelForCausalLM":
-        from .modeling import Qwen35NeuronModelForCausalLM
+        from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM
 
         return Qwen35NeuronModelForCausalLM
     if name == "register":
-        from .registration import register
+        from optimum_qwen35.optimum.registration import register
 
         return register
     raise AttributeError(name)

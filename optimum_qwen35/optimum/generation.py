@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from ..errors import UsageError
+from optimum_qwen35.errors import UsageError
 
 logger = logging.getLogger(__name__)
 # Images given to an export without vision graphs (the cpu and the Neuron targets).

@@ -41,15 +41,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from ..quiet import optimum_neuron_import
+from optimum_qwen35.quiet import optimum_neuron_import
 
 with optimum_neuron_import():  # no device-probe error or trn1-override warning on a machine without Neuron
     from optimum.neuron.models.inference.modeling_utils import NeuronModelForCausalLM
 
-from ..config import Qwen35Config
-from ..errors import ExportError, IncompatibleExportError, ModelNotFoundError, UsageError
-from . import neuron_config as nc
-from . import registration
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import ExportError, IncompatibleExportError, ModelNotFoundError, UsageError
+from optimum_qwen35.optimum import neuron_config as nc
+from optimum_qwen35.optimum import registration
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _neuron_model_class(target: str):
     """The class that builds and runs the Neuron targets' graphs (`neuron/model.py`; imports the Neuron SDK)."""
     if not _neuron_sdk_available():
         raise _neuron_backend_unavailable(target)
-    from ..neuron.model import Qwen35NxDModelForCausalLM  # noqa: PLC0415
+    from optimum_qwen35.neuron.model import Qwen35NxDModelForCausalLM  # noqa: PLC0415
 
     return Qwen35NxDModelForCausalLM
 
@@ -99,7 +99,7 @@ def _local_or_download(model_id: str | os.PathLike, revision=None, token=None, a
         return path
     if path.exists():
         raise ModelNotFoundError(f"{model_id} is a file, not a model folder")
-    from .. import hub  # noqa: PLC0415
+    from optimum_qwen35 import hub  # noqa: PLC0415
 
     return hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=allow_patterns)
 
@@ -254,8 +254,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             # export's graphs and tower weights come with it, named in the config it saves.
             neuron_vision = None
             if vision:
-                from ..modeling.vision import VisionConfig  # noqa: PLC0415
-                from ..runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
+                from optimum_qwen35.modeling.vision import VisionConfig  # noqa: PLC0415
+                from optimum_qwen35.runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
 
                 # `config` is the text part (optimum-neuron's export hands that on): the tower is in the whole one.
                 tower = VisionConfig.from_dict(AutoConfig.from_pretrained(model_id, revision=revision, token=token).to_dict())
@@ -274,9 +274,9 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 trust_remote_code=trust_remote_code,
                 load_weights=load_weights,
             )
-        from ..checkpoint.shard import save_sharded  # noqa: PLC0415
-        from ..runtime.compiled import CHECKPOINT_DIR, COMPILED_DIR, compile_graphs  # noqa: PLC0415
-        from ..runtime.cpu import default_buckets  # noqa: PLC0415
+        from optimum_qwen35.checkpoint.shard import save_sharded  # noqa: PLC0415
+        from optimum_qwen35.runtime.compiled import CHECKPOINT_DIR, COMPILED_DIR, compile_graphs  # noqa: PLC0415
+        from optimum_qwen35.runtime.cpu import default_buckets  # noqa: PLC0415
 
         source = _local_or_download(model_id, revision, token, allow_patterns=CHECKPOINT_PATTERNS)
         qwen_config = Qwen35Config.from_pretrained(source)
@@ -284,7 +284,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         dtype = neuron_config.torch_dtype
         vision_config = _vision_export_config(qwen_config, neuron_config, source) if vision else None
         if vision:
-            from ..runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
+            from optimum_qwen35.runtime.vision import DEFAULT_IMAGE_BUCKETS  # noqa: PLC0415
 
             image_buckets = _image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
         work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
@@ -292,10 +292,10 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             save_sharded(source, qwen_config, neuron_config.tp_degree, work / CHECKPOINT_DIR, dtype)
             _copy_side_files(source, work)
             if vision:
-                from ..runtime.compiled import save_vision_weights  # noqa: PLC0415
+                from optimum_qwen35.runtime.compiled import save_vision_weights  # noqa: PLC0415
 
                 save_vision_weights(source, vision_config, dtype, work / CHECKPOINT_DIR)
-                from ..processing import copy_processor_files  # noqa: PLC0415
+                from optimum_qwen35.processing import copy_processor_files  # noqa: PLC0415
 
                 copy_processor_files(source, work)
             config = _export_config(config, model_id, dtype)
@@ -359,7 +359,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
 
     @classmethod
     def _load(cls, model_id, revision, token, source: dict, expected: dict, given_as: dict, config=None):
-        from .. import hub  # noqa: PLC0415
+        from optimum_qwen35 import hub  # noqa: PLC0415
 
         export = expected.pop("export", False)
         subfolder = source.pop("subfolder", None)
@@ -391,7 +391,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def _from_compile_cache(cls, model_id: str, revision, token, **expected):
         """A Hub model (not an export) whose configuration is registered in the compile cache: exported now
         with the cached graphs (optimum-neuron's vLLM loader does the same with cached NEFFs)."""
-        from .. import hub  # noqa: PLC0415
+        from optimum_qwen35 import hub  # noqa: PLC0415
 
         target = nc.normalize_target(expected.get("target") or "cpu")
         dtype = expected.get("dtype")
@@ -436,7 +436,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def runtime(self):
         """The loaded graphs (`runtime.compiled.CompiledQwen35ForCausalLM`), started on first use."""
         if self._runtime is None:
-            from ..runtime.compiled import (  # noqa: PLC0415
+            from optimum_qwen35.runtime.compiled import (  # noqa: PLC0415
                 CompiledQwen35ForCausalLM,
                 CompiledQwen35ForImageTextToText,
                 read_graphs_manifest,
@@ -457,14 +457,14 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         Batches larger than the compiled batch size run in waves. `token_type_ids` is accepted and ignored. A vision
         export also takes the processor's `pixel_values` and `image_grid_thw` (`mm_token_type_ids` is accepted:
         the image tokens are read from input_ids)."""
-        from .generation import generate  # noqa: PLC0415
+        from optimum_qwen35.optimum.generation import generate  # noqa: PLC0415
 
         return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer,
                         stopping_criteria=stopping_criteria, **kwargs)
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, seq_ids) -> torch.Tensor:
         """Continuous batching: start each row's prompt in slot `seq_ids[row]`; next-token logits [n, vocab]."""
-        from .generation import _token_lists  # noqa: PLC0415
+        from optimum_qwen35.optimum.generation import _token_lists  # noqa: PLC0415
 
         return self.runtime.prefill(_token_lists(input_ids, attention_mask), [int(s) for s in seq_ids])
 
@@ -492,7 +492,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         export, in waves of the compiled batch size, each row fresh from position 0 (no cache is read); the
         slots it borrows get their state back, so sequences running through prefill()/decode() are not disturbed.
         Inputs longer than the compiled sequence length are refused."""
-        from .scoring import causal_lm_forward  # noqa: PLC0415
+        from optimum_qwen35.optimum.scoring import causal_lm_forward  # noqa: PLC0415
 
         if kwargs.get("seq_ids") is not None:
             if attention_mask is not None or labels is not None:
@@ -544,7 +544,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def push_to_hub(self, *args, **kwargs):
         """Upload the export: `push_to_hub(repo_id, revision=..., private=..., token=...)`, or optimum-neuron's
         `push_to_hub(save_directory, repository_id, ...)`."""
-        from .. import hub  # noqa: PLC0415
+        from optimum_qwen35 import hub  # noqa: PLC0415
 
         if len(args) == 2:
             folder, repo_id = args
@@ -574,7 +574,7 @@ def check_save_directory(save_directory, overwrite: bool = False, source=None) -
 
 def _vision_export_config(qwen_config, neuron_config, source: Path):
     """The vision tower's config for `export(..., vision=True)`: a one-line error when the export cannot have one."""
-    from ..modeling.vision import VisionConfig  # noqa: PLC0415
+    from optimum_qwen35.modeling.vision import VisionConfig  # noqa: PLC0415
 
     vision = VisionConfig.from_dict(qwen_config.raw)
     if vision is None:
@@ -651,7 +651,7 @@ def _export_config(config, model_id, dtype, vision=None):
     # which this package registers with vLLM (registration.vllm_plugin).
     config.architectures = [registration.EXPORT_ARCHITECTURES[config.model_type]]
     if vision is not None:
-        from ..neuron.state_dict import with_vision_export  # noqa: PLC0415
+        from optimum_qwen35.neuron.state_dict import with_vision_export  # noqa: PLC0415
 
         with_vision_export(config, *vision)
     return config
@@ -674,8 +674,8 @@ def _is_export_repo(model_id, revision, token, subfolder=None) -> bool:
 def _graphs_from_cache(folder: Path) -> bool:
     """The compiled graphs of this configuration from the compile-cache repo (as optimum-neuron takes NEFFs
     from its cache), for an export of a Hub model; False (compile) on a miss, offline, or any Hub error."""
-    from .. import hub  # noqa: PLC0415
-    from ..errors import HubError  # noqa: PLC0415
+    from optimum_qwen35 import hub  # noqa: PLC0415
+    from optimum_qwen35.errors import HubError  # noqa: PLC0415
 
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
@@ -727,8 +727,8 @@ def _available_neuron_cores() -> int:
 
 def _check_cpu_export(folder: Path, neuron_config) -> None:
     """The compiled graphs and the weights must be the ones neuron_config.json describes."""
-    from ..checkpoint.shard import read_manifest  # noqa: PLC0415
-    from ..runtime.compiled import CHECKPOINT_DIR, read_graphs_manifest  # noqa: PLC0415
+    from optimum_qwen35.checkpoint.shard import read_manifest  # noqa: PLC0415
+    from optimum_qwen35.runtime.compiled import CHECKPOINT_DIR, read_graphs_manifest  # noqa: PLC0415
 
     graphs = read_graphs_manifest(folder)
     for key, value in (("tp_degree", neuron_config.tp_degree), ("batch_size", neuron_config.batch_size), ("max_length", neuron_config.sequence_length)):

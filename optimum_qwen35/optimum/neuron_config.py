@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import IncompatibleExportError, UsageError
-from ..validation import parse_dtype
+from optimum_qwen35.errors import IncompatibleExportError, UsageError
+from optimum_qwen35.validation import parse_dtype
 
 NEURON_CONFIG_FILE = "neuron_config.json"
 CPU_TARGET = "cpu"

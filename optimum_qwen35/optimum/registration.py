@@ -48,7 +48,7 @@ VLLM_CPU_WORKER = "optimum_qwen35.optimum.vllm_worker.Qwen35CpuExportWorker"
 
 def register_transformers() -> bool:
     """Teach transformers' AutoConfig the Qwen3.5 configs where it lacks them. True if it registered."""
-    from ..config import register_transformers_configs
+    from optimum_qwen35.config import register_transformers_configs
 
     return register_transformers_configs()
 
@@ -62,7 +62,7 @@ class Qwen35ExportLoader:
 
     @classmethod
     def from_pretrained(cls, model_id, *args, revision=None, token=None, **kwargs):
-        from .modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
+        from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
 
         return Qwen35NeuronModelForCausalLM.from_pretrained(model_id, revision=revision, token=token)
 
@@ -105,7 +105,7 @@ def register_optimum_neuron() -> None:
     modeling = sys.modules.get(f"{__package__}.modeling")
     if modeling is not None and not hasattr(modeling, "Qwen35NeuronModelForCausalLM"):
         return  # the model module is importing optimum.neuron right now: it registers its class when done
-    from .modeling import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM
 
     register_model_class(Qwen35NeuronModelForCausalLM)
 
@@ -128,7 +128,7 @@ def register_model_class(cls) -> None:
         if text_config.__module__.startswith("optimum_qwen35."):
             _map_export_loader(text_config)
     # The image-text-to-text pipeline checks against a fixed list of class names, which nothing can extend.
-    from ..quiet import image_text_to_text_pipeline, pipeline_device_line  # noqa: PLC0415
+    from optimum_qwen35.quiet import image_text_to_text_pipeline, pipeline_device_line  # noqa: PLC0415
 
     image_text_to_text_pipeline([cls.__name__])
     pipeline_device_line([cls.__name__])
@@ -212,10 +212,10 @@ def _missing_models_in_one_line() -> None:
 
     def from_pretrained(cls, model_id, *args, **kwargs):
         if inspect.isabstract(cls) and isinstance(model_id, (str, os.PathLike)) and not Path(model_id).is_dir():
-            from ..hub import download_checkpoint  # noqa: PLC0415
+            from optimum_qwen35.hub import download_checkpoint  # noqa: PLC0415
 
             if Path(model_id).exists():
-                from ..errors import ModelNotFoundError  # noqa: PLC0415
+                from optimum_qwen35.errors import ModelNotFoundError  # noqa: PLC0415
 
                 raise ModelNotFoundError(f"{model_id} is a file, not an export folder")
             download_checkpoint(os.fspath(model_id), kwargs.get("revision"), kwargs.get("token"), allow_patterns=["config.json"])

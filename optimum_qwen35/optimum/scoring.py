@@ -12,8 +12,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import UsageError
-from .generation import _token_lists
+from optimum_qwen35.errors import UsageError
+from optimum_qwen35.optimum.generation import _token_lists
 
 # What forward() accepts without using: transformers' pipelines and harnesses pass them.
 IGNORED = ("use_cache", "position_ids", "token_type_ids")

@@ -56,7 +56,7 @@ class Qwen35CpuExportRunner(_runner.OptimumNeuronModelRunnerForCausalLM):
     """optimum-neuron's runner; the export is loaded by this package's class (no Neuron core or compiler check)."""
 
     def load_model(self) -> None:
-        from .modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
+        from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM  # noqa: PLC0415
 
         model = Qwen35NeuronModelForCausalLM.from_pretrained(self.model_config.model)
         self.model = OptimumNeuronModelForCausalLM(model)

@@ -45,21 +45,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import Qwen35Config
-from .. import validation
-from ..errors import IncompatibleExportError, Qwen35Error, UsageError
-from ..modeling.decoder import (
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35 import validation
+from optimum_qwen35.errors import IncompatibleExportError, Qwen35Error, UsageError
+from optimum_qwen35.modeling.decoder import (
     ContextEncodingGraph,
     ImageContextEncodingGraph,
     ImageTokenGenerationGraph,
     Qwen35Decoder,
     TokenGenerationGraph,
 )
-from ..modeling.parallel import TorchLayers
-from ..modeling.precision import to_model_dtype
-from ..modeling.state import StateSpec, allocate_state
-from .cpu import Qwen35ForCausalLM, rank_tensors
-from .vision import ImageInputs
+from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.precision import to_model_dtype
+from optimum_qwen35.modeling.state import StateSpec, allocate_state
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, rank_tensors
+from optimum_qwen35.runtime.vision import ImageInputs
 
 COMPILED_DIR = "compiled"
 CHECKPOINT_DIR = "checkpoint"
@@ -183,7 +183,7 @@ def compile_graphs(
     plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
     vision_manifest = None
     if vision is not None:
-        from ..modeling.vision import VisionEncoder, image_bucket_inputs  # noqa: PLC0415
+        from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs  # noqa: PLC0415
 
         if tp_degree != 1:
             raise UsageError(f"a vision export needs tensor_parallel_size=1 (got {tp_degree}): the vision graphs are not sharded yet")
@@ -271,7 +271,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def load_rank_weights(folder: str | os.PathLike, manifest: dict, rank: int) -> list[torch.Tensor]:
     """One rank's weight inputs, in program order, from the export's `checkpoint/` shards."""
-    from ..checkpoint.shard import load_sharded  # noqa: PLC0415
+    from optimum_qwen35.checkpoint.shard import load_sharded  # noqa: PLC0415
 
     _, _, params = load_sharded(Path(folder) / CHECKPOINT_DIR, rank, manifest["tp_degree"], _dtype(manifest["dtype"]))
     params.update(rank_tensors(rank))
@@ -287,7 +287,7 @@ def save_vision_weights(source: str | os.PathLike, vision, dtype: torch.dtype, c
     """The vision tower's converted weights (modeling/vision.py) into `checkpoint/vision.safetensors`."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    from .vision import load_vision_encoder  # noqa: PLC0415
+    from optimum_qwen35.runtime.vision import load_vision_encoder  # noqa: PLC0415
 
     encoder = load_vision_encoder(source, vision, dtype)
     tensors = {n: t.contiguous() for n, t in encoder.state_dict().items()}
@@ -564,7 +564,7 @@ class CompiledQwen35ForImageTextToText(ImageInputs, CompiledQwen35ForCausalLM):
     """`CompiledQwen35ForCausalLM` of a vision export: `generate` takes images (runtime/vision.py `ImageInputs`)."""
 
     def __init__(self, folder: str | os.PathLike):
-        from ..modeling.vision import VisionConfig  # noqa: PLC0415
+        from optimum_qwen35.modeling.vision import VisionConfig  # noqa: PLC0415
 
         super().__init__(folder)
         manifest = self.graphs.manifest

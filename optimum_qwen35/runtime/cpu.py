@@ -23,20 +23,20 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import validation
-from ..checkpoint import CheckpointReader, convert_checkpoint
-from ..checkpoint.convert import check_finite
-from ..config import Qwen35Config
-from ..errors import CheckpointError, UsageError
-from ..modeling.decoder import (
+from optimum_qwen35 import validation
+from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
+from optimum_qwen35.checkpoint.convert import check_finite
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import CheckpointError, UsageError
+from optimum_qwen35.modeling.decoder import (
     ContextEncodingGraph,
     ImageContextEncodingGraph,
     ImageTokenGenerationGraph,
     Qwen35Decoder,
     TokenGenerationGraph,
 )
-from ..modeling.parallel import TorchLayers, pack_linears
-from ..modeling.state import allocate_state
+from optimum_qwen35.modeling.parallel import TorchLayers, pack_linears
+from optimum_qwen35.modeling.state import allocate_state
 
 DEFAULT_BUCKET_MIN = 64
 
@@ -57,7 +57,7 @@ def load_decoder(
     torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
     the tensor (`check_weights=False` skips that check; it exists to measure its cost).
     """
-    from ..checkpoint.shard import is_sharded_export, load_sharded  # noqa: PLC0415
+    from optimum_qwen35.checkpoint.shard import is_sharded_export, load_sharded  # noqa: PLC0415
 
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -79,7 +79,7 @@ def load_decoder(
     elif tp_degree == 1:
         params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
     else:
-        from ..checkpoint.shard import convert_and_shard  # noqa: PLC0415
+        from optimum_qwen35.checkpoint.shard import convert_and_shard  # noqa: PLC0415
 
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
     if check_weights and not sharded_export:  # load_sharded checked an export's weights

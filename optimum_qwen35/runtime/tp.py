@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from .. import validation
-from ..errors import IncompatibleExportError, Qwen35Error, UsageError
-from ..modeling.parallel import TorchLayers
-from .cpu import Qwen35ForCausalLM, default_buckets, load_decoder
+from optimum_qwen35 import validation
+from optimum_qwen35.errors import IncompatibleExportError, Qwen35Error, UsageError
+from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, default_buckets, load_decoder
 
 
 @dataclass
@@ -124,7 +124,7 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
 
 def _config(path, moe_parallel: str):
     """The folder's config, its MoE experts split as asked (a no-op for dense models)."""
-    from ..config import Qwen35Config  # noqa: PLC0415
+    from optimum_qwen35.config import Qwen35Config  # noqa: PLC0415
 
     return dataclasses.replace(Qwen35Config.from_pretrained(path), moe_parallel=moe_parallel)
 
@@ -150,8 +150,8 @@ def run_tensor_parallel(
     `moe_parallel` ("auto", "ep", "tp"): how a MoE model's ranks split the routed experts
     (`Qwen35Config.expert_parallel_mode`; a sharded export keeps the split it was written with).
     """
-    from ..checkpoint.shard import is_sharded_export, read_manifest  # noqa: PLC0415
-    from ..config import Qwen35Config  # noqa: PLC0415
+    from optimum_qwen35.checkpoint.shard import is_sharded_export, read_manifest  # noqa: PLC0415
+    from optimum_qwen35.config import Qwen35Config  # noqa: PLC0415
 
     if "decode_steps" in renamed:
         n = renamed["decode_steps"]

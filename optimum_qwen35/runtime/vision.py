@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import validation
-from ..checkpoint import CheckpointReader
-from ..checkpoint.convert import check_finite
-from ..config import Qwen35Config
-from ..errors import CheckpointError, UnsupportedModelError, UsageError
-from ..modeling.vision import (
+from optimum_qwen35 import validation
+from optimum_qwen35.checkpoint import CheckpointReader
+from optimum_qwen35.checkpoint.convert import check_finite
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import CheckpointError, UnsupportedModelError, UsageError
+from optimum_qwen35.modeling.vision import (
     VisionConfig,
     VisionEncoder,
     convert_vision_tensor,
@@ -34,7 +34,7 @@ from ..modeling.vision import (
     image_bucket_inputs,
     rope_index,
 )
-from .cpu import Qwen35ForCausalLM, load_decoder
+from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
 
 # Patch rows per image bucket (16 x 16-pixel patches): 256 holds a 256 x 256 image, 1024 a 512 x 512 one,
 # 4096 a 1024 x 1024 one.

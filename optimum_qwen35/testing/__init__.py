@@ -1,6 +1,6 @@
 """Test helpers: tiny random Qwen3.5 checkpoints in the exact on-disk format of the real ones."""
 
-from .tiny import (
+from optimum_qwen35.testing.tiny import (
     SPECIAL_TOKENS,
     MOE_EXPERT_FORMS,
     TINY_LAYOUTS,

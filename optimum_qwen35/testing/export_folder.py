@@ -81,7 +81,7 @@ def build_fake_export(
     import numpy as np
     from transformers import AutoConfig
 
-    from .. import register_transformers_configs
+    from optimum_qwen35 import register_transformers_configs
 
     register_transformers_configs()
     out, source = Path(out), Path(source)

@@ -341,7 +341,7 @@ def reference_hlos(kind: str, target: str, tp: int, dtype, batch_size: int = 2, 
     from optimum.neuron.models.inference.qwen3_moe.modeling_qwen3_moe import Qwen3MoeNxDModelForCausalLM
     from optimum.neuron.utils.instance import align_compilation_target
 
-    from .neuron_xla import Graph, lower, traced_parallel_state
+    from optimum_qwen35.testing.neuron_xla import Graph, lower, traced_parallel_state
 
     cls = {"qwen3": Qwen3NxDModelForCausalLM, "llama": LlamaNxDModelForCausalLM,
            "qwen3_moe": Qwen3MoeNxDModelForCausalLM}[kind]

@@ -30,9 +30,9 @@ import torch
 import torch_xla
 from transformers import AutoConfig
 
-from ..neuron import state_dict as weights
-from ..optimum import Qwen35NeuronModelForCausalLM
-from ..optimum.modeling import _export_config
+from optimum_qwen35.neuron import state_dict as weights
+from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+from optimum_qwen35.optimum.modeling import _export_config
 
 CONTEXT, TOKENS, LOGITS = "context_encoding", "token_generation", "context_logits_model"
 IMAGE_CONTEXT, IMAGE_TOKENS = "image_context_encoding", "image_token_generation"
@@ -59,7 +59,7 @@ def text_config(folder: str | os.PathLike):
 
 
 def model_class():
-    from ..neuron.model import Qwen35NxDModelForCausalLM
+    from optimum_qwen35.neuron.model import Qwen35NxDModelForCausalLM
 
     return Qwen35NxDModelForCausalLM
 
@@ -102,7 +102,7 @@ class Graph:
 
 
 def vision_config(folder: str | os.PathLike):
-    from ..modeling.vision import VisionConfig
+    from optimum_qwen35.modeling.vision import VisionConfig
 
     return VisionConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
