@@ -13,10 +13,10 @@ packages += ["optimum_qwen35.kernels"] + [f"optimum_qwen35.kernels.{p}" for p in
 # install carries it; an editable install (pip install -e) does not (see docs/optimum_neuron.md).
 STARTUP_FILE = "optimum_qwen35.pth"
 # optimum-cli loads every optimum/commands/register/*.py (a PEP 420 namespace): this one makes `optimum-cli export
-# neuron` say what to run where the Neuron SDK is missing (optimum_qwen35/optimum_cli.py). Regular installs only, like
+# neuron` say what to run where the Neuron SDK is missing (optimum_qwen35/optimum_neuron/optimum_cli.py). Regular installs only, like
 # the start-up file: an editable install's finder would map the whole namespace to one folder.
 OPTIMUM_CLI_FILE = os.path.join("optimum", "commands", "register", "register_optimum_qwen35.py")
-OPTIMUM_CLI_SOURCE = "from optimum_qwen35.optimum_cli import REGISTER_COMMANDS  # noqa: F401  (optimum-qwen35)\n"
+OPTIMUM_CLI_SOURCE = "from optimum_qwen35.optimum_neuron.optimum_cli import REGISTER_COMMANDS  # noqa: F401  (optimum-qwen35)\n"
 
 
 class BuildPyWithStartupFile(build_py):

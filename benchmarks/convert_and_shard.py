@@ -34,7 +34,7 @@ def build_checkpoint(folder: Path, config_file: Path = CONFIG, seed: int = 0) ->
     from tqdm.auto import tqdm
 
     from optimum_qwen35.checkpoint.convert import expected_shapes
-    from optimum_qwen35.checkpoint.shard import StreamingSafetensorsWriter
+    from optimum_qwen35.checkpoint.sharded_files import StreamingSafetensorsWriter
     from optimum_qwen35.config import Qwen35Config
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def peak_rss() -> int:
 
 def worker(src: str, out: str, tp_degree: int) -> None:
     """One conversion, in a fresh process: prints a JSON line with its peak RSS."""
-    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.checkpoint.sharded_files import save_sharded
 
     start = time.perf_counter()
     save_sharded(src, None, tp_degree, out, progress=True)
@@ -106,7 +106,7 @@ def load_worker(src: str, check: bool) -> None:
     import torch
 
     from optimum_qwen35.checkpoint.convert import check_finite
-    from optimum_qwen35.runtime.cpu import load_decoder
+    from optimum_qwen35.runtime.eager import load_decoder
 
     start = time.perf_counter()
     decoder = load_decoder(src, torch.bfloat16, check_weights=check)

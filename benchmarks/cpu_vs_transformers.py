@@ -12,7 +12,7 @@ LLLFLF` for 0.8B's widths with its real tied vocabulary), saves it in the real o
 side, in each dtype. Each side runs in its own worker process, loaded once per dtype:
 
 - `transformers`: `generate` (eager, its own cache);
-- `ours`: `Qwen35ForCausalLM.generate` of this checkout, a static batch of that size, linears prepacked for it as
+- `ours`: `Qwen35Runtime.generate` of this checkout, a static batch of that size, linears prepacked for it as
   `from_pretrained` does;
 - with `--against REV`: the same through the package as it was at git revision REV (`git archive` of it, imported
   in place of this checkout), so that a regression shows as a ratio measured side by side, not as a remembered
@@ -90,7 +90,7 @@ def load_hf(folder, dtype):
 
 
 def load_ours(folder, dtype):
-    from optimum_qwen35.runtime.cpu import load_decoder
+    from optimum_qwen35.runtime.eager import load_decoder
 
     return load_decoder(folder, dtype)
 
@@ -137,11 +137,11 @@ def run_hf(hf, prompts, decode):
 
 
 def run_ours(decoder, prompts, decode):
-    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     B, T = prompts.shape
-    # Packed as `Qwen35ForCausalLM.from_pretrained` packs (done before the clock starts, like transformers' load).
-    model = Qwen35ForCausalLM(decoder, batch_size=B, max_length=T + decode, buckets=[T], pack_weights=True)
+    # Packed as `Qwen35Runtime.from_pretrained` packs (done before the clock starts, like transformers' load).
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=B, max_length=T + decode, buckets=[T], pack_weights=True)
     clock = _Clock()
     clock.start = _now()
     out = model.generate(prompts.tolist(), max_new_tokens=decode, streamer=lambda step, tokens: clock.token())
@@ -271,9 +271,9 @@ def peak_rss_child(args) -> None:
     prompt = prompts_for(1, args.long, model_vocab(args.model))
     model = load_hf(args.model, dtype) if args.rss_child == "transformers" else load_ours(args.model, dtype)
     if args.rss_child == "ours":
-        from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+        from optimum_qwen35.runtime import Qwen35Runtime
 
-        model = Qwen35ForCausalLM(model, batch_size=1, max_length=args.long + args.decode, buckets=[args.long],
+        model = Qwen35Runtime.from_decoder(model, batch_size=1, max_length=args.long + args.decode, buckets=[args.long],
                                   pack_weights=True)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (Linux >= 4.0)

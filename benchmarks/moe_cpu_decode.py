@@ -76,7 +76,7 @@ def load_hf(folder: str, dtype: torch.dtype, experts: str | None):
 
 def worker(args) -> None:
     """One side: JSON commands on stdin ("load" a dtype, "drop" it, "run" a batch), one JSON answer per line."""
-    from optimum_qwen35.runtime.cpu import load_decoder
+    from optimum_qwen35.runtime.eager import load_decoder
 
     model = None
     for line in sys.stdin:

@@ -32,7 +32,7 @@ from optimum_qwen35.checkpoint.convert import stored_dtype
 from optimum_qwen35.checkpoint.shard import sharded_shapes
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 
 TESTS = Path(__file__).parents[1] / "tests"
 CONFIGS = [TESTS / f"qwen3.5-{size}.config.json" for size in ("35b-a3b", "122b-a10b", "397b-a17b")]

@@ -28,7 +28,7 @@ import optimum.neuron  # noqa: E402,F401  (sets the compilation target, which ne
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from optimum_qwen35.testing.neuron_xla import (  # noqa: E402
+from tests.kit.neuron_xla import (  # noqa: E402
     CONTEXT,
     TOKENS,
     build_graphs,

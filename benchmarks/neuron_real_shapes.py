@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
 from optimum_qwen35.modeling.attention import QUERY_BLOCK  # noqa: E402
-from optimum_qwen35.testing.neuron_xla import (  # noqa: E402
+from tests.kit.neuron_xla import (  # noqa: E402
     CONTEXT,
     LOGITS,
     TOKENS,
@@ -405,7 +405,7 @@ class Lowered:
 def reference_census() -> set[str]:
     """The compiler contract's reference: optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE graphs, as its test
     builds it."""
-    from optimum_qwen35.testing import hlo_contract
+    from tests.kit import hlo_contract
 
     hlos = []
     for kind in hlo_contract.REFERENCE_MODELS:
@@ -419,7 +419,7 @@ def lower_configuration(size: str, tp: int, batch: int, sequence: int, target: s
                         keys=(CONTEXT, TOKENS), dtype=torch.bfloat16,
                         reference: set[str] | None = None) -> tuple[RankShapes, list[Lowered]]:
     """With `reference` (a contract census), each graph is also checked by `hlo_contract` on its proto."""
-    from optimum_qwen35.testing import hlo_contract
+    from tests.kit import hlo_contract
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_folder(size, Path(tmp))
@@ -453,7 +453,7 @@ def lower_moe(layers: int, tp: int, batch: int, sequence: int, reference: set[st
     """The 35B-A3B's context-encoding and token-generation graphs at its real widths (256 experts, top 8, hidden
     2048) with its first `layers` layers, shape-only, lowered; with `reference`, each checked by the compiler
     contract. Returns (graph, HLO instructions, dtype census, violations) per graph."""
-    from optimum_qwen35.testing import hlo_contract
+    from tests.kit import hlo_contract
 
     config = json.loads(MOE_CONFIG.read_text())
     text = config["text_config"]

@@ -64,15 +64,15 @@ def main() -> None:
     from transformers import Qwen3_5ForConditionalGeneration
 
     from optimum_qwen35.modeling.vision import image_bucket_inputs
-    from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     with tempfile.TemporaryDirectory() as folder:
         build(folder)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             hf = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
-            ours = Qwen35ForImageTextToText.from_pretrained(folder, max_length=2048, dtype=dtype, buckets=[256, 512, 1024, 2048],
-                                                    pack_weights=False)
+            ours = Qwen35Runtime.from_pretrained(folder, max_length=2048, dtype=dtype, buckets=[256, 512, 1024, 2048],
+                                                    pack_weights=False, vision=True)
             v = ours.vision_config
             size = sum(p.numel() * p.element_size() for p in ours.vision.parameters())
             print(f"\n{dtype_name}: vision tower weights {size / 2**20:.0f} MiB, threads {torch.get_num_threads()}")

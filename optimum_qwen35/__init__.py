@@ -8,8 +8,7 @@ as soon as the program imports them; the installed `optimum_qwen35.pth` does the
 from optimum_qwen35 import _startup
 from optimum_qwen35.config import Qwen35Config, register_transformers_configs
 from optimum_qwen35.errors import Qwen35Error, UnsupportedModelError
-
-__version__ = "0.1.0.dev0"
+from optimum_qwen35.version import __version__
 
 _startup.install()
 

@@ -1,41 +1,47 @@
 """The registration hook, installed by `import optimum_qwen35` and by the `optimum_qwen35.pth` start-up file.
 
 Standard library only. Once the program imports `transformers` or `optimum.neuron` (or right away, for
-those already imported), Qwen3.5 is registered there (see `optimum.registration`). A program that imports
+those already imported), Qwen3.5 is registered there (see `optimum_neuron/registration.py`). A program that imports
 neither pays nothing; one that imports transformers >= 5 (which has Qwen3.5) pays a version check.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import sys
 import warnings
 
+REGISTRATION = "optimum_qwen35.optimum_neuron.registration"
+MODEL_MODULE = "optimum_qwen35.optimum_neuron.modeling"  # registers its class in optimum-neuron's registry
+# watched module -> (module to import, function of it to call or None)
 _HOOKS = {
-    "transformers": "register_transformers",
-    "transformers.pipelines": "register_pipeline_loader",
-    "optimum.neuron": "register_optimum_neuron",
+    "transformers": (REGISTRATION, "register_transformers"),
+    "transformers.pipelines": (REGISTRATION, "register_pipeline_loader"),
+    "optimum.neuron": (MODEL_MODULE, None),
 }
 
 
-def _run(hook: str, module) -> None:
+def _run(watched: str, module) -> None:
+    target, function = _HOOKS[watched]
     transformers = sys.modules.get("transformers", module)
-    if hook != "register_optimum_neuron" and not getattr(transformers, "__version__", "5").startswith("4."):
+    if watched != "optimum.neuron" and not getattr(transformers, "__version__", "5").startswith("4."):
         return  # transformers >= 5 has Qwen3.5 itself
     try:
-        from optimum_qwen35.optimum import registration
-
-        getattr(registration, hook)()
+        # A module already importing (the model module importing optimum.neuron) is returned as it is: it registers
+        # its class when it is done.
+        registered = importlib.import_module(target)
+        if function is not None:
+            getattr(registered, function)()
     except Exception as error:  # noqa: BLE001 (an import hook must never break the program's import)
-        warnings.warn(f"optimum-qwen35 could not register Qwen3.5 ({hook}): {error}", stacklevel=2)
+        warnings.warn(f"optimum-qwen35 could not register Qwen3.5 ({watched}): {error}", stacklevel=2)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the loader of the watched modules so that the hook runs after them."""
 
     def find_spec(self, fullname, path, target=None):
-        hook = _HOOKS.get(fullname)
-        if hook is None:
+        if fullname not in _HOOKS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -54,14 +60,14 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                if hook == "register_optimum_neuron":  # its device probe and trn1-override warning: noise here
-                    from optimum_qwen35.quiet import optimum_neuron_import
+                if fullname == "optimum.neuron":  # its device probe and trn1-override warning: noise here
+                    from optimum_qwen35.patches import optimum_neuron_import  # start-up time: stdlib only until here
 
                     with optimum_neuron_import():
                         loader.exec_module(module)
                 else:
                     loader.exec_module(module)
-                _run(hook, module)
+                _run(fullname, module)
 
             def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
                 return getattr(loader, name)
@@ -75,6 +81,6 @@ def install() -> None:
     if any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, _RegisterAfterImport())
-    for name, hook in _HOOKS.items():
+    for name in _HOOKS:
         if name in sys.modules:
-            _run(hook, sys.modules[name])
+            _run(name, sys.modules[name])

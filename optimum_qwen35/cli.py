@@ -7,13 +7,16 @@ the commands, `optimum-qwen35 <command> --help` their options.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from optimum_qwen35.errors import CheckpointError, Qwen35Error, UsageError
+from optimum_qwen35.errors import CheckpointError, ExportError, Qwen35Error, UsageError
+from optimum_qwen35.export.writer import output_folder
+from optimum_qwen35.patches import VERBOSE_ENV
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -32,7 +35,7 @@ def _positive_int(text: str) -> int:
 
 def _load_tokenizer(model_dir: Path):
     """The folder's own tokenizer, read locally (never from the network)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # start-up time: this command only
 
     if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         raise CheckpointError(
@@ -46,13 +49,13 @@ def _load_tokenizer(model_dir: Path):
 
 
 def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw: bool) -> int:
-    import torch
-    from tqdm.auto import tqdm
+    import torch  # start-up time: this command only
+    from tqdm.auto import tqdm  # start-up time: this command only
 
-    from optimum_qwen35 import validation
-    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+    from optimum_qwen35 import validation  # start-up time: this command only
+    from optimum_qwen35.runtime import Qwen35Runtime  # start-up time: this command only
 
-    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.config import Qwen35Config  # start-up time: this command only
 
     if (Path(model_dir) / "neuron_config.json").is_file():  # before model_folder's "no weights" (they are in checkpoint/)
         raise UsageError(
@@ -61,7 +64,7 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
         )
     model_dir = validation.model_folder(model_dir, "generate")  # before anything is loaded
     if (model_dir / "tp_shards.json").is_file():
-        from optimum_qwen35.checkpoint.shard import read_manifest
+        from optimum_qwen35.checkpoint.sharded_files import read_manifest  # start-up time: this command only
 
         degree = read_manifest(model_dir)["tp_degree"]
         if degree != 1:
@@ -84,7 +87,7 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
         raise UsageError("the prompt is empty after tokenization: pass a non-empty --prompt")
     max_length = len(ids) + max_new_tokens
     start = time.perf_counter()
-    model = Qwen35ForCausalLM.from_pretrained(
+    model = Qwen35Runtime.from_pretrained(
         model_dir, batch_size=1, max_length=max_length, dtype=getattr(torch, dtype), buckets=[len(ids)]
     )
     loaded = time.perf_counter()
@@ -112,9 +115,8 @@ def _generate(model_dir: Path, prompt: str, max_new_tokens: int, dtype: str, raw
 
 
 def cmd_demo(args) -> int:
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from optimum_qwen35.tiny import build_tiny_checkpoint  # start-up time: this command only
 
-    from optimum_qwen35.output import output_folder
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.out) if args.out else Path(tmp) / "tiny-qwen3.5"
@@ -141,8 +143,8 @@ def check_export(args):
     Returns the neuron config."""
     if args.task != "text-generation":
         raise UsageError(f"--task {args.task!r} is not supported: Qwen3.5 exports for text-generation")
-    from optimum_qwen35.errors import ExportError
-    from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM, check_save_directory
+    from optimum_qwen35.export.cpu import check_save_directory  # start-up time: this command only
+    from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # (the same)
 
     try:
         check_save_directory(Path(args.out), args.overwrite, source=args.model)
@@ -160,7 +162,7 @@ def check_export(args):
 
 
 def cmd_export(args) -> int:
-    from optimum_qwen35.optimum.modeling import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # start-up time: this command only
 
     out = Path(args.out)
     neuron_config = check_export(args)
@@ -176,9 +178,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_shard(args) -> int:
-    import torch
+    import torch  # start-up time: this command only
 
-    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.checkpoint.sharded_files import save_sharded  # start-up time: this command only
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     out = save_sharded(args.model, None, args.tensor_parallel_size, args.out, dtype, overwrite=args.overwrite)
@@ -187,9 +189,8 @@ def cmd_shard(args) -> int:
 
 
 def cmd_build_tiny(args) -> int:
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from optimum_qwen35.tiny import build_tiny_checkpoint  # start-up time: this command only
 
-    from optimum_qwen35.output import output_folder
 
     with output_folder(args.out, overwrite=args.overwrite) as partial:
         build_tiny_checkpoint(partial, args.layout, seed=args.seed, dtype=args.dtype)
@@ -198,7 +199,7 @@ def cmd_build_tiny(args) -> int:
 
 
 def cmd_push(args) -> int:
-    from optimum_qwen35.hub import push_to_hub
+    from optimum_qwen35.hub import push_to_hub  # start-up time: this command only
 
     result = push_to_hub(
         args.folder,
@@ -221,14 +222,14 @@ def cmd_push(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from optimum_qwen35.hub import resolve_export
+    from optimum_qwen35.hub import resolve_export  # start-up time: this command only
 
     print(resolve_export(args.model, revision=args.revision, token=args.token, endpoint=args.endpoint))
     return 0
 
 
 def cmd_cache_sync(args) -> int:
-    from optimum_qwen35.hub import sync_registry
+    from optimum_qwen35.hub import sync_registry  # start-up time: this command only
 
     result = sync_registry(
         args.folder,
@@ -245,7 +246,7 @@ def cmd_cache_sync(args) -> int:
 
 
 def cmd_cache_lookup(args) -> int:
-    from optimum_qwen35.hub import lookup_registry
+    from optimum_qwen35.hub import lookup_registry  # start-up time: this command only
 
     entries = lookup_registry(
         args.model_id,
@@ -414,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.verbose:
-        import os
 
-        from optimum_qwen35.quiet import VERBOSE_ENV
 
         os.environ[VERBOSE_ENV] = "1"
     try:

@@ -24,29 +24,33 @@ import shutil
 from pathlib import Path
 
 import torch
+import transformers
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+from transformers import AutoImageProcessor, AutoTokenizer
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.image_processing_base import ImageProcessingMixin
 from transformers.processing_utils import ProcessingKwargs, ProcessorMixin
+from transformers.utils import is_torchvision_available
 
 from optimum_qwen35.errors import MissingDependencyError, UsageError
+from optimum_qwen35.export import layout
+from optimum_qwen35.hub.download import download_checkpoint
 
 _NO_VIDEO = (
     "videos are not supported: the Qwen3.5 export runs images only (pass images=, or frames as separate images)"
 )
 
-
 # The checkpoint's processor files, copied unchanged into a vision export: `AutoProcessor` (where torchvision works)
 # and `Qwen35Processor` load from it.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+PROCESSOR_FILES = layout.PROCESSOR_FILES
 
 
 def copy_processor_files(model_id, target: str | os.PathLike, revision=None, token=None) -> None:
     """The checkpoint's processor files into a vision export (from a folder, or a Hub id downloaded for them alone)."""
     source = Path(model_id)
     if not source.is_dir():
-        from optimum_qwen35 import hub  # noqa: PLC0415
-
-        source = hub.download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=list(PROCESSOR_FILES))
+        source = download_checkpoint(os.fspath(model_id), revision, token, allow_patterns=list(PROCESSOR_FILES))
     for name in PROCESSOR_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, Path(target) / name)
@@ -66,7 +70,7 @@ def to_rgb(image):
     """A PIL image in RGB as transformers 5 converts it: any transparency (an alpha band, or a palette or grey image
     with a transparent colour) composited onto white. transformers 4.57 drops the alpha channel instead, so the
     model would see the colours hidden under transparent pixels."""
-    from PIL import Image  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415 (optional dependency: the `vision` extra)
 
     if "A" not in image.getbands() and image.info.get("transparency") is None:
         return image.convert("RGB")
@@ -77,7 +81,7 @@ def to_rgb(image):
 def read_image(source):
     """A local image file (or an opened PIL image) decoded now, upright (EXIF), in RGB: a truncated or unreadable
     file raises `UsageError` naming it, instead of failing later inside the image processor."""
-    from PIL import Image, ImageOps  # noqa: PLC0415
+    from PIL import Image, ImageOps  # noqa: PLC0415 (optional dependency: the `vision` extra)
 
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else getattr(source, "filename", "") or "an image"
     try:
@@ -90,7 +94,7 @@ def read_image(source):
 
 def _prepare_images(images):
     """`images=` of the processor: PIL images and local files read by `read_image`, nested lists kept."""
-    from PIL import Image  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415 (optional dependency: the `vision` extra)
 
     if isinstance(images, (list, tuple)):
         return [_prepare_images(image) for image in images]
@@ -101,7 +105,7 @@ def _prepare_images(images):
 
 def _prepare_messages(conversation):
     """The chat messages with each local image file or PIL image read by `read_image` (copies; the caller's stay)."""
-    from PIL import Image  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415 (optional dependency: the `vision` extra)
 
     if isinstance(conversation, (list, tuple)):
         return [_prepare_messages(item) for item in conversation]
@@ -121,7 +125,7 @@ def _prepare_messages(conversation):
 
 def _require_pillow() -> None:
     try:
-        from PIL import Image  # noqa: F401, PLC0415
+        from PIL import Image  # noqa: F401, PLC0415 (optional dependency: the `vision` extra)
     except ImportError as error:
         raise MissingDependencyError(
             "the Qwen3.5 image processor needs Pillow: pip install Pillow (or pip install \"optimum-qwen35[vision]\")"
@@ -131,10 +135,6 @@ def _require_pillow() -> None:
 def _image_processor_from_pretrained(path, **kwargs):
     """The checkpoint's image processor: the torchvision form where torchvision imports, the Pillow form elsewhere,
     chosen up front so that transformers does not warn about falling back."""
-    import transformers  # noqa: PLC0415
-    from transformers import AutoImageProcessor  # noqa: PLC0415
-    from transformers.utils import is_torchvision_available  # noqa: PLC0415
-
     if "use_fast" not in kwargs and "backend" not in kwargs:
         if int(transformers.__version__.split(".")[0]) >= 5:
             kwargs["backend"] = "torchvision" if is_torchvision_available() else "pil"
@@ -145,17 +145,15 @@ def _image_processor_from_pretrained(path, **kwargs):
 
 def _largest_image_bucket(path, hub_kwargs) -> int | None:
     """The largest image bucket (in patches) of a vision export: a cpu-target export names its buckets in
-    `compiled/graphs.json`, a Neuron export in its config.json (`neuron.state_dict.VISION_EXPORT_KEY`). None for a
+    `compiled/graphs.json`, a Neuron export in its config.json (`export.layout.VISION_EXPORT_KEY`). None for a
     checkpoint or a text-only export."""
-    from optimum_qwen35.neuron.state_dict import VISION_EXPORT_KEY  # noqa: PLC0415
-    from optimum_qwen35.runtime.compiled import COMPILED_DIR, GRAPHS_FILE  # noqa: PLC0415
 
-    graphs = _export_file(path, f"{COMPILED_DIR}/{GRAPHS_FILE}", hub_kwargs)
+    graphs = _export_file(path, f"{layout.COMPILED_DIR}/{layout.GRAPHS_FILE}", hub_kwargs)
     if graphs is not None:
         vision = json.loads(graphs.read_text()).get("vision")
         return max(vision["image_buckets"]) if vision else None
     config = _export_file(path, "config.json", hub_kwargs)
-    vision = json.loads(config.read_text()).get(VISION_EXPORT_KEY) if config is not None else None
+    vision = json.loads(config.read_text()).get(layout.VISION_EXPORT_KEY) if config is not None else None
     return max(vision["image_buckets"]) if vision else None
 
 
@@ -163,9 +161,6 @@ def _export_file(path, name: str, hub_kwargs) -> Path | None:
     """A file of a folder or Hub repo; None when it has none."""
     if Path(path).is_dir():
         return Path(path) / name if (Path(path) / name).is_file() else None
-    from huggingface_hub import hf_hub_download  # noqa: PLC0415
-    from huggingface_hub.errors import EntryNotFoundError  # noqa: PLC0415
-
     try:
         return Path(hf_hub_download(str(path), name, **hub_kwargs))
     except EntryNotFoundError:
@@ -192,8 +187,6 @@ class Qwen35Processor(ProcessorMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """From a checkpoint or a vision export (a folder or a Hub id): its `preprocessor_config.json`, tokenizer
         and chat template."""
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         _require_pillow()
         hub_kwargs = {k: kwargs.pop(k) for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
         try:
@@ -248,7 +241,7 @@ class Qwen35Processor(ProcessorMixin):
 
     def apply_chat_template(self, conversation, chat_template=None, **kwargs):
         """transformers' (images inside the messages are read here), with an unreadable image file as one line."""
-        from PIL import UnidentifiedImageError  # noqa: PLC0415
+        from PIL import UnidentifiedImageError  # noqa: PLC0415 (optional dependency: the `vision` extra)
 
         conversation = _prepare_messages(conversation)
         try:

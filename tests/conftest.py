@@ -66,7 +66,7 @@ HUB_TOKENS = {"hf_alice_write": ("alice", True), "hf_alice_read": ("alice", Fals
 
 @pytest.fixture
 def hub_server(monkeypatch):
-    """A loopback stand-in Hub (optimum_qwen35.testing.hub_server) for this test, with the HUB_TOKENS.
+    """A loopback stand-in Hub (tests.kit.hub_server) for this test, with the HUB_TOKENS.
 
     In-process clients pass `endpoint=hub_server.url` (and `token=`); subprocesses get
     `hub_server.client_env(hf_home, token)` (HF_ENDPOINT, their own HF_HOME). The stand-in speaks the LFS
@@ -74,7 +74,7 @@ def hub_server(monkeypatch):
     switched off for the client here (HF_HUB_DISABLE_XET, read at import, hence the constant)."""
     from huggingface_hub import constants
 
-    from optimum_qwen35.testing.hub_server import HubServer
+    from tests.kit.hub_server import HubServer
 
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True, raising=False)
     with HubServer(tokens=HUB_TOKENS) as server:

@@ -2,7 +2,7 @@
 
 mutmut 3.8 swaps `<` and `<=` but has no operator that moves an integer expression by one (`n` -> `n - 1`), and it
 does not mutate the runtime (`noxfile.py` MUTATED). This script does both for the functions of
-`optimum_qwen35/runtime/cpu.py` that choose buckets, split chunks, place positions and stop rows:
+`optimum_qwen35/runtime/eager.py` that choose buckets, split chunks, place positions and stop rows:
 - comparisons: `<` <-> `<=`, `>` <-> `>=`;
 - `bisect_left` <-> `bisect_right`;
 - every integer expression of the bucket and chunk arithmetic moved by one, down and up: slice bounds, the arguments
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE = ROOT / ".mutation-boundaries"
-TARGET = "optimum_qwen35/runtime/cpu.py"
+TARGET = "optimum_qwen35/runtime/eager.py"
 FUNCTIONS = {
     "default_buckets", "default_key_buckets", "bucket_for", "key_bucket_for", "_check_length", "_seq_ids",
     "prefill", "decode", "logits", "generate",

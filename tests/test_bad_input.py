@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optimum_qwen35.checkpoint.shard import MANIFEST, load_sharded, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, rank_file
+from optimum_qwen35.checkpoint.sharded_files import load_sharded, save_sharded
 from optimum_qwen35.cli import main
 from optimum_qwen35.errors import (
     CheckpointError,
@@ -29,10 +30,11 @@ from optimum_qwen35.errors import (
     Qwen35Error,
     UsageError,
 )
-from optimum_qwen35.runtime import tp as tp_runtime
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
-from optimum_qwen35.runtime.tp import run_tensor_parallel
-from optimum_qwen35.testing import build_tiny_checkpoint
+from tests.kit import tp as tp_runtime
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder
+from tests.kit.tp import run_tensor_parallel
+from tests.kit import build_tiny_checkpoint
 
 VOCAB = 512  # the tiny checkpoints' vocabulary
 PREFIX = "model.language_model."
@@ -51,7 +53,7 @@ def export2(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=32)
+    return Qwen35Runtime.from_pretrained(ckpt, batch_size=2, max_length=32)
 
 
 @pytest.fixture
@@ -160,13 +162,13 @@ BAD_CONSTRUCTION = [
 @pytest.mark.parametrize("label,kwargs,error,message", BAD_CONSTRUCTION, ids=[c[0] for c in BAD_CONSTRUCTION])
 def test_bad_model_arguments(ckpt, label, kwargs, error, message):
     with pytest.raises(error) as err:
-        Qwen35ForCausalLM.from_pretrained(ckpt, **kwargs)
+        Qwen35Runtime.from_pretrained(ckpt, **kwargs)
     assert message in str(err.value)
 
 
 def test_constructor_needs_a_decoder(ckpt):
     with pytest.raises(UsageError, match=r"takes a loaded decoder, got PosixPath; to load a folder use .*from_pretrained"):
-        Qwen35ForCausalLM(ckpt)
+        Qwen35Runtime.from_decoder(ckpt)
 
 
 def test_dtype_by_name(ckpt):
@@ -174,8 +176,8 @@ def test_dtype_by_name(ckpt):
     for name in ("bfloat16", "bf16", "torch.bfloat16", "BF16"):
         decoder = load_decoder(ckpt, name)
         assert decoder.embed_tokens.weight.dtype == torch.bfloat16
-    model = Qwen35ForCausalLM.from_pretrained(ckpt, dtype="float32", max_length=16)
-    assert model.generate([[1, 2, 3]], 2) == Qwen35ForCausalLM.from_pretrained(ckpt, max_length=16).generate([[1, 2, 3]], 2)
+    model = Qwen35Runtime.from_pretrained(ckpt, dtype="float32", max_length=16)
+    assert model.generate([[1, 2, 3]], 2) == Qwen35Runtime.from_pretrained(ckpt, max_length=16).generate([[1, 2, 3]], 2)
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel
@@ -218,7 +220,7 @@ def test_nan_weights_refused_with_the_tensor_name(ckpt, tmp_path, tp_degree):
 def test_inf_in_the_embedding_and_every_load_path(ckpt, tmp_path):
     path = nan_checkpoint(ckpt, tmp_path / "inf", PREFIX + "embed_tokens.weight", float("inf"))
     for call in (
-        lambda: Qwen35ForCausalLM.from_pretrained(path),
+        lambda: Qwen35Runtime.from_pretrained(path),
         lambda: load_decoder(path, "bf16"),
         lambda: save_sharded(path, None, 2, tmp_path / "never-written", progress=False),
     ):
@@ -268,7 +270,7 @@ def folder_cases(ckpt, tmp):
 
 def test_bad_model_folders(ckpt, tmp_path):
     for label, path, error, message in folder_cases(ckpt, tmp_path):
-        for call in (lambda: Qwen35ForCausalLM.from_pretrained(path), lambda: load_decoder(path)):
+        for call in (lambda: Qwen35Runtime.from_pretrained(path), lambda: load_decoder(path)):
             with pytest.raises(error) as err:
                 call()
             assert message in str(err.value), label
@@ -404,7 +406,7 @@ def test_cli_as_a_process_prints_one_line(tmp_path):
 def test_a_step_that_would_leave_a_gap_in_the_cache_is_refused(ckpt):
     """prefill(starts=) and decode() past a slot's next position are refused before any graph runs; the next
     position itself is accepted, and a refused call leaves the slot as it was (the same logits follow)."""
-    model = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=32)
+    model = Qwen35Runtime.from_pretrained(ckpt, batch_size=2, max_length=32)
     model.prefill([[1, 2, 3]], [0])
     with pytest.raises(UsageError, match=r"^prefill at position 5 in slot 0 would leave a gap in the cache: the slot holds positions 0..2; the next position is 3$"):
         model.prefill([[4]], [0], starts=[5])
@@ -413,6 +415,6 @@ def test_a_step_that_would_leave_a_gap_in_the_cache_is_refused(ckpt):
     with pytest.raises(UsageError, match=r"in slot 1 would leave a gap in the cache: the slot holds no sequence \(prefill it first\)"):
         model.decode([4], [1], [1])
     continued = model.prefill([[4]], [0], starts=[3])
-    fresh = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=32)
+    fresh = Qwen35Runtime.from_pretrained(ckpt, batch_size=2, max_length=32)
     torch.testing.assert_close(continued, fresh.prefill([[1, 2, 3, 4]], [0]), rtol=0, atol=1e-5)
     torch.testing.assert_close(model.decode([5], [4], [0]), fresh.decode([5], [4], [0]), rtol=0, atol=1e-5)

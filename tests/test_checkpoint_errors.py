@@ -11,10 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from optimum_qwen35.checkpoint import CheckpointError, CheckpointReader
 from optimum_qwen35.checkpoint.convert import check_checkpoint, convert_checkpoint
-from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, load_sharded, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file
+from optimum_qwen35.checkpoint.sharded_files import load_sharded, save_sharded
 from optimum_qwen35.config import Qwen35Config
-from optimum_qwen35.runtime.cpu import load_decoder
-from optimum_qwen35.testing import build_tiny_checkpoint
+from optimum_qwen35.runtime.eager import load_decoder
+from tests.kit import build_tiny_checkpoint
 
 PREFIX = "model.language_model."
 
@@ -148,7 +149,7 @@ def test_invalid_tp_degree_names_valid_ones(pristine, tmp_path):
     ):
         with pytest.raises(ValueError, match=r"Valid degrees: \[1, 2, 4\]"):
             call()
-    from optimum_qwen35.runtime.tp import run_tensor_parallel  # noqa: PLC0415
+    from tests.kit.tp import run_tensor_parallel  # noqa: PLC0415
 
     with pytest.raises(ValueError, match=r"Valid degrees: \[1, 2, 4\]"):
         run_tensor_parallel(path, 8, [[1, 2]], 1)
@@ -197,7 +198,7 @@ def test_export_with_a_damaged_rank_file(pristine, tmp_path):
 
 def test_corrupt_safetensors_file_gets_a_clear_error(tmp_path):
     from optimum_qwen35.checkpoint import CheckpointReader
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
     folder = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-nv2x")
     data = (folder / "model.safetensors").read_bytes()

@@ -7,7 +7,7 @@ import re
 from transformers import AutoTokenizer
 
 from optimum_qwen35.cli import main
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.runtime import Qwen35Runtime
 
 
 def printed_reply(out: str) -> tuple[int, str]:
@@ -25,7 +25,7 @@ def expected_reply(folder, prompt: str, max_new_tokens: int, raw: bool) -> tuple
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text)["input_ids"]
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    model = Qwen35ForCausalLM.from_pretrained(folder, max_length=len(ids) + max_new_tokens)
+    model = Qwen35Runtime.from_pretrained(folder, max_length=len(ids) + max_new_tokens)
     (tokens,) = model.generate([ids], max_new_tokens=max_new_tokens, eos_token_id=eos)
     return len(tokens), tokenizer.decode(tokens, skip_special_tokens=True)
 
@@ -49,8 +49,8 @@ def test_build_tiny_shard_then_generate_from_the_shards(tmp_path, capsys):
     assert main(["shard", "--model", str(tmp_path / "ckpt"), "--tensor-parallel-size", "1", str(tmp_path / "tp1")]) == 0
     assert (tmp_path / "tp1" / "rank_0.safetensors").is_file()
     prompt = [5, 6, 7, 8]
-    whole = Qwen35ForCausalLM.from_pretrained(tmp_path / "ckpt", max_length=32).generate([prompt], 8)
-    from_shards = Qwen35ForCausalLM.from_pretrained(tmp_path / "tp1", max_length=32).generate([prompt], 8)
+    whole = Qwen35Runtime.from_pretrained(tmp_path / "ckpt", max_length=32).generate([prompt], 8)
+    from_shards = Qwen35Runtime.from_pretrained(tmp_path / "tp1", max_length=32).generate([prompt], 8)
     assert whole == from_shards
     capsys.readouterr()
     replies = []

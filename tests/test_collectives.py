@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimum_qwen35.modeling.parallel import TorchLayers, all_gather_last_dim, all_reduce
+from optimum_qwen35.modeling.parallel import all_gather_last_dim, all_reduce
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 
 WORLD = 2
 

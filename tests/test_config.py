@@ -136,7 +136,7 @@ def test_transformers_autoconfig_reads_qwen35_folders(tmp_path):
 
 def test_partial_rotary_factor_defaults_as_in_transformers():
     """A config without partial_rotary_factor rotates a quarter of each head, as transformers' Qwen3.5 does."""
-    from optimum_qwen35.testing import tiny_text_config
+    from tests.kit import tiny_text_config
 
     text = tiny_text_config("tiny-2b")
     text["rope_parameters"] = {k: v for k, v in text["rope_parameters"].items() if k != "partial_rotary_factor"}

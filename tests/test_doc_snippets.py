@@ -192,7 +192,7 @@ class PythonSession:
 def doc_hub(monkeypatch):
     from huggingface_hub import constants
 
-    from optimum_qwen35.testing.hub_server import HubServer
+    from tests.kit.hub_server import HubServer
 
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True, raising=False)
     with HubServer(tokens={HUB_TOKEN: (HUB_USER, True)}) as server:

@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from optimum_qwen35.errors import Qwen35Error  # noqa: E402
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder  # noqa: E402
-from optimum_qwen35.runtime.tp import run_tensor_parallel  # noqa: E402
-from optimum_qwen35.testing import build_tiny_checkpoint  # noqa: E402
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder  # noqa: E402
+from tests.kit.tp import run_tensor_parallel  # noqa: E402
+from tests.kit import build_tiny_checkpoint  # noqa: E402
 
 VOCAB, MAX_LENGTH, BUCKETS, MAX_NEW = 512, 24, [4, 8, 16, 24], 4
 CALL_TIMEOUT_S = 60  # generous: the machine is shared; a normal call takes well under a second
@@ -34,8 +35,8 @@ def fuzz_models(tmp_path_factory):
     """Models of batch size 1, 2, 3 and a separate batch-1 reference, all on one fp64 decoder."""
     path = build_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "ckpt", "tiny-nv2x", seed=4)
     decoder = load_decoder(path, torch.float64)
-    models = {b: Qwen35ForCausalLM(decoder, batch_size=b, max_length=MAX_LENGTH, buckets=BUCKETS) for b in (1, 2, 3)}
-    models["ref"] = Qwen35ForCausalLM(decoder, batch_size=1, max_length=MAX_LENGTH, buckets=BUCKETS)
+    models = {b: Qwen35Runtime.from_decoder(decoder, batch_size=b, max_length=MAX_LENGTH, buckets=BUCKETS) for b in (1, 2, 3)}
+    models["ref"] = Qwen35Runtime.from_decoder(decoder, batch_size=1, max_length=MAX_LENGTH, buckets=BUCKETS)
     models["cache"], models["path"] = {}, path
     return models
 

@@ -1,4 +1,4 @@
-"""The runtime's generation loop (Qwen35ForCausalLM.generate): EOS, the streamer callback, waves, samplers.
+"""The runtime's generation loop (Qwen35Runtime.generate): EOS, the streamer callback, waves, samplers.
 
 Each check compares against transformers' recorded greedy tokens (tests/fixtures/<layout>/reference.npz),
 so a loop that ignores EOS, streams the wrong tokens or mixes up rows across waves fails here.
@@ -7,14 +7,14 @@ so a loop that ignores EOS, streams the wrong tokens or mixes up rows across wav
 import pytest
 import torch
 
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.runtime import Qwen35Runtime
 
 from .conftest import FIXTURES, load_reference
 
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", batch_size=2, max_length=96)
+    return Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", batch_size=2, max_length=96)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """The Hub half (optimum_qwen35/hub.py, the push/pull/cache commands) against the loopback stand-in Hub.
 
-The real huggingface_hub client talks HTTP to `optimum_qwen35.testing.hub_server` (0.36 in the optimum
+The real huggingface_hub client talks HTTP to `tests.kit.hub_server` (0.36 in the optimum
 environment, 2.x in the reference one); the export folders are stand-ins in the exporter's layout
-(`optimum_qwen35.testing.export_folder`): real config.json / neuron_config.json / tokenizer, placeholder graphs
+(`tests.kit.export_folder`): real config.json / neuron_config.json / tokenizer, placeholder graphs
 and weights. "Fresh process" checks run a subprocess with its own empty HF_HOME and HF_ENDPOINT set.
 """
 
@@ -30,9 +30,9 @@ from optimum_qwen35.errors import (
     IncompatibleExportError,
     Qwen35Error,
 )
-from optimum_qwen35.testing import build_tiny_checkpoint
-from optimum_qwen35.testing.export_folder import build_fake_export
-from optimum_qwen35.testing.hub_server import free_port
+from tests.kit import build_tiny_checkpoint
+from tests.kit.export_folder import build_fake_export
+from tests.kit.hub_server import free_port
 
 WRITE, READ, BOB = "hf_alice_write", "hf_alice_read", "hf_bob_write"
 SOURCE_ID = "Qwen/Qwen3.5-tiny"
@@ -560,9 +560,9 @@ def test_the_cache_commands_against_a_closed_port_answer_within_the_retry_bound(
 
     from huggingface_hub import constants
 
-    from optimum_qwen35.quiet import HUB_RETRY_NOTICE, HUB_RETRY_SECONDS
+    from optimum_qwen35.patches import HUB_RETRY_NOTICE, HUB_RETRY_SECONDS
 
-    hub._optimum_neuron()  # imports outside the timed part
+    hub.cache._optimum_neuron()  # imports outside the timed part
     closed = f"http://127.0.0.1:{free_port()}"
     # optimum-neuron's lookup takes the endpoint from huggingface_hub's constants (HF_ENDPOINT at import).
     monkeypatch.setattr(constants, "ENDPOINT", closed)

@@ -216,7 +216,8 @@ def test_deltanet_layer_at_4096_tokens_traces_to_few_ops():
 
     from optimum_qwen35.config import LINEAR_ATTENTION, Qwen35Config
     from optimum_qwen35.modeling.deltanet import GatedDeltaNet
-    from optimum_qwen35.modeling.parallel import ShardedDims, TorchLayers
+    from optimum_qwen35.modeling.parallel import ShardedDims
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
     from optimum_qwen35.modeling.state import Slots
 
     config = Qwen35Config(

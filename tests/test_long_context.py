@@ -14,7 +14,8 @@ from optimum_qwen35.kernels.gated_delta_rule import (
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_step,
 )
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder
 
 from .conftest import FIXTURES
 
@@ -107,7 +108,7 @@ def test_model_long_adversarial_prefill_and_decode_against_float64_recurrence():
     prompt = torch.randint(0, 512, (PREFILL,), generator=torch.Generator().manual_seed(1)).tolist()
     options = dict(batch_size=1, max_length=PREFILL + DECODE, buckets=[PREFILL])
 
-    fp32 = Qwen35ForCausalLM(make_adversarial(load_decoder(folder)), **options)
+    fp32 = Qwen35Runtime.from_decoder(make_adversarial(load_decoder(folder)), **options)
     regime = []  # what the chunked kernel actually sees, layer by layer
 
     def probed_chunk(q, k, v, g, beta, initial_state=None, lengths=None):
@@ -133,7 +134,7 @@ def test_model_long_adversarial_prefill_and_decode_against_float64_recurrence():
     kernels.register_backend("recurrent", {"chunk_gated_delta_rule": recurrent_gated_delta_rule})
     kernels.set_backend("recurrent")
     try:
-        ref64 = Qwen35ForCausalLM(make_adversarial(load_decoder(folder, dtype=torch.float64)), **options)
+        ref64 = Qwen35Runtime.from_decoder(make_adversarial(load_decoder(folder, dtype=torch.float64)), **options)
         want, _ = run(ref64, prompt, tokens)
     finally:
         kernels.set_backend("torch")

@@ -17,9 +17,9 @@ from optimum_qwen35 import Qwen35Config, UnsupportedModelError
 from optimum_qwen35.checkpoint import CheckpointError, CheckpointReader, convert_checkpoint
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.modeling.moe import SparseMoeBlock, route
-from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionConfig
-from optimum_qwen35.testing import build_tiny_checkpoint
+from tests.kit import build_tiny_checkpoint
 
 # Qwen3.5-35B-A3B's config.json as published (../shared/configs; the shape, see its `_comment`).
 REAL_MOE_CONFIG = Path(__file__).parent / "qwen3.5-35b-a3b.config.json"
@@ -148,7 +148,8 @@ def test_the_three_forms_agree(dtype):
 def test_packed_experts_give_the_same_outputs_and_state_dict(dtype):
     """`pack_linears` re-blocks every expert's matrices for oneDNN (the looped form runs them so): the same outputs,
     the same state_dict, and the static forms refused in one line."""
-    from optimum_qwen35.modeling.parallel import can_pack, pack_linears
+    from optimum_qwen35.modeling.parallel import can_pack
+    from optimum_qwen35.modeling.torch_layers import pack_linears
 
     if not can_pack(dtype):
         pytest.skip(f"this CPU / torch build cannot pack {dtype}")
@@ -189,7 +190,7 @@ def test_routing_ties_and_renormalisation():
 def build_tiny_checkpoint_config(layout: str) -> Path:
     import tempfile
 
-    from optimum_qwen35.testing import tiny_full_config
+    from tests.kit import tiny_full_config
 
     folder = Path(tempfile.mkdtemp(prefix="qwen35-moe-config-"))
     (folder / "config.json").write_text(json.dumps(tiny_full_config(layout)))
@@ -205,14 +206,16 @@ def test_compiled_cpu_graphs_run_the_moe(tmp_path, layout="tiny-moe"):
     shapes: the dense form in prefill, the gathered form in decode) and give transformers' recorded greedy tokens."""
     import numpy as np
 
-    from optimum_qwen35.checkpoint.shard import save_sharded
-    from optimum_qwen35.runtime import compiled
+    from optimum_qwen35.checkpoint.sharded_files import save_sharded
+    from optimum_qwen35.export import layout as export_layout
+    from optimum_qwen35.export.compile import compile_graphs
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     source = FIXTURES / layout
     config = Qwen35Config.from_pretrained(source)
-    save_sharded(source, config, 1, tmp_path / compiled.CHECKPOINT_DIR, progress=False)
-    compiled.compile_graphs(config, 1, 1, 64, [64], torch.float32, tmp_path / compiled.COMPILED_DIR, progress=False)
-    model = compiled.CompiledQwen35ForCausalLM(tmp_path)
+    save_sharded(source, config, 1, tmp_path / export_layout.CHECKPOINT_DIR, progress=False)
+    compile_graphs(config, 1, 1, 64, [64], torch.float32, tmp_path / export_layout.COMPILED_DIR, progress=False)
+    model = Qwen35Runtime.from_export(tmp_path)
     try:
         with np.load(source / "reference.npz") as ref:
             prompt, expected = ref["gen_prompt_1"].tolist(), ref["gen_tokens_1"].tolist()

@@ -17,11 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
-from optimum_qwen35.checkpoint.shard import MANIFEST, read_manifest, save_sharded, shard_tensor, unshard_tensor
+from optimum_qwen35.checkpoint.shard import MANIFEST, shard_tensor, unshard_tensor
+from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import UsageError
-from optimum_qwen35.runtime.tp import run_tensor_parallel
-from optimum_qwen35.testing import build_tiny_checkpoint
+from tests.kit.tp import run_tensor_parallel
+from tests.kit import build_tiny_checkpoint
 
 from .test_tensor_parallel import DTYPES, MAX_NEW_TOKENS, PROMPTS, check_against_reference
 

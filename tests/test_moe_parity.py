@@ -9,7 +9,7 @@ traced context-encoding and token-generation graphs, and the bf16 error no worse
 
 import pytest
 
-from optimum_qwen35.testing import TINY_MOE_LAYOUTS
+from tests.kit import TINY_MOE_LAYOUTS
 
 # The checks themselves, collected here again with this module's `layout` fixture.
 from .test_parity import (  # noqa: F401
@@ -38,8 +38,8 @@ def test_block_matches_transformers_including_router_ties(layout, tokens, dtype)
 
     from optimum_qwen35 import Qwen35Config
     from optimum_qwen35.modeling.moe import SparseMoeBlock, route
-    from optimum_qwen35.modeling.parallel import TorchLayers
-    from optimum_qwen35.testing import tiny_text_config
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
+    from tests.kit import tiny_text_config
 
     dtype = getattr(torch, dtype)
     text = tiny_text_config(layout)

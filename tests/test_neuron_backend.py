@@ -1,9 +1,9 @@
-"""The Neuron backend's parts that run without the Neuron SDK (`optimum_qwen35/neuron/glue.py`, `state_dict.py`).
+"""The Neuron backend's parts that run without the Neuron SDK (`optimum_qwen35/backends/nxd/adapter.py`, `state_dict.py`).
 
 What is checked here, on CPU: each rank's weights (names, shapes, dtypes, values) against the CPU runtime's shards
 and the decoder `TorchLayers` builds, A_log / dt_bias / conv channels split with their heads; the held state order
 and alias map; the fp32 re-cast after optimum-neuron's load-time cast; the padding and position conventions; the
-traced forward's body (`glue.step`) run with the CPU layer factory against transformers' logits (context encoding,
+traced forward's body (`adapter.step`) run with the CPU layer factory against transformers' logits (context encoding,
 teacher-forced token generation, inactive rows, a 1-token prompt at position 0 in a used slot, a batch-1
 context encoding into one slot); the compiler flags; and that nothing imports the SDK before a Neuron target asks.
 What cannot run without the SDK is listed in docs/neuron_backend.md, not stubbed here.
@@ -23,12 +23,13 @@ from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.checkpoint.shard import convert_and_shard, deltanet_rank_heads, shard_dim
 from optimum_qwen35.config import FULL_ATTENTION, Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.parallel import ShardedDims, TorchLayers
+from optimum_qwen35.modeling.parallel import ShardedDims
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.precision import NeuronPrecision
 from optimum_qwen35.modeling.state import state_specs
-from optimum_qwen35.neuron import glue
-from optimum_qwen35.neuron import state_dict as nsd
-from optimum_qwen35.runtime.cpu import load_decoder
+from optimum_qwen35.backends.nxd import adapter
+from optimum_qwen35.backends.nxd import state_dict as nsd
+from optimum_qwen35.runtime.eager import load_decoder
 
 from .conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
 from .test_shard import EXPECTED_DEGREES, REAL_HEADS, ShapeOnlyLayers, reduced_config
@@ -203,7 +204,7 @@ def test_the_traced_module_reads_the_transformers_text_config(layout, tmp_path):
 def test_held_state_order_and_alias_map():
     config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
     specs = state_specs(config, ShardedDims.from_config(config, 2), slots=3, max_length=64, dtype=torch.bfloat16)
-    layout = glue.StateLayout(specs)
+    layout = adapter.StateLayout(specs)
     attention = [i for i, kind in enumerate(config.layer_types) if kind == FULL_ATTENTION]
     deltanet = [i for i, kind in enumerate(config.layer_types) if kind != FULL_ATTENTION]
     names = [s.name for s in layout.held_specs]
@@ -224,7 +225,7 @@ def test_state_dtypes_restored_after_optimum_neurons_load_cast():
     """optimum-neuron's `load_module` casts every floating tensor of the module to the model dtype
     (`decoder_builders.py` L106-117); the held state gets its dtypes back on the same Parameter objects."""
     config = Qwen35Config.from_pretrained(FIXTURES / "tiny-nv2x")
-    layout = glue.StateLayout(state_specs(config, ShardedDims.from_config(config, 1), 2, 32, torch.bfloat16))
+    layout = adapter.StateLayout(state_specs(config, ShardedDims.from_config(config, 1), 2, 32, torch.bfloat16))
     module = torch.nn.Module()
     module.past_key_values = torch.nn.ParameterList(
         torch.nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in layout.held_specs
@@ -232,11 +233,11 @@ def test_state_dtypes_restored_after_optimum_neurons_load_cast():
     before = list(module.past_key_values)
     load_cast(module, torch.bfloat16)
     assert {p.dtype for p in module.past_key_values} == {torch.bfloat16}
-    glue.restore_state_dtypes(module.past_key_values, layout.held_specs)
+    adapter.restore_state_dtypes(module.past_key_values, layout.held_specs)
     assert [p.dtype for p in module.past_key_values] == [s.dtype for s in layout.held_specs]
     assert all(a is b for a, b in zip(before, module.past_key_values))
     with pytest.raises(ValueError, match="held state tensors"):
-        glue.restore_state_dtypes(list(module.past_key_values)[1:], layout.held_specs)
+        adapter.restore_state_dtypes(list(module.past_key_values)[1:], layout.held_specs)
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "functional"])
@@ -286,25 +287,25 @@ def test_write_positions_in_place_and_functional_agree():
 # ------------------------------------------------------------------------------------------ input conventions
 def test_right_padding_with_position_one_gives_back_each_rows_length():
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
-    positions = glue.positions_from_attention_mask(mask)
+    positions = adapter.positions_from_attention_mask(mask)
     assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 1, 1], [0, 1, 1, 1, 1]]
-    ids, positions = glue.pad_context_inputs(torch.ones_like(mask), positions, 8, pad_token_id=0)
+    ids, positions = adapter.pad_context_inputs(torch.ones_like(mask), positions, 8, pad_token_id=0)
     assert ids[:, 5:].eq(0).all() and positions[:, 5:].eq(1).all()
-    assert glue.context_attention_mask(positions).tolist() == [
+    assert adapter.context_attention_mask(positions).tolist() == [
         [1, 1, 1, 1, 1, 0, 0, 0],
         [1, 1, 1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0, 0],
     ]
     # A continued chunk (first position > 0) counts its own tokens.
-    assert glue.context_lengths(torch.tensor([[40, 41, 42, 1, 1], [40, 1, 1, 1, 1]])).tolist() == [3, 1]
+    assert adapter.context_lengths(torch.tensor([[40, 41, 42, 1, 1], [40, 1, 1, 1, 1]])).tolist() == [3, 1]
     # A 1-token prompt padded into a wider batch reads as two tokens, as optimum-neuron then continues it at
     # position max + 1 = 2 (`increase_position_ids`): pad included, consistently.
-    one = glue.positions_from_attention_mask(torch.tensor([[1, 0, 0, 0]]))
-    assert glue.context_lengths(one).tolist() == [2]
+    one = adapter.positions_from_attention_mask(torch.tensor([[1, 0, 0, 0]]))
+    assert adapter.context_lengths(one).tolist() == [2]
 
 
 # ------------------------------------------------------------------------------------------ the traced forward
-def allocate(layout: glue.StateLayout) -> list[torch.Tensor]:
+def allocate(layout: adapter.StateLayout) -> list[torch.Tensor]:
     return [torch.zeros(s.shape, dtype=s.dtype) for s in layout.held_specs]
 
 
@@ -313,12 +314,12 @@ def context_batch(prompts: list[list[int]], length: int):
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.int32)
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
-    return glue.pad_context_inputs(ids, glue.positions_from_attention_mask(mask).to(torch.int32), length, pad_token_id=0)
+    return adapter.pad_context_inputs(ids, adapter.positions_from_attention_mask(mask).to(torch.int32), length, pad_token_id=0)
 
 
 def run(decoder, layout, held, ids, positions, seq_ids):
     given = None if decoder.state_in_place else [h.clone() for h in held]
-    out = glue.step(decoder, layout, held, ids, positions, torch.tensor(seq_ids, dtype=torch.int32))
+    out = adapter.step(decoder, layout, held, ids, positions, torch.tensor(seq_ids, dtype=torch.int32))
     if given is not None:  # functional updates: the inputs are left as they were
         assert all(torch.equal(h, g) for h, g in zip(held, given))
     assert len(out) == 1 + len(held)
@@ -344,12 +345,12 @@ class NeuronFormLayers(TorchLayers):
 @pytest.mark.parametrize("layers", [None, NeuronFormLayers()], ids=["torch-precision", "neuron-precision"])
 @pytest.mark.parametrize("layout_name", ["tiny-2b", "tiny-nv2x"])
 def test_traced_forward_matches_transformers_logits(layout_name, layers):
-    """`glue.step` with the CPU layer factory: context encoding of right-padded prompts, then teacher-forced token
+    """`adapter.step` with the CPU layer factory: context encoding of right-padded prompts, then teacher-forced token
     generation, an inactive row, a 1-token prompt at position 0 in a used slot, a batch-1 prefill of one slot.
     Also with the Neuron form of the precision policy, so the attention core the Neuron graphs trace is checked."""
     ref = {len(p): (p, torch.from_numpy(logits)) for p, logits in reference_prompts(load_reference(layout_name))}
     decoder = load_decoder(FIXTURES / layout_name, layers=layers)
-    layout = glue.StateLayout(decoder.state_specs(2, 128))
+    layout = adapter.StateLayout(decoder.state_specs(2, 128))
     held = allocate(layout)
     long, short = ref[63], ref[3]
 
@@ -409,7 +410,7 @@ def test_traced_forward_keeps_the_state_dtypes_in_bfloat16(layers):
     ref = {len(p): (p, torch.from_numpy(logits)) for p, logits in reference_prompts(load_reference("tiny-nv2x"))}
     decoder = load_decoder(FIXTURES / "tiny-nv2x", layers=layers)
     load_cast(decoder, torch.bfloat16)
-    layout = glue.StateLayout(decoder.state_specs(2, 64))
+    layout = adapter.StateLayout(decoder.state_specs(2, 64))
     assert {s.dtype for s in layout.held_specs} == {torch.bfloat16, torch.float32}
     prompt = ref[63][0]
     ids, positions = context_batch([prompt[:40], prompt[:7]], 64)
@@ -423,34 +424,34 @@ def test_traced_forward_keeps_the_state_dtypes_in_bfloat16(layers):
 
 # ------------------------------------------------------------------------------------------ flags and config
 def test_compiler_args():
-    trn1, trn2 = glue.compiler_args("trn1", 1), glue.compiler_args("trn2", 2)
+    trn1, trn2 = adapter.compiler_args("trn1", 1), adapter.compiler_args("trn2", 2)
     for args in (trn1, trn2):
         assert args.split()[0] == "--auto-cast=none" and "--model-type=transformer" in args and " -O2 " in args
     assert trn1.endswith("--lnc=1 --target trn1") and trn2.endswith("--lnc=2 --target trn2")
-    assert "--target" not in glue.compiler_args(None, 1)
+    assert "--target" not in adapter.compiler_args(None, 1)
 
 
 def test_neuron_config_checks():
     class Config:
         speculation_length, on_device_sampling, output_logits = 0, False, False
 
-    glue.check_neuron_config(Config())
+    adapter.check_neuron_config(Config())
     bad = Config()
     bad.speculation_length, bad.on_device_sampling = 4, True
     with pytest.raises(ValueError, match=r"speculation_length=4 \(must be 0\), on_device_sampling=True"):
-        glue.check_neuron_config(bad)
+        adapter.check_neuron_config(bad)
 
 
 def test_no_neuron_sdk_import_until_a_neuron_target_asks():
     code = (
         "import sys, importlib.util\n"
-        "import optimum_qwen35.neuron, optimum_qwen35.neuron.glue, optimum_qwen35.neuron.state_dict\n"
+        "import optimum_qwen35.backends.nxd, optimum_qwen35.backends.nxd.adapter, optimum_qwen35.backends.nxd.state_dict\n"
         "if importlib.util.find_spec('optimum') is not None and importlib.util.find_spec('optimum.neuron') is not None:\n"
-        "    import optimum_qwen35.optimum.modeling\n"
-        "    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM\n"
+        "    import optimum_qwen35.optimum_neuron.modeling\n"
+        "    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('neuronx_distributed', 'torch_neuronx', 'torch_xla', 'nki', 'neuronxcc'))\n"
         "assert not loaded, loaded\n"
-        "assert 'optimum_qwen35.neuron.model' not in sys.modules and 'optimum_qwen35.neuron.layers' not in sys.modules\n"
+        "assert 'optimum_qwen35.backends.nxd.model' not in sys.modules and 'optimum_qwen35.backends.nxd.layers' not in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -463,7 +464,7 @@ def test_gate_parameters_back_to_fp32_after_the_load_cast():
     params = dict(decoder.named_parameters())
     gate_names = [n for n in params if n.endswith(("A_log", "dt_bias"))]
     assert gate_names and all(params[n].dtype == torch.bfloat16 for n in gate_names)
-    glue.restore_fp32_parameters(decoder)
+    adapter.restore_fp32_parameters(decoder)
     params_after = dict(decoder.named_parameters())
     for name, param in params_after.items():
         assert param is params[name], "the same Parameter objects (their weight slots stay as built)"

@@ -10,8 +10,8 @@ mapping (attention and DeltaNet), the chunked rule, the conv or the norms moves 
 import pytest
 import torch
 
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
-from optimum_qwen35.testing import build_tiny_checkpoint
+from optimum_qwen35.runtime import Qwen35Runtime
+from tests.kit import build_tiny_checkpoint
 
 from . import oracle
 from .conftest import FIXTURES, load_reference, reference_prompts
@@ -63,7 +63,7 @@ def test_prefill_and_decode_match_the_oracle_in_float64(layout, expected):
     (what generate runs), then decode steps."""
     prompts = prompts_of(layout)
     slots = [2, 0, 1]
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=3, max_length=160, dtype=torch.float64)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=3, max_length=160, dtype=torch.float64)
     every = model.prefill(prompts, slots, all_logits=True)
     assert every.dtype == torch.float64
     for row, (prompt, want) in enumerate(zip(prompts, expected)):
@@ -91,12 +91,12 @@ def test_bf16_checkpoint_on_disk_matches_the_oracle(tmp_path):
     prompts = prompts_of("tiny-nv3x")[1:]
     want = [oracle.logits(weights, p) for p in prompts]
     for dtype, atol in ((torch.float64, PREFILL_ATOL), (torch.float32, FP32_ATOL)):
-        model = Qwen35ForCausalLM.from_pretrained(folder, batch_size=2, max_length=128, dtype=dtype)
+        model = Qwen35Runtime.from_pretrained(folder, batch_size=2, max_length=128, dtype=dtype)
         every = model.prefill(prompts, [0, 1], all_logits=True)
         for row, prompt in enumerate(prompts):
             diff = (every[row, : len(prompt)].double() - want[row]).abs().max().item()
             assert diff <= atol, f"bf16 checkpoint loaded as {dtype}, len {len(prompt)}: |model - oracle| {diff:.2e}"
-    model = Qwen35ForCausalLM.from_pretrained(folder, max_length=64, dtype=torch.bfloat16)
+    model = Qwen35Runtime.from_pretrained(folder, max_length=64, dtype=torch.bfloat16)
     embed = model.decoder.embed_tokens.weight
     assert embed.dtype == torch.bfloat16 and torch.equal(embed.double(), weights[1]["embed_tokens.weight"])
 

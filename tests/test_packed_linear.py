@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum_qwen35.modeling.parallel import Linear, RowParallelLinear, can_pack, pack_linears
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+from optimum_qwen35.modeling.parallel import Linear, RowParallelLinear, can_pack
+from optimum_qwen35.modeling.torch_layers import pack_linears
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder
 
 from .conftest import FIXTURES
 
@@ -117,8 +119,8 @@ def test_packed_head_gives_fp32_logits_of_the_real_vocabulary(dtype):
 def test_packed_model_gives_the_plain_models_logits_and_tokens(dtype):
     prompts = [[3, 17, 4, 99, 23, 5, 8, 61, 7], [42, 11, 5]]
     kwargs = dict(batch_size=2, max_length=64, dtype=dtype, buckets=[16])
-    plain = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", pack_weights=False, **kwargs)
-    packed = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", **kwargs)  # packs by default
+    plain = Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", pack_weights=False, **kwargs)
+    packed = Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", **kwargs)  # packs by default
     assert not any(m.packed for m in plain.decoder.modules() if isinstance(m, Linear))
     assert all(m.packed_for == 2 for m in packed.decoder.modules() if isinstance(m, Linear))
     # bf16: the project's bf16 tolerance (on an avx512_bf16 CPU the two forms give identical logits)
@@ -130,5 +132,5 @@ def test_packed_model_gives_the_plain_models_logits_and_tokens(dtype):
 
 
 def test_traced_graphs_keep_plain_weights():
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", max_length=32, buckets=[16], trace=True)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", max_length=32, buckets=[16], trace=True)
     assert not any(m.packed for m in model.decoder.modules() if isinstance(m, Linear))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.runtime import Qwen35Runtime
 
 from .conftest import FIXTURES, LAYOUTS, load_reference, reference_prompts
 
@@ -33,7 +33,7 @@ def test_teacher_forced_logits(layout, batch_size):
     # Mixed lengths in every batch: [1, 63, 130, 2], [64, 520, 3, 65] (right-padded to 256 and 1024).
     order = [0, 3, 6, 1, 4, 7, 2, 5]
     cases = [cases[i] for i in order]
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=batch_size, max_length=1024)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=batch_size, max_length=1024)
     ours = model.logits([p for p, _ in cases])
     worst = 0.0
     for (prompt, expected), got in zip(cases, ours):
@@ -49,7 +49,7 @@ def test_teacher_forced_logits(layout, batch_size):
 def test_greedy_generation_through_traced_graphs(layout):
     ref = load_reference(layout)
     prompts = [ref[f"gen_prompt_{j}"].tolist() for j in range(2)]
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=2, max_length=256, trace=True)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=2, max_length=256, trace=True)
     generated = model.generate(prompts, max_new_tokens=128)
     for j, tokens in enumerate(generated):
         expected = ref[f"gen_tokens_{j}"].tolist()
@@ -68,8 +68,8 @@ def test_bf16_error_no_worse_than_transformers_bf16(layout):
     """bf16 weights and activations, fp32 recurrent state, against the fp32 reference logits."""
     ref = load_reference(layout)
     cases = reference_prompts(ref)
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=4, max_length=1024, dtype=torch.bfloat16)
-    assert all(t.dtype == torch.float32 for s, t in zip(model.state_specs, model.state) if "recurrent" in s.name)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=4, max_length=1024, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.float32 for s, t in zip(model.graphs.state_specs, model.state) if "recurrent" in s.name)
     ours = model.logits([p for p, _ in cases])
     errors = np.concatenate([(o.numpy() - e).__abs__().ravel() for o, (_, e) in zip(ours, cases)])
     agree = np.concatenate([o.argmax(-1).numpy() == e.argmax(-1) for o, (_, e) in zip(ours, cases)])

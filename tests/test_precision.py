@@ -5,9 +5,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimum_qwen35.modeling import parallel
-from optimum_qwen35.modeling.parallel import TorchLayers, VocabParallelHead
+from optimum_qwen35.modeling.parallel import VocabParallelHead
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.precision import NeuronPrecision, TorchPrecision
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder
 
 from .conftest import FIXTURES
 
@@ -37,7 +39,7 @@ def test_every_layer_shares_the_factorys_policy():
 def test_bf16_graphs_make_no_fp32_copy_of_a_matmul_weight(kind, pack_weights):
     """No weight of a matmul (linears, lm_head / tied embedding) is converted per call; only small vectors
     (norm weights, A_log, dt_bias, the [C, 4] conv filter) may be. Plain and prepacked (`Linear.pack`) weights."""
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", batch_size=2, max_length=128, dtype=torch.bfloat16,
+    model = Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", batch_size=2, max_length=128, dtype=torch.bfloat16,
                                               buckets=[64], pack_weights=pack_weights)
     params = [(name, p) for name, p in model.decoder.named_parameters() if p.dim() == 2 and p.shape[1] > 4]
     assert any(p.is_mkldnn for _, p in params) == (pack_weights and parallel.can_pack(torch.bfloat16))
@@ -62,7 +64,7 @@ def test_bf16_graphs_make_no_fp32_copy_of_a_matmul_weight(kind, pack_weights):
 
 
 def test_bf16_logits_are_fp32():
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / "tiny-2b", max_length=64, dtype=torch.bfloat16)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / "tiny-2b", max_length=64, dtype=torch.bfloat16)
     assert model.prefill([[1, 2, 3]], [0]).dtype == torch.float32
     assert model.decode([4], [3], [0]).dtype == torch.float32
 
@@ -134,7 +136,7 @@ def test_the_decoders_head_stops_at_the_real_vocabulary(monkeypatch):
 def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
     """A_log and dt_bias are held in fp32 whatever the model dtype: loaded from a checkpoint, and from a bf16
     per-rank export (save_sharded with dtype) loaded back."""
-    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.checkpoint.sharded_files import save_sharded
 
     def gate_dtypes(decoder):
         return {p.dtype for name, p in decoder.named_parameters() if name.endswith(("A_log", "dt_bias"))}
@@ -151,17 +153,19 @@ def test_gate_parameters_stay_fp32_in_a_bf16_model(tmp_path):
 def test_bf16_compiled_export_holds_fp32_gates_too(tmp_path):
     """The cpu target's compiled programs take the gate parameters as the export stores them (fp32), and give the
     eager bf16 model's greedy tokens."""
-    from optimum_qwen35.checkpoint.shard import save_sharded
+    from optimum_qwen35.checkpoint.sharded_files import save_sharded
     from optimum_qwen35.config import Qwen35Config
-    from optimum_qwen35.runtime import compiled
+    from optimum_qwen35.export import layout as export_layout
+    from optimum_qwen35.export.compile import compile_graphs
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     source = FIXTURES / "tiny-2b"
     config = Qwen35Config.from_pretrained(source)
-    save_sharded(source, config, 1, tmp_path / compiled.CHECKPOINT_DIR, torch.bfloat16, progress=False)
-    compiled.compile_graphs(config, 1, 1, 128, [128], torch.bfloat16, tmp_path / compiled.COMPILED_DIR, progress=False)
-    model = compiled.CompiledQwen35ForCausalLM(tmp_path)
+    save_sharded(source, config, 1, tmp_path / export_layout.CHECKPOINT_DIR, torch.bfloat16, progress=False)
+    compile_graphs(config, 1, 1, 128, [128], torch.bfloat16, tmp_path / export_layout.COMPILED_DIR, progress=False)
+    model = Qwen35Runtime.from_export(tmp_path)
     try:
-        eager = Qwen35ForCausalLM.from_pretrained(source, max_length=128, dtype=torch.bfloat16)
+        eager = Qwen35Runtime.from_pretrained(source, max_length=128, dtype=torch.bfloat16)
         assert model.generate([[1, 2, 3, 4, 5]], max_new_tokens=6) == eager.generate([[1, 2, 3, 4, 5]], max_new_tokens=6)
     finally:
         model.close()

@@ -14,9 +14,9 @@ def test_readme_python_example_runs(tmp_path, capsys):
     """It runs, and what it computes is right: the logits are the model's (the oracle's, to fp32 rounding) at every
     position, each generated token is the argmax after the ones before it, generation stops at the first EOS, and it
     prints the decoded tokens."""
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
-    block = re.search(r"```python\n(from transformers import AutoTokenizer\nfrom optimum_qwen35.runtime.cpu .*?)```", README.read_text(), re.S).group(1)
+    block = re.search(r"```python\n(from transformers import AutoTokenizer\nfrom optimum_qwen35.runtime import Qwen35Runtime.*?)```", README.read_text(), re.S).group(1)
     build_tiny_checkpoint(tmp_path / "ckpt", "tiny-nv2x")
     assert 'path = "tiny-qwen3.5/"' in block  # the folder the README's `build-tiny` command writes
     code = block.replace('"tiny-qwen3.5/"', repr(str(tmp_path / "ckpt")))

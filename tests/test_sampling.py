@@ -1,6 +1,6 @@
 """Sampling changes the distribution the way transformers' warpers do: temperature, top-k, top-p (issue 22).
 
-`optimum_qwen35.optimum.generation._sampler` (what the optimum class's `generate(do_sample=True, ...)` samples
+`optimum_qwen35.optimum_neuron.generation._sampler` (what the optimum class's `generate(do_sample=True, ...)` samples
 with) is given a fixed logits row repeated N = 4000 times; under a fixed torch seed its draws are compared with the
 distribution written out here from the definitions (softmax of logits / temperature, then the k largest kept, then
 the smallest set of the most likely tokens whose mass reaches top_p, renormalised):
@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from optimum_qwen35.errors import UsageError
-from optimum_qwen35.optimum.generation import _sampler
+from optimum_qwen35.optimum_neuron.generation import _sampler
 
 LOGITS = torch.tensor([2.0, 1.55, 1.2, 1.0, 0.8, 0.45, 0.3, 0.0, -0.5, -1.0, -2.0, -3.0])
 DRAWS = 4000

@@ -31,7 +31,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, default_buckets, default_key_buckets, load_decoder  # noqa: E402
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
+from optimum_qwen35.runtime.eager import load_decoder  # noqa: E402
 
 from . import oracle  # noqa: E402
 from .conftest import FIXTURES  # noqa: E402
@@ -148,7 +150,7 @@ def weights():
     return {layout: oracle.read_text_weights(FIXTURES / layout) for layout in DEEP_LAYOUTS}
 
 
-def run_scenario(model: Qwen35ForCausalLM, scenario: Scenario, vocab: int):
+def run_scenario(model: Qwen35Runtime, scenario: Scenario, vocab: int):
     """Run the operations; returns (the token sequence of each slot life, [(life, position, logits, what)])."""
     rng = random.Random(scenario.token_seed)
     lives: list[list[int]] = []
@@ -211,7 +213,7 @@ def test_scenarios_match_the_oracle_at_every_position(decoders, weights, deep):
     def check(scenario):
         batch_size, max_length, buckets = SHAPES[scenario.shape]
         decoder = decoders[scenario.layout]
-        model = Qwen35ForCausalLM(decoder, batch_size, max_length, buckets)  # fresh state; shares the weights
+        model = Qwen35Runtime.from_decoder(decoder, batch_size, max_length, buckets)  # fresh state; shares the weights
         lives, seen = run_scenario(model, scenario, decoder.config.vocab_size)
         worst.append(check_against_oracle(weights[scenario.layout], lives, seen))
 
@@ -254,7 +256,7 @@ def test_generate_with_several_eos_ids_follows_the_oracle(decoders, weights, dee
         vocab = decoder.config.vocab_size
         rng = random.Random(token_seed)
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-        model = Qwen35ForCausalLM(decoder, batch_size, max_length, buckets)
+        model = Qwen35Runtime.from_decoder(decoder, batch_size, max_length, buckets)
         free = model.generate(prompts, max_new_tokens=max_new)
         for prompt, tokens in zip(prompts, free):
             assert len(tokens) == max_new
@@ -280,7 +282,7 @@ def test_each_block_runs_in_the_smallest_bucket_that_holds_it(decoders, shape):
     prefill splits it to), the smallest key bucket holding positions 0 .. n - 1. The scenario tests see a wrong
     choice that loses tokens; this sees one that only wastes work (a 64-token block run in the 128 bucket)."""
     batch_size, max_length, buckets = SHAPES.get(shape, (1, 64, [16, 17, 47, 48]))
-    model = Qwen35ForCausalLM(decoders["tiny-nv3x"], batch_size, max_length, buckets)
+    model = Qwen35Runtime.from_decoder(decoders["tiny-nv3x"], batch_size, max_length, buckets)
     for length in range(1, max_length + 40):
         want = min([b for b in model.buckets if b >= length] or [model.buckets[-1]])
         assert model.bucket_for(length) == want, (length, model.buckets)

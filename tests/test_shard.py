@@ -22,7 +22,7 @@ from optimum_qwen35.checkpoint.shard import (
 )
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 
 # (attention heads, kv heads, DeltaNet key heads, value heads, tied) of the real models.
 REAL_HEADS = {

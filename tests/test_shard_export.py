@@ -9,12 +9,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from optimum_qwen35.checkpoint import CheckpointReader
-from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file
+from optimum_qwen35.checkpoint.sharded_files import save_sharded
 from optimum_qwen35.cli import main
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import CheckpointError
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
-from optimum_qwen35.testing import build_tiny_checkpoint
+from optimum_qwen35.runtime import Qwen35Runtime
+from tests.kit import build_tiny_checkpoint
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 12], [3, 200]]
 
@@ -60,9 +61,9 @@ def test_export_keeps_the_source_dtype_unless_told(tmp_path):
     a, b = load_file(kept / rank_file(0)), load_file(widened / rank_file(0))
     assert all(torch.equal(a[n].float(), b[n]) for n in a)
     # Loaded at the same dtype, the export and the checkpoint are the same model.
-    whole = Qwen35ForCausalLM.from_pretrained(src, batch_size=2, max_length=64).logits(PROMPTS)
+    whole = Qwen35Runtime.from_pretrained(src, batch_size=2, max_length=64).logits(PROMPTS)
     for folder in (kept, widened):
-        got = Qwen35ForCausalLM.from_pretrained(folder, batch_size=2, max_length=64).logits(PROMPTS)
+        got = Qwen35Runtime.from_pretrained(folder, batch_size=2, max_length=64).logits(PROMPTS)
         assert all(torch.equal(x, y) for x, y in zip(got, whole))
 
 
@@ -94,8 +95,8 @@ def test_several_files_without_an_index(ckpt, tmp_path):
     reader = CheckpointReader(tmp_path / "split")
     assert sorted(reader.names()) == sorted(CheckpointReader(ckpt).names())
     assert len({reader._files[n] for n in reader.names()}) == 3 and len(keys) > len(reader.names())  # mtp.* skipped
-    whole = Qwen35ForCausalLM.from_pretrained(ckpt, batch_size=2, max_length=64)
-    split = Qwen35ForCausalLM.from_pretrained(tmp_path / "split", batch_size=2, max_length=64)
+    whole = Qwen35Runtime.from_pretrained(ckpt, batch_size=2, max_length=64)
+    split = Qwen35Runtime.from_pretrained(tmp_path / "split", batch_size=2, max_length=64)
     assert all(torch.equal(x, y) for x, y in zip(split.logits(PROMPTS), whole.logits(PROMPTS)))
 
 
@@ -123,7 +124,7 @@ def test_truncated_file_names_the_file_and_the_tensor(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match=rf"model\.safetensors is truncated \(tensor {key}\)"):
         reader.get(name)
     with pytest.raises(CheckpointError, match="is truncated"):
-        Qwen35ForCausalLM.from_pretrained(file.parent, max_length=16)
+        Qwen35Runtime.from_pretrained(file.parent, max_length=16)
 
 
 def test_byte_count_that_disagrees_with_the_shape(ckpt, tmp_path):
@@ -206,7 +207,7 @@ def _rewrite(out, rank, tensors):
 def test_loading_an_export_checks_rank_manifest_and_tensors(ckpt, tmp_path):
     """load_sharded refuses, each with its own message: a rank outside the export, a manifest of another format or
     version (or not an object), a rank file missing a tensor or holding one of the wrong shape (named)."""
-    from optimum_qwen35.checkpoint.shard import load_sharded
+    from optimum_qwen35.checkpoint.sharded_files import load_sharded
     from optimum_qwen35.errors import UsageError
 
     out = save_sharded(ckpt, None, 2, tmp_path / "out", progress=False)
@@ -235,7 +236,7 @@ def test_loading_an_export_checks_rank_manifest_and_tensors(ckpt, tmp_path):
 def test_streaming_writer_header_checks_and_abort(tmp_path):
     """The writer's header is 8-byte aligned (as safetensors writes it), it refuses a tensor whose name, dtype or
     shape differs from the header's, and abort() removes the partial file, even after a commit elsewhere."""
-    from optimum_qwen35.checkpoint.shard import StreamingSafetensorsWriter
+    from optimum_qwen35.checkpoint.sharded_files import StreamingSafetensorsWriter
 
     entries = [("a", torch.float32, (2, 3)), ("b", torch.bfloat16, (5,))]
     writer = StreamingSafetensorsWriter(tmp_path / "x.safetensors", entries, {"k": "v"})

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from optimum_qwen35.modeling.decoder import TokenGenerationGraph
-from optimum_qwen35.modeling.parallel import TorchLayers
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM, load_decoder
+from optimum_qwen35.modeling.torch_layers import TorchLayers
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.runtime.eager import load_decoder
 
 from .conftest import FIXTURES
 
@@ -26,7 +27,7 @@ def decoder():
 
 
 def one_shot(decoder, prompt, max_length=512):
-    model = Qwen35ForCausalLM(decoder, batch_size=1, max_length=max_length, buckets=[max_length])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=1, max_length=max_length, buckets=[max_length])
     return model.prefill([prompt], [0], all_logits=True)[0], model
 
 
@@ -34,7 +35,7 @@ def one_shot(decoder, prompt, max_length=512):
 def test_prefill_continued_from_any_point_equals_one_shot(decoder, split):
     prompt = random_prompt(200, 0)
     whole, reference = one_shot(decoder, prompt)
-    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[64, 128, 256])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=2, max_length=512, buckets=[64, 128, 256])
     first = model.prefill([prompt[:split]], [1], all_logits=True)[0]
     second = model.prefill([prompt[split:]], [1], all_logits=True, starts=[split])[0]
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=0, atol=ATOL)
@@ -50,17 +51,17 @@ def test_prefill_continued_from_any_point_equals_one_shot(decoder, split):
 def test_prompt_of_four_largest_buckets_runs_in_chunks(decoder):
     prompt = random_prompt(4 * 64, 1)
     whole, _ = one_shot(decoder, prompt)
-    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[32, 64])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=2, max_length=512, buckets=[32, 64])
     chunked = model.logits([prompt])[0]
     torch.testing.assert_close(chunked, whole, rtol=0, atol=ATOL)
-    assert {key[1] for key in model._graphs if key[0] == "context"} == {64}, "no block larger than the largest bucket"
-    fresh = Qwen35ForCausalLM(decoder, batch_size=1, max_length=512, buckets=[256])
+    assert {key[1] for key in model.graphs._graphs if key[0] == "context"} == {64}, "no block larger than the largest bucket"
+    fresh = Qwen35Runtime.from_decoder(decoder, batch_size=1, max_length=512, buckets=[256])
     assert model.generate([prompt], max_new_tokens=8) == fresh.generate([prompt], max_new_tokens=8)
 
 
 def test_a_batch_mixing_fresh_and_continued_prompts(decoder):
     a, b = random_prompt(90, 2), random_prompt(50, 3)
-    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512, buckets=[64, 128])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=2, max_length=512, buckets=[64, 128])
     model.prefill([a[:30]], [0])
     out = model.prefill([a[30:], b], [0, 1], all_logits=True, starts=[30, 0])
     torch.testing.assert_close(out[0, :60], one_shot(decoder, a)[0][30:], rtol=0, atol=ATOL)
@@ -77,7 +78,7 @@ def test_token_blocks_change_nothing(token_block):
         decoder = load_decoder(FIXTURES / "tiny-nv3x")
         for layer in decoder.layers:
             layer.token_block = block
-        model = Qwen35ForCausalLM(decoder, batch_size=3, max_length=512, buckets=[64, 512])
+        model = Qwen35Runtime.from_decoder(decoder, batch_size=3, max_length=512, buckets=[64, 512])
         model.prefill([a[:37]], [2])
         out = model.prefill([a[37:], b], [2, 0], all_logits=True, starts=[37, 0])  # one 512-token block
         runs.append((out, model.state))
@@ -91,7 +92,7 @@ def test_token_blocks_change_nothing(token_block):
 def test_query_blocks_of_a_long_block_in_one_go():
     """Without token blocks (the Neuron layers trace a context block whole), attention runs a 1500-token block as two
     1024-query blocks: the logits equal those of the token-blocked CPU run."""
-    from optimum_qwen35.modeling.parallel import TorchLayers
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
 
     class WholeBlocks(TorchLayers):
         token_block = None
@@ -99,7 +100,7 @@ def test_query_blocks_of_a_long_block_in_one_go():
     prompt = random_prompt(1500, 6)
     out = []
     for layers in (None, WholeBlocks()):
-        model = Qwen35ForCausalLM(load_decoder(FIXTURES / "tiny-nv3x", layers=layers), batch_size=1, max_length=1536,
+        model = Qwen35Runtime.from_decoder(load_decoder(FIXTURES / "tiny-nv3x", layers=layers), batch_size=1, max_length=1536,
                                   buckets=[1536])
         out.append(model.prefill([prompt], [0], all_logits=True)[0, :1500])
     torch.testing.assert_close(out[1], out[0], rtol=0, atol=ATOL)
@@ -110,14 +111,14 @@ def test_the_factorys_token_block_reaches_every_layer():
     over 64-token blocks runs the DeltaNet prefill four times per DeltaNet layer (counted by the kernel dispatch),
     a 64-token one once."""
     from optimum_qwen35 import kernels
-    from optimum_qwen35.modeling.parallel import TorchLayers
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
 
     class SmallBlocks(TorchLayers):
         token_block = 64
 
     decoder = load_decoder(FIXTURES / "tiny-nv3x", layers=SmallBlocks())
     deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
-    model = Qwen35ForCausalLM(decoder, batch_size=1, max_length=256, buckets=[64, 256])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=1, max_length=256, buckets=[64, 256])
     for length, blocks in ((150, 4), (64, 1)):
         before = kernels.calls[("torch", "deltanet_prefill")]
         model.prefill([random_prompt(length, 5)], [0])
@@ -130,7 +131,7 @@ def test_token_blocks_hold_a_number_of_rows(batch, blocks):
     batch 1, two 128-token blocks at batch 2, four 64-token ones at batch 4, and never less than one delta-rule
     chunk (64 tokens) per block: four at batch 8 too (counted by the kernel dispatch)."""
     from optimum_qwen35 import kernels
-    from optimum_qwen35.modeling.parallel import TorchLayers
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
 
     class Rows256(TorchLayers):
         token_block = 256
@@ -138,7 +139,7 @@ def test_token_blocks_hold_a_number_of_rows(batch, blocks):
     decoder = load_decoder(FIXTURES / "tiny-nv3x", layers=Rows256())
     assert [decoder.layers[0].block_tokens(b) for b in (1, 2, 3, 4, 5, 8)] == [256, 128, 64, 64, 64, 64]
     deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
-    model = Qwen35ForCausalLM(decoder, batch_size=batch, max_length=256, buckets=[256])
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=batch, max_length=256, buckets=[256])
     before = kernels.calls[("torch", "deltanet_prefill")]
     model.prefill([random_prompt(200, 5)], [0])
     assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
@@ -147,11 +148,11 @@ def test_token_blocks_hold_a_number_of_rows(batch, blocks):
 def test_decode_attends_only_to_its_cache_bucket(decoder):
     """A decode step through the smallest covering cache bucket equals one through the whole cache."""
     prompt = random_prompt(40, 4)
-    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=512)
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=2, max_length=512)
     model.prefill([prompt, prompt[:20]], [0, 1])
     state = [t.clone() for t in model.state]
     got = model.decode([7, 9], [40, 20], [0, 1])
-    assert ("token", 1, False, 64) in model._graphs, f"the 64-position bucket covers position 40: {list(model._graphs)}"
+    assert ("token", 1, False, 64) in model.graphs._graphs, f"the 64-position bucket covers position 40: {list(model.graphs._graphs)}"
     ids, positions = torch.tensor([[7], [9]], dtype=torch.int32), torch.tensor([[40], [20]], dtype=torch.int32)
     with torch.no_grad():
         whole = TokenGenerationGraph(decoder)(ids, positions, torch.tensor([0, 1], dtype=torch.int32), *state)[0]
@@ -162,12 +163,12 @@ def test_decode_attends_only_to_its_cache_bucket(decoder):
 
 def test_decode_writes_one_cache_row_per_active_slot(decoder):
     """Run a decode step with one inactive row: each active slot's cache changes at its position only."""
-    model = Qwen35ForCausalLM(decoder, batch_size=3, max_length=128)
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=3, max_length=128)
     model.prefill([random_prompt(30, 5), random_prompt(12, 6), random_prompt(20, 7)], [0, 1, 2])
     before = [t.clone() for t in model.state]
     model.decode([5, 6], [20, 30], [2, 0])  # each slot's next position; slot 1 idle: its row of the static batch is inactive
     changed_somewhere = False
-    for spec, old, new in zip(model.state_specs, before, model.state):
+    for spec, old, new in zip(model.graphs.state_specs, before, model.state):
         if "cache" not in spec.name:
             assert torch.equal(old[1], new[1]), f"{spec.name}: the idle slot changed"
             continue
@@ -199,18 +200,18 @@ def cache_sized_ops(program, cache_numel):
 def test_token_graph_writes_caches_in_place_and_copies_none(decoder):
     """Inspect the exported token-generation graph: the only cache-sized op is the in-place update of the aliased
     cache input (one per K and V cache), the new rows themselves are [B, heads, 1, head_dim]."""
-    model = Qwen35ForCausalLM(decoder, batch_size=2, max_length=2048)  # caches far larger than any weight
-    example = model._example_inputs("token", 1)
-    cache_numel = min(s.shape[0] * s.shape[1] * s.shape[2] * s.shape[3] for s in model.state_specs if "cache" in s.name)
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=2, max_length=2048)  # caches far larger than any weight
+    example = model.graphs._example_inputs("token", 1)
+    cache_numel = min(s.shape[0] * s.shape[1] * s.shape[2] * s.shape[3] for s in model.graphs.state_specs if "cache" in s.name)
     with torch.no_grad():
         program = torch.export.export(TokenGenerationGraph(decoder, key_length=128), example, strict=False)
     ops = cache_sized_ops(program, cache_numel)
-    n_caches = sum("cache" in s.name for s in model.state_specs)
+    n_caches = sum("cache" in s.name for s in model.graphs.state_specs)
     assert [op for op, _ in ops] == ["aten.index_put_.default"] * n_caches, ops
     # Every state output is its input, updated in place (what the Neuron backend aliases).
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"][-len(model.state_specs):]
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"][-len(model.graphs.state_specs):]
     outputs = list(program.graph.output_node().args[0])[1:]
-    for spec, placeholder, output in zip(model.state_specs, placeholders, outputs):
+    for spec, placeholder, output in zip(model.graphs.state_specs, placeholders, outputs):
         node = output
         while node.op == "call_function" and node.target.overloadpacket.__name__.endswith("_"):  # in-place op: its first arg is the target
             node = node.args[0]

@@ -15,11 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimum_qwen35.checkpoint import CheckpointReader
-from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file, save_sharded
+from optimum_qwen35.checkpoint.shard import MANIFEST, convert_and_shard, rank_file
+from optimum_qwen35.checkpoint.sharded_files import save_sharded
 from optimum_qwen35.config import Qwen35Config
-from optimum_qwen35.runtime.cpu import load_decoder
-from optimum_qwen35.runtime.tp import run_tensor_parallel
-from optimum_qwen35.testing import build_tiny_checkpoint
+from optimum_qwen35.runtime.eager import load_decoder
+from tests.kit.tp import run_tensor_parallel
+from tests.kit import build_tiny_checkpoint
 
 PROMPTS = [[5, 17, 300, 42, 7, 99, 12, 250, 3, 77, 401], [3, 200, 41, 8, 64]]
 MAX_NEW_TOKENS = 33  # 32 decode steps after the token context encoding gives
@@ -132,11 +133,11 @@ def test_saved_shards_round_trip(checkpoints, tmp_path):
 
 def test_max_new_tokens_means_what_generate_means(checkpoints):
     """run_tensor_parallel(max_new_tokens=N) returns the N tokens generate(max_new_tokens=N) returns (no EOS)."""
-    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM  # noqa: PLC0415
+    from optimum_qwen35.runtime import Qwen35Runtime  # noqa: PLC0415
 
     path = checkpoints["tiny-2b"]
     ref = reference(path)[0]
-    model = Qwen35ForCausalLM.from_pretrained(path, batch_size=2, max_length=64)
+    model = Qwen35Runtime.from_pretrained(path, batch_size=2, max_length=64)
     assert model.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS) == ref.tokens.tolist()
     for n in (1, 3):
         assert run_tensor_parallel(path, 1, PROMPTS, n).tokens.tolist() == model.generate(PROMPTS, max_new_tokens=n)

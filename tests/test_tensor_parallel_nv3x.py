@@ -5,7 +5,7 @@ head size shard correctly there; here they do not. Same checks (fp32 within 1e-4
 
 from .test_tensor_parallel import DTYPES, MAX_NEW_TOKENS, PROMPTS, check_against_reference, odd_sized_nv3x, reference
 from optimum_qwen35.config import Qwen35Config
-from optimum_qwen35.runtime.tp import run_tensor_parallel
+from tests.kit.tp import run_tensor_parallel
 
 
 def test_tp4_with_three_value_heads_per_key_head_and_dk_not_dv(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from optimum_qwen35 import Qwen35Config
-from optimum_qwen35.testing import (
+from tests.kit import (
     SPECIAL_TOKENS,
     TINY_LAYOUTS,
     build_tiny_checkpoint,
@@ -352,7 +352,7 @@ def test_committed_reference_npz(layout):
             logits = ref[f"logits_{i}"]
             assert logits.shape == (n, vocab) and logits.dtype == np.float32 and np.isfinite(logits).all()
             assert ref[f"hf_bf16_mae_{i}"].shape == ()
-        # Logits are not flat: a std of about one unit across the vocabulary (see tiny._LOGIT_STD).
+        # Logits are not flat: a std of about one unit across the vocabulary (see tiny.weights._LOGIT_STD).
         std = np.concatenate([ref[f"logits_{i}"] for i in range(len(mr.PROMPT_LENGTHS))]).std(-1).mean()
         assert 0.8 < std < 1.5, std
         assert 0 < float(ref["hf_bf16_mean_abs_err"]) < 1

@@ -16,7 +16,7 @@ import pytest
 from optimum_qwen35.cli import main
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import UnsupportedModelError, UsageError
-from optimum_qwen35.testing import build_tiny_checkpoint
+from tests.kit import build_tiny_checkpoint
 
 from .test_config import real_config
 

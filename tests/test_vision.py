@@ -14,9 +14,8 @@ import torch
 
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.modeling.vision import VisionConfig, rope_index
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
-from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText
-from optimum_qwen35.testing.tiny import special_token_id
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.tiny import special_token_id
 
 from .conftest import FIXTURES
 
@@ -65,9 +64,8 @@ def layout(request):
 
 @pytest.fixture(scope="module")
 def ours(layout):
-    return Qwen35ForImageTextToText.from_pretrained(
-        FIXTURES / layout, max_length=128, buckets=[64], image_buckets=IMAGE_BUCKETS, pack_weights=False
-    )
+    return Qwen35Runtime.from_pretrained(
+        FIXTURES / layout, max_length=128, buckets=[64], image_buckets=IMAGE_BUCKETS, pack_weights=False, vision=True)
 
 
 def _reference_class(layout):
@@ -131,9 +129,8 @@ def test_greedy_tokens_after_an_image_prompt_match_transformers(layout, ours, re
 def test_bf16_no_worse_than_transformers_bf16(layout, reference):
     """bf16 weights and activations against transformers' fp32 logits: mean |dlogit| and top-1 agreement."""
     hf_bf16 = _reference_class(layout).from_pretrained(FIXTURES / layout, dtype=torch.bfloat16).eval()
-    ours = Qwen35ForImageTextToText.from_pretrained(
-        FIXTURES / layout, max_length=128, buckets=[64], image_buckets=IMAGE_BUCKETS, dtype=torch.bfloat16
-    )
+    ours = Qwen35Runtime.from_pretrained(
+        FIXTURES / layout, max_length=128, buckets=[64], image_buckets=IMAGE_BUCKETS, dtype=torch.bfloat16, vision=True)
     our_err, hf_err, our_top1, hf_top1, n = 0.0, 0.0, 0, 0, 0
     for case in CASES:
         prompt, pixels, grids = _case(case)
@@ -158,9 +155,9 @@ def test_bf16_no_worse_than_transformers_bf16(layout, reference):
 
 def test_text_prompts_give_the_text_models_numbers_bit_for_bit(ours, layout):
     """A text-only prompt through the image model runs the text graphs: logits and tokens identical to
-    `Qwen35ForCausalLM`'s. And the image context graph, fed no image, computes the same logits bit for bit
+    `Qwen35Runtime`'s. And the image context graph, fed no image, computes the same logits bit for bit
     (its 3-D rotary reduces exactly to the 1-D one when the three components are equal)."""
-    text = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, max_length=128, buckets=[64], pack_weights=False)
+    text = Qwen35Runtime.from_pretrained(FIXTURES / layout, max_length=128, buckets=[64], pack_weights=False)
     prompts = [_text(40, 7), _text(9, 8)]
     for a, b in zip(ours.logits(prompts), text.logits(prompts), strict=True):
         assert torch.equal(a, b)
@@ -173,7 +170,7 @@ def test_text_prompts_give_the_text_models_numbers_bit_for_bit(ours, layout):
     no_image.rope_delta = 0
     through_image_graph = ours.prefill(prompts[:1], [0], all_logits=True, images=[no_image])[0]
     assert torch.equal(through_image_graph, text.logits(prompts[:1])[0])
-    assert ("image_context", 64, True, None) in ours._graphs
+    assert ("image_context", 64, True, None) in ours.graphs._graphs
 
 
 def test_rope_index_places_image_tokens_on_their_grid():
@@ -205,11 +202,11 @@ def test_rope_index_places_image_tokens_on_their_grid():
 def test_bad_image_inputs_are_refused_before_anything_runs(ours, change, message):
     prompt, pixels, grids = _case("image_in_the_middle_of_text")
     prompt, pixels, grids = change(prompt, pixels, grids)
-    ours._graphs.clear()
+    ours.graphs._graphs.clear()
     with pytest.raises(UsageError, match=message) as error:
         ours.generate([prompt], 4, pixel_values=pixels, image_grid_thw=grids)
     assert "\n" not in str(error.value)
-    assert not ours._graphs  # no decoder graph was built or run
+    assert not ours.graphs._graphs  # no decoder graph was built or run
 
 
 # ----------------------------------------------------------------------------------------------- image bucket edges
@@ -220,7 +217,7 @@ def test_image_bucket_choice_at_and_around_every_bucket(buckets):
     from types import SimpleNamespace
 
     from optimum_qwen35.errors import UsageError
-    from optimum_qwen35.runtime.vision import ImageInputs
+    from optimum_qwen35.runtime.images import ImageInputs
 
     runtime = SimpleNamespace(image_buckets=buckets)
     choose = lambda patches: ImageInputs.image_bucket_for(runtime, patches)  # noqa: E731

@@ -16,9 +16,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder, image_bucket_inputs, shard_vision_params
-from optimum_qwen35.runtime.vision import load_vision_encoder
+from optimum_qwen35.runtime.images import load_vision_encoder
 
 from .conftest import FIXTURES
 

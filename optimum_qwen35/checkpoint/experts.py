@@ -16,6 +16,8 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import CheckpointError
+
 _PER_EXPERT = re.compile(r"^(?P<layer>.*\.mlp\.experts\.)(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -64,8 +66,6 @@ def fused_shape(name: str, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...
 def fuse(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """Stack the per-expert tensors into the fused one (parts in `fuse_expert_names` order)."""
     if any(p.shape != parts[0].shape or p.dtype != parts[0].dtype for p in parts):
-        from ..errors import CheckpointError  # noqa: PLC0415
-
         raise CheckpointError(f"{name}: the per-expert tensors it stacks differ in shape or dtype")
     if name.endswith("gate_up_proj"):
         return torch.stack([torch.cat(parts[i : i + 2], dim=0) for i in range(0, len(parts), 2)])

@@ -79,7 +79,7 @@ class CheckpointReader:
                     "shards, not the checkpoint's tensors. Load it as it is, or shard the original checkpoint"
                 )
             if not files:
-                from ..validation import missing_weights_message  # noqa: PLC0415
+                from ..validation import missing_weights_message  # start-up time: validation imports torch only when a folder is checked
 
                 raise MissingWeightsError(f"no safetensors weights: {missing_weights_message(self.folder)}")
             weight_map = {}

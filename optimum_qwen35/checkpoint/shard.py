@@ -31,30 +31,18 @@ Per tensor (decoder names; see docs/tensor_parallel.md for the table):
   "tp" splits every expert's intermediate rows (`gate_up_proj` dim 1 in the layout [gate_0 up_0 | gate_1 up_1 | ..],
   `down_proj` dim 2; zero-padded to a multiple of t). The manifest records the mode.
 
-`save_sharded` writes one safetensors file per rank, `rank_{r}.safetensors`, next to a copy of
-`config.json`, and a manifest `tp_shards.json` written last: a folder without the manifest is an
-incomplete export and is refused by `load_sharded`.
+The per-rank files of a sharded export are written and read by checkpoint/sharded_files.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from .. import validation
 from ..config import Qwen35Config
-from ..errors import IncompatibleExportError, UsageError
-from ..output import output_folder
+from ..export import layout
 from .convert import (
-    CheckpointError,
-    check_checkpoint,
-    check_finite,
     convert_checkpoint,
     decoder_name,
     expected_shapes,
@@ -62,9 +50,7 @@ from .convert import (
 )
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 
-MANIFEST = "tp_shards.json"
-MANIFEST_FORMAT = "optimum-qwen35-tp-shards"
-MANIFEST_VERSION = 1
+MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION = layout.TP_SHARDS_FILE, layout.TP_SHARDS_FORMAT, layout.TP_SHARDS_VERSION
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -302,240 +288,3 @@ def convert_and_shard(
         # A copy, so that the shard does not keep the whole tensor's storage alive.
         yield name, shard.to(dtype=stored_dtype(name, dtype) or shard.dtype, memory_format=torch.contiguous_format, copy=True)
         del tensor, shard
-
-
-class StreamingSafetensorsWriter:
-    """Writes a safetensors file tensor by tensor: the header (all names, dtypes, shapes) goes first,
-    so that no tensor has to be held until the end. Written under a temporary name, renamed on `commit`.
-    """
-
-    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
-        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        header: dict[str, object] = {"__metadata__": metadata}
-        offset = 0
-        self.order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        for name, dtype, shape in entries:
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.order.append((name, dtype, tuple(shape), nbytes))
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # data aligned to 8 bytes, as safetensors itself writes
-        self.size = 8 + len(blob) + offset
-        self.file = open(self.tmp, "wb")  # noqa: SIM115
-        self.file.write(len(blob).to_bytes(8, "little") + blob)
-        self.next = 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected, dtype, shape, nbytes = self.order[self.next]
-        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise RuntimeError(
-                f"{self.path.name}: got {name} {tensor.dtype} {tuple(tensor.shape)}, expected {expected} {dtype} {shape}"
-            )
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self.file.write(memoryview(data.numpy()))
-        self.next += 1
-
-    def commit(self) -> int:
-        if self.next != len(self.order):
-            raise RuntimeError(f"{self.path.name}: {len(self.order) - self.next} tensors were not written")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if os.path.getsize(self.tmp) != self.size:
-            raise RuntimeError(f"{self.path.name}: wrote {os.path.getsize(self.tmp)} bytes, expected {self.size}")
-        os.replace(self.tmp, self.path)
-        return self.size
-
-    def abort(self) -> None:
-        if not self.file.closed:
-            self.file.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank}.safetensors"
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_sharded(
-    source: CheckpointReader | str | os.PathLike,
-    config: Qwen35Config | None,
-    tp_degree: int,
-    out_dir: str | os.PathLike,
-    dtype: torch.dtype | str | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-) -> Path:
-    """Convert and shard a checkpoint for `tp_degree` ranks and save one safetensors file per rank.
-
-    Output folder: `config.json` (the source's, unchanged), the tokenizer files if the source has them, `rank_{r}.safetensors` for r in 0..t-1
-    (decoder parameter names, each rank's shard, tied lm_head omitted), and `tp_shards.json` (written
-    last; without it the folder is an incomplete export). Each source tensor is read once and its t
-    shards are streamed into the t files, so memory holds about one source tensor at a time.
-
-    The folder is written whole or not at all (`output.output_folder`): built in a hidden sibling and
-    renamed into place when complete. An `out_dir` holding a model or an export is refused unless
-    `overwrite=True`, and then replaced whole (no stale rank files); the source folder is refused.
-    Everything is checked before anything is written.
-    """
-    if not isinstance(source, CheckpointReader):
-        source = validation.model_folder(source, "shard")
-        if is_sharded_export(source):
-            raise UsageError(
-                f"{source} is a sharded export (it has {MANIFEST} or rank files), not a checkpoint: shard the original "
-                "checkpoint folder instead"
-            )
-    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
-    dtype = None if dtype is None else validation.parse_dtype(dtype)
-    config = config or Qwen35Config.from_pretrained(reader.folder)
-    config.check_tp_degree(tp_degree)
-    check_checkpoint(reader, config)
-    with output_folder(out_dir, sources=[reader.folder], overwrite=overwrite) as tmp:
-        _write_shards(reader, config, tp_degree, tmp, dtype, progress)
-    return Path(out_dir).expanduser()
-
-
-def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, out: Path, dtype, progress: bool) -> None:
-    """Write the export into the (new, empty) folder `out`; the manifest last."""
-    shapes = sharded_shapes(config, tp_degree)
-    source_names = list(expected_shapes(config))
-    dtypes = {decoder_name(n): stored_dtype(n, dtype) or reader.dtype(n) for n in source_names}
-    entries = [(name, dtypes[name], shapes[name]) for name in shapes]
-    writers = [
-        StreamingSafetensorsWriter(
-            out / rank_file(r), entries, {"format": "pt", "tp_degree": str(tp_degree), "rank": str(r)}
-        )
-        for r in range(tp_degree)
-    ]
-    try:
-        with open(out / ".config.json.tmp", "w", encoding="utf-8") as f:
-            json.dump(config.raw or config.to_text_dict(), f, indent=2)
-        os.replace(out / ".config.json.tmp", out / "config.json")
-        _copy_side_files(reader.folder, out)
-        bar = _progress(total=sum(reader_nbytes(reader, n) for n in source_names), enabled=progress, desc=f"shard TP={tp_degree}")
-        for source_name, (name, tensor) in zip(source_names, convert_checkpoint(reader, config)):
-            check_finite({name: tensor}, str(reader.folder))  # an export never carries NaN or Inf weights
-            layout, dim = tp_layout(name, tensor, config, tp_degree)
-            for rank, writer in enumerate(writers):
-                shard = layout if dim is None else layout.chunk(tp_degree, dim)[rank]
-                writer.write(name, shard.to(dtypes[name]))
-            bar.update(reader_nbytes(reader, source_name))
-            del tensor, layout
-        bar.close()
-        files = []
-        for rank, writer in enumerate(writers):
-            files.append({"rank": rank, "file": rank_file(rank), "bytes": writer.commit()})
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    _write_json_atomic(
-        out / MANIFEST,
-        {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "tp_degree": tp_degree,
-            "dtype": sorted({_DTYPE_CODES[d] for d in dtypes.values()}),
-            "tie_word_embeddings": config.tie_word_embeddings,
-            **({"moe_parallel": config.expert_parallel_mode(tp_degree)} if config.is_moe else {}),
-            "source": str(reader.folder),
-            "files": files,
-        },
-    )
-
-
-def reader_nbytes(reader: CheckpointReader, name: str) -> int:
-    return torch.Size(reader.shape(name)).numel() * reader.dtype(name).itemsize
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled)
-
-
-# ------------------------------------------------------------------------------------------ loading exports
-def is_sharded_export(path: str | os.PathLike) -> bool:
-    """True when `path` is a folder written by `save_sharded` (complete or not)."""
-    path = Path(path)
-    return (path / MANIFEST).is_file() or any(path.glob("rank_*.safetensors"))
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a complete export; a clear error for an incomplete or foreign folder."""
-    path = Path(path)
-    file = path / MANIFEST
-    if not file.is_file():
-        raise CheckpointError(
-            f"{path} has no {MANIFEST}: it is not a complete sharded export (an interrupted save_sharded leaves "
-            "no manifest); export it again"
-        )
-    try:
-        manifest = json.loads(file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}): the export is damaged; export it again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("version") != MANIFEST_VERSION:
-        raise CheckpointError(f"{file} is not a {MANIFEST_FORMAT} v{MANIFEST_VERSION} manifest")
-    for entry in manifest["files"]:
-        f = path / entry["file"]
-        if not f.is_file() or f.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{f} is missing or has the wrong size ({entry['bytes']} bytes expected)")
-    return manifest
-
-
-def load_sharded(
-    path: str | os.PathLike,
-    rank: int,
-    tp_degree: int | None = None,
-    dtype: torch.dtype | None = None,
-    check_weights: bool = True,
-) -> tuple[Qwen35Config, int, dict[str, torch.Tensor]]:
-    """Read one rank's shard of a `save_sharded` export: (config, tp_degree, {decoder name: tensor}).
-
-    Weights holding NaN or Inf (a file damaged after the export) are refused, naming the tensor."""
-    from safetensors.torch import load_file  # noqa: PLC0415
-
-    path = Path(path)
-    manifest = read_manifest(path)
-    saved_degree = manifest["tp_degree"]
-    if tp_degree is not None and tp_degree != saved_degree:
-        raise IncompatibleExportError(
-            f"{path} holds shards for tensor_parallel_size={saved_degree}, not {tp_degree}; use "
-            f"tensor_parallel_size={saved_degree} or export it again for {tp_degree}"
-        )
-    if not 0 <= rank < saved_degree:
-        raise UsageError(f"rank {rank} is outside 0..{saved_degree - 1}")
-    config = Qwen35Config.from_pretrained(path)
-    if "moe_parallel" in manifest:  # how this export split the experts
-        config = dataclasses.replace(config, moe_parallel=manifest["moe_parallel"])
-    tensors = load_file(path / rank_file(rank))
-    expected = sharded_shapes(config, saved_degree)
-    got = {n: tuple(t.shape) for n, t in tensors.items()}
-    if got != expected:
-        missing = sorted(set(expected) - set(got))
-        wrong = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])
-        raise CheckpointError(
-            f"{path / rank_file(rank)} does not match config.json: missing {missing}, "
-            f"unexpected {sorted(set(got) - set(expected))}, wrong shape {wrong}"
-        )
-    if check_weights:
-        check_finite(tensors, str(path / rank_file(rank)))
-    if dtype is not None:
-        tensors = {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}
-    return config, saved_degree, tensors
-
-
-def _copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-    """Copy the tokenizer and generation config next to an export (not needed by the loader)."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
-        if (Path(src) / name).is_file():
-            shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -30,7 +30,8 @@ from .attention import GatedAttention
 from .deltanet import GatedDeltaNet
 from .layers import MLP, RMSNorm, RotaryEmbedding, upcast
 from .moe import SparseMoeBlock
-from .parallel import ShardedDims, TorchLayers
+from .parallel import ShardedDims
+from .torch_layers import TorchLayers
 from .state import Slots, StateSpec, state_specs
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .layers import apply_rotary, upcast
-from .parallel import TorchLayers
+from .torch_layers import TorchLayers
 
 
 @dataclass(frozen=True)

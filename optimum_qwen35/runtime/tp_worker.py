@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from optimum_qwen35.runtime.compiled import serve_rank
+from optimum_qwen35.runtime.worker_pool import serve_rank
 
 
 def main(argv: list[str]) -> None:

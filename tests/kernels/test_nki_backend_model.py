@@ -13,7 +13,7 @@ import torch
 
 from optimum_qwen35 import kernels
 from optimum_qwen35.kernels.gated_delta_rule import fused
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+from optimum_qwen35.runtime import Qwen35Runtime
 
 from ..conftest import FIXTURES, LAYOUTS, load_reference
 
@@ -41,7 +41,7 @@ def prompts_of(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_tokens_nki_equal_torch(layout, dtype, nki_backend):
     prompts = prompts_of(layout)
-    model = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=dtype)
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=dtype)
     kernels.set_backend("torch")
     expected = model.generate(prompts, max_new_tokens=8)
     # fp32 models: the default operands (fp32); bf16 models: the fp32 option
@@ -70,8 +70,8 @@ def test_bf16_default_operands_within_the_references_bf16_error(layout, nki_back
     are not compared: the random fixtures' top logits are within one bf16 step of each other (the bf16 reference
     itself picks another token than the fp32 one at 1 in 7 positions of tiny-2b's second prompt)."""
     prompts = prompts_of(layout)
-    bf16 = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=torch.bfloat16)
-    fp32 = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=torch.float32)
+    bf16 = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=torch.bfloat16)
+    fp32 = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=torch.float32)
     kernels.set_backend("torch")
     ref_bf16, ref_fp32 = bf16.logits(prompts), fp32.logits(prompts)
     kernels.set_backend("nki")

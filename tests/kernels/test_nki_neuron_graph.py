@@ -1,6 +1,6 @@
 """The Neuron graphs' DeltaNet layers through the NKI kernels, as far as CPU can run them.
 
-The traced forward's body (`neuron.glue.step`) is run with the CPU layer factory naming the "nki" kernel backend,
+The traced forward's body (`neuron.adapter.step`) is run with the CPU layer factory naming the "nki" kernel backend,
 as `Qwen35NxDDecoderModel` names it through `NxDLayers` (there the kernels are `nki.jit` launches on torch-xla
 tensors; here they run on the emulator). It must give the torch references' logits and held state, through the
 dispatch's NKI entry points (counted), without touching the process-wide backend.
@@ -11,9 +11,9 @@ import torch
 
 from optimum_qwen35 import kernels
 from optimum_qwen35.kernels import nki_import
-from optimum_qwen35.modeling.parallel import TorchLayers
-from optimum_qwen35.neuron import glue
-from optimum_qwen35.runtime.cpu import load_decoder
+from optimum_qwen35.modeling.torch_layers import TorchLayers
+from optimum_qwen35.backends.nxd import adapter
+from optimum_qwen35.runtime.eager import load_decoder
 
 from ..conftest import FIXTURES
 from ..test_neuron_backend import allocate, context_batch, run, tokens
@@ -37,7 +37,7 @@ def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_n
     with_nki = load_decoder(path, layers=layers(kernel_backend="nki"))
     with_torch = load_decoder(path, layers=layers(kernel_backend="torch"))
     deltanet_layers = sum(not layer.is_attention for layer in with_nki.layers)
-    layout = glue.StateLayout(with_nki.state_specs(2, 64))
+    layout = adapter.StateLayout(with_nki.state_specs(2, 64))
     held_nki, held_torch = allocate(layout), allocate(layout)
 
     def both(ids, positions, seq_ids):
@@ -67,7 +67,7 @@ def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_n
 
 def test_a_model_naming_no_backend_follows_the_process_wide_one():
     decoder = load_decoder(FIXTURES / "tiny-2b")
-    layout = glue.StateLayout(decoder.state_specs(1, 16))
+    layout = adapter.StateLayout(decoder.state_specs(1, 16))
     before = kernels.calls[("torch", "deltanet_prefill")], nki_calls()
     ids, positions = context_batch([[3, 4, 5]], 8)
     run(decoder, layout, allocate(layout), ids, positions, [0])
@@ -78,24 +78,24 @@ def test_a_model_naming_no_backend_follows_the_process_wide_one():
 def test_kernel_backend_of_the_neuron_graphs(monkeypatch, target):
     # The graphs trace the references unless asked for the kernels, on every target.
     for real_nki in (True, False):
-        assert glue.kernel_backend(None, target, real_nki) == "torch"
-        assert glue.kernel_backend("torch", target, real_nki) == "torch"
+        assert adapter.kernel_backend(None, target, real_nki) == "torch"
+        assert adapter.kernel_backend("torch", target, real_nki) == "torch"
         with pytest.raises(ValueError, match="'nki' or 'torch'"):
-            glue.kernel_backend("emulator", target, real_nki)
+            adapter.kernel_backend("emulator", target, real_nki)
     if target not in ("trn2", "trn3"):
         # NKI 0.3+ compiles for trn2 and later: trn1 / inf2 always run the torch form, real NKI or not.
         for real_nki in (True, False):
             with pytest.raises(ValueError, match="trn2 and later only"):
-                glue.kernel_backend("nki", target, real_nki)
+                adapter.kernel_backend("nki", target, real_nki)
         return
     # Without the real NKI (the emulator cannot run inside a traced graph): refused.
     with pytest.raises(ValueError, match="real NKI"):
-        glue.kernel_backend("nki", target, real_nki=False)
+        adapter.kernel_backend("nki", target, real_nki=False)
     # With it: the kernels (they return their states, which the graph aliases as it does the references').
-    assert glue.kernel_backend("nki", target, real_nki=True) == "nki"
+    assert adapter.kernel_backend("nki", target, real_nki=True) == "nki"
     # By default the answer is `nki_import`'s probe: here the emulator; with the probe saying real NKI, the kernels.
     assert nki_import.USING_EMULATOR
     with pytest.raises(ValueError, match="real NKI"):
-        glue.kernel_backend("nki", target)
+        adapter.kernel_backend("nki", target)
     monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
-    assert glue.kernel_backend("nki", target) == "nki"
+    assert adapter.kernel_backend("nki", target) == "nki"

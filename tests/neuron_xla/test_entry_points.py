@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qwen35.testing.neuron_xla import export_config, model_class, neuron_config
+from tests.kit.neuron_xla import export_config, model_class, neuron_config
 
 from ..conftest import FIXTURES
 
@@ -41,7 +41,7 @@ def test_optimum_cli_export_neuron_runs_until_the_compile_cache(tmp_path, fixtur
     )
     assert result.returncode != 0
     # This project's class was found and ran: its Neuron branch handed the export to the NxD class ...
-    assert "optimum_qwen35/optimum/modeling.py" in result.stderr and "pretrained_model.py" in result.stderr
+    assert "optimum_qwen35/optimum_neuron/modeling.py" in result.stderr and "pretrained_model.py" in result.stderr
     # ... which stopped at the first closed SDK call: the compile cache, entered before the graphs are built.
     last = [line for line in result.stderr.splitlines() if line.startswith("neuron_sdk_standin.NeuronSDKUnavailable")]
     assert last and "libneuronxla.neuron_cc_cache.CacheUrl.get_cache_url" in last[0], result.stderr[-3000:]
@@ -91,8 +91,8 @@ def test_a_vision_export_to_a_neuron_target_builds_the_vision_graphs_until_the_c
     then stops at the first closed SDK call, as the text export does."""
     import neuron_sdk_standin
 
-    from optimum_qwen35.neuron.state_dict import vision_export
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.backends.nxd.state_dict import vision_export
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     cls = model_class()
     seen = {}

@@ -1,4 +1,4 @@
-"""The compiler contract (`optimum_qwen35.testing.hlo_contract`) on every graph the export builds, and the check
+"""The compiler contract (`tests.kit.hlo_contract`) on every graph the export builds, and the check
 itself on graphs made to break it.
 
 - The reference census: optimum-neuron 0.4.5's own Qwen3 and Llama NxD graphs (context encoding, token generation),
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch_xla
 
-from optimum_qwen35.testing import hlo_contract
-from optimum_qwen35.testing.neuron_xla import build_graphs, lower, neuron_config, traced_parallel_state
+from tests.kit import hlo_contract
+from tests.kit.neuron_xla import build_graphs, lower, neuron_config, traced_parallel_state
 
 from ..conftest import FIXTURES
 

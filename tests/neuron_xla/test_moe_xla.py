@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum_qwen35.testing import TINY_MOE_LAYOUTS
-from optimum_qwen35.testing.neuron_xla import CONTEXT, TOKENS, XlaGraphs, build_graphs, neuron_config, traced_parallel_state
+from tests.kit import TINY_MOE_LAYOUTS
+from tests.kit.neuron_xla import CONTEXT, TOKENS, XlaGraphs, build_graphs, neuron_config, traced_parallel_state
 
 from ..conftest import FIXTURES, load_reference, reference_prompts
 from .test_neuron_graphs import BF16_ATOL, LOGIT_ATOL, SEQUENCE_LENGTH, TIE_MARGIN, column, context_inputs
@@ -36,12 +36,12 @@ def test_moe_graphs_on_xla_match_the_cpu_model(layout):
     """Two sequences prefilled into their slots, 20 teacher-forced token-generation steps of both, then a new
     sequence in slot 1 decoding 16 greedy steps beside the first: logits within 1e-4 of the CPU model's and of
     transformers' at every position, greedy tokens equal to the CPU model's and transformers'."""
-    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     ref = load_reference(layout)
     cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
     (long, long_hf), (short, short_hf) = cases[130], cases[63]
-    cpu = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, max_length=SEQUENCE_LENGTH)
+    cpu = Qwen35Runtime.from_pretrained(FIXTURES / layout, max_length=SEQUENCE_LENGTH)
     long_cpu, short_cpu = cpu.logits([long[:SEQUENCE_LENGTH], short])
     prompt = ref["gen_prompt_0"].tolist()
     cpu_tokens = cpu.generate([prompt], max_new_tokens=17)[0]
@@ -111,13 +111,13 @@ def test_optimum_neurons_generate_drives_the_moe_graphs():
     """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) around the MoE graphs,
     optimum-neuron's own `generate` (right padding, context encoding row by row, token generation of the batch):
     16 greedy tokens of two prompts of different lengths equal the CPU model's."""
-    from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM
-    from optimum_qwen35.testing.neuron_xla import TracedModel, export_config, model_class
+    from optimum_qwen35.runtime import Qwen35Runtime
+    from tests.kit.neuron_xla import TracedModel, export_config, model_class
 
     layout = "tiny-moe"
     ref = load_reference(layout)
     prompts = [ref["gen_prompt_0"].tolist(), ref["gen_prompt_1"].tolist()]
-    expected = Qwen35ForCausalLM.from_pretrained(FIXTURES / layout, max_length=SEQUENCE_LENGTH).generate(prompts, 16)
+    expected = Qwen35Runtime.from_pretrained(FIXTURES / layout, max_length=SEQUENCE_LENGTH).generate(prompts, 16)
     width = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
     mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])

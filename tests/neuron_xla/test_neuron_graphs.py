@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from optimum_qwen35.neuron import glue
-from optimum_qwen35.testing.neuron_xla import (
+from optimum_qwen35.backends.nxd import adapter
+from tests.kit.neuron_xla import (
     CONTEXT, LOGITS, TOKENS, TracedModel, XlaGraphs, build_graphs, lower, neuron_config, state_traffic,
     traced_parallel_state,
 )
@@ -83,7 +83,7 @@ def context_inputs(prompt: list[int], pad_token_id: int = 0):
     """One right-padded row, as optimum-neuron's context-encoding wrapper pads it (pad token, position 1)."""
     ids = torch.tensor([prompt], dtype=torch.int32)
     positions = torch.arange(len(prompt), dtype=torch.int32)[None]
-    return glue.pad_context_inputs(ids, positions, SEQUENCE_LENGTH, pad_token_id)
+    return adapter.pad_context_inputs(ids, positions, SEQUENCE_LENGTH, pad_token_id)
 
 
 def column(values) -> torch.Tensor:
@@ -177,9 +177,9 @@ def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
     )
     from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder import NxDModelForCausalLM
 
-    from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
+    from optimum_qwen35.backends.nxd.model import Qwen35DecoderWrapper
 
-    from optimum_qwen35.testing.neuron_xla import export_config
+    from tests.kit.neuron_xla import export_config
 
     layout = "tiny-nv2x"
     ref = load_reference(layout)
@@ -218,7 +218,7 @@ def test_a_sequence_left_out_of_a_step_keeps_its_state(wrapper):
 def model_on_xla(layout: str, target: str = "trn2"):
     """`Qwen35NxDModelForCausalLM` (the class `from_pretrained` returns for a Neuron target) around the XLA graphs,
     with the graphs' run."""
-    from optimum_qwen35.testing.neuron_xla import export_config, model_class
+    from tests.kit.neuron_xla import export_config, model_class
 
     nc = neuron_config(FIXTURES / layout, target)
     cls = model_class()
@@ -233,7 +233,7 @@ def test_optimum_neurons_generate_drives_the_graphs():
     graphs, and optimum-neuron's own `generate` (NxDGenerationMixin: right padding, context encoding row by row
     into the slots, token generation of the batch): greedy tokens of two prompts of different lengths equal
     transformers'."""
-    from optimum_qwen35.neuron.model import Qwen35DecoderWrapper
+    from optimum_qwen35.backends.nxd.model import Qwen35DecoderWrapper
 
     layout = "tiny-nv3x"
     ref = load_reference(layout)

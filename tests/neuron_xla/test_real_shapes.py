@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum_qwen35.testing.neuron_xla import CONTEXT, TOKENS, lower, neuron_config, state_traffic, traced_parallel_state
+from tests.kit.neuron_xla import CONTEXT, TOKENS, lower, neuron_config, state_traffic, traced_parallel_state
 
 BENCHMARK = Path(__file__).parents[2] / "benchmarks" / "neuron_real_shapes.py"
 

@@ -18,9 +18,9 @@ import torch
 import torch_xla
 
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder, image_bucket_inputs
-from optimum_qwen35.neuron.layers import NxDLayers
-from optimum_qwen35.runtime.vision import load_vision_encoder
-from optimum_qwen35.testing.neuron_xla import (
+from optimum_qwen35.backends.nxd.layers import NxDLayers
+from optimum_qwen35.runtime.images import load_vision_encoder
+from tests.kit.neuron_xla import (
     CONTEXT, IMAGE_CONTEXT, IMAGE_TOKENS, LOGITS, TOKENS, TracedModel, XlaGraphs, build_graphs, export_config, lower,
     model_class, neuron_config, traced_parallel_state, vision_config,
 )
@@ -90,15 +90,15 @@ def test_image_prompts_through_the_neuron_class_on_xla_match_the_cpu_model():
     rope delta (`NxDImageRuntime`), against the eager CPU model (itself within 1e-4 of transformers 5:
     tests/test_vision.py): the prompt's last logits and 7 decode steps' within 1e-4, the same tokens; a text row
     decodes beside it, unchanged; `generate(input_ids, pixel_values=, image_grid_thw=)` gives the same tokens."""
-    from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText
-    from optimum_qwen35.testing.tiny import special_token_id
+    from optimum_qwen35.runtime import Qwen35Runtime
+    from optimum_qwen35.tiny import special_token_id
 
     folder = FIXTURES / "tiny-2b"
     image, start, end = (special_token_id(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
     grids = torch.tensor([[1, 4, 6], [1, 8, 10]])
     pixels = torch.randn(24 + 80, vision_config(folder).patch_dim, generator=torch.Generator().manual_seed(0))
     prompt, text = [5, 6, start] + [image] * 6 + [end, 8, 9, start] + [image] * 20 + [end, 10, 11], [1, 2, 3]
-    eager = Qwen35ForImageTextToText.from_pretrained(folder, max_length=128, image_buckets=IMAGE_BUCKETS)
+    eager = Qwen35Runtime.from_pretrained(folder, max_length=128, image_buckets=IMAGE_BUCKETS, vision=True)
     expected_tokens = eager.generate([prompt], 8, eos_token_id=[], pixel_values=pixels, image_grid_thw=grids)[0]
     expected = eager.logits([prompt + expected_tokens[:-1]], pixels, grids)[0]  # teacher-forced, every position
 

@@ -26,7 +26,7 @@ BATCH_SIZE = 2
 def export_dir(tmp_path_factory):
     """export_dir(layout, tp, dtype="float32", batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH) -> the folder
     of a saved export (cached)."""
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     root = tmp_path_factory.mktemp("exports")
     cache: dict[tuple, Path] = {}

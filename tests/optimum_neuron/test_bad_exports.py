@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum_qwen35.errors import CheckpointError, ExportError, IncompatibleExportError, UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 
@@ -81,14 +81,14 @@ def test_plain_checkpoint_is_not_an_export():
 def test_interrupted_export_leaves_no_work_folder(monkeypatch, tmp_path):
     import tempfile
 
-    import optimum_qwen35.runtime.compiled as compiled
+    import optimum_qwen35.export.cpu as cpu_export
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(compiled, "compile_graphs", interrupted)
+    monkeypatch.setattr(cpu_export, "compile_graphs", interrupted)
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", batch_size=1, sequence_length=128, dtype="float32")
     with pytest.raises(KeyboardInterrupt):
         Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config)
@@ -96,7 +96,7 @@ def test_interrupted_export_leaves_no_work_folder(monkeypatch, tmp_path):
 
 
 def test_interrupted_save_leaves_nothing_that_loads(export_dir, tmp_path, monkeypatch):
-    import optimum_qwen35.optimum.modeling as modeling
+    import optimum_qwen35.optimum_neuron.modeling as modeling
 
     model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
     real_copy = shutil.copy2
@@ -156,7 +156,7 @@ CORES = {"trn2.48xlarge": ("trn2", 64), "trn2.3xlarge": ("trn2", 4), "trn1.32xla
 def test_default_degree_is_the_largest_valid_one_within_the_machines_cores(instance, tmp_path, monkeypatch, caplog):
     """optimum-neuron's default (all the cores) is no valid degree on the big instances; the export takes the largest
     valid degree <= the cores and says so. The core count is patched: no Neuron device here."""
-    from optimum_qwen35.optimum import modeling
+    from optimum_qwen35.optimum_neuron import modeling
 
     target, cores = CORES[instance]
     monkeypatch.setattr(modeling, "_available_neuron_cores", lambda: cores)
@@ -183,7 +183,7 @@ def test_default_degree_is_the_largest_valid_one_within_the_machines_cores(insta
 
 
 def test_default_degree_without_neuron_cores(monkeypatch):
-    from optimum_qwen35.optimum import modeling
+    from optimum_qwen35.optimum_neuron import modeling
 
     monkeypatch.setattr(modeling, "_available_neuron_cores", lambda: 0)
     with pytest.raises(UsageError, match=r"no Neuron cores .*to size a trn2 export by: pass tensor_parallel_size"):

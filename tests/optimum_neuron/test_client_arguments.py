@@ -14,7 +14,7 @@ pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `opt
 from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum_qwen35.errors import IncompatibleExportError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 
 def edit(path, **changes):

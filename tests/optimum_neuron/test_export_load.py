@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import LAYOUTS, load_reference, reference_prompts  # noqa: E402
 from ..test_parity import TIE_MARGIN  # noqa: E402
@@ -25,7 +25,7 @@ NEW_TOKENS = 48
 
 LOAD_AND_GENERATE = """
 import json, sys, torch
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 out = {}
 for folder, prompts in json.loads(sys.argv[1]).items():
     model = Qwen35NeuronModelForCausalLM.from_pretrained(folder)
@@ -89,9 +89,9 @@ def test_export_folder_layout(export_dir):
     assert neuron_config["checkpoint_id"] is None
     assert sorted(p.name for p in (folder / "checkpoint").glob("rank_*.safetensors")) == ["rank_0.safetensors", "rank_1.safetensors"]
     assert not list(folder.parent.glob(".*partial*")), "a staging folder was left behind"
-    from optimum_qwen35 import hub
+    from optimum_qwen35.export import layout
 
-    assert all((folder / name).is_file() for name in hub.CPU_MANIFESTS)  # what the Hub side checks for
+    assert all((folder / name).is_file() for name in layout.CPU_MANIFESTS)  # what the Hub side checks for
 
 
 def test_neuron_config_dict_is_optimum_neurons_own(export_dir, monkeypatch):
@@ -100,7 +100,7 @@ def test_neuron_config_dict_is_optimum_neurons_own(export_dir, monkeypatch):
     neuronx-cc is absent here, so its version getter is given one for the comparison only."""
     import optimum.neuron.configuration_utils as configuration_utils
 
-    from optimum_qwen35.optimum import neuron_config as nc
+    from optimum_qwen35.optimum_neuron import neuron_config as nc
 
     saved = json.loads((export_dir("tiny-2b", 2) / "neuron_config.json").read_text())
     loaded = nc.load(export_dir("tiny-2b", 2))

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, pipeline  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutput  # noqa: E402
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import load_reference, reference_prompts  # noqa: E402
 from .conftest import SEQUENCE_LENGTH  # noqa: E402

@@ -10,8 +10,8 @@ pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `opt
 from transformers import AutoTokenizer, TextStreamer, pipeline  # noqa: E402
 
 from optimum_qwen35.errors import UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
-from optimum_qwen35.testing.tiny import CHAT_MESSAGES  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.tiny import CHAT_MESSAGES  # noqa: E402
 
 from ..conftest import load_reference  # noqa: E402
 

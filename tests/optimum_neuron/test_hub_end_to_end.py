@@ -1,7 +1,7 @@
 """Export (cpu target) -> push to the stand-in Hub -> from_pretrained(repo id) in a fresh process with an
 empty Hugging Face cache -> transformers' greedy tokens; for an export of a Hub model and of a local folder.
 
-The Hub is the loopback stand-in (optimum_qwen35.testing.hub_server) driven only through HF_ENDPOINT and a
+The Hub is the loopback stand-in (tests.kit.hub_server) driven only through HF_ENDPOINT and a
 token: the product code does not know it is not huggingface.co.
 """
 
@@ -22,7 +22,7 @@ NEW_TOKENS = 16
 
 EXPORT_FROM_HUB_AND_PUSH = """
 import sys
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model
 source, repo = sys.argv[1], sys.argv[2]
 neuron_config = Model.get_neuron_config(source, batch_size=1, sequence_length=128, tensor_parallel_size=1, dtype="float32", target="cpu")
 model = Model.export(source, neuron_config)
@@ -32,7 +32,7 @@ model.push_to_hub(repo)
 
 LOAD_BY_ID = """
 import json, sys, torch
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model
 repo, revision, prompt = sys.argv[1], sys.argv[2] or None, json.loads(sys.argv[3])
 model = Model.from_pretrained(repo, revision=revision)
 out = model.generate(torch.tensor([prompt]), max_new_tokens=%d, do_sample=False, eos_token_id=None)
@@ -72,7 +72,7 @@ def test_hub_model_export_push_and_load_by_id(hub_server, source_on_hub, tmp_pat
 
 
 def test_local_export_pushed_to_a_branch_loads_by_id_and_revision(hub_server, export_dir, tmp_path):
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     ref = load_reference("tiny-nv2x")
     model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-nv2x", 2))
@@ -90,7 +90,7 @@ def test_local_export_pushed_to_a_branch_loads_by_id_and_revision(hub_server, ex
 EXPORT_AND_SYNC = """
 import sys
 from optimum_qwen35 import hub
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model
 neuron_config = Model.get_neuron_config(sys.argv[1], batch_size=1, sequence_length=128, tensor_parallel_size=1, dtype="float32", target="cpu")
 model = Model.export(sys.argv[1], neuron_config)
 print(hub.sync_registry(model.folder).paths)
@@ -98,11 +98,11 @@ print(hub.sync_registry(model.folder).paths)
 
 LOAD_MODEL_ID_WITHOUT_COMPILING = """
 import json, sys, torch
-import optimum_qwen35.runtime.compiled as compiled
+import optimum_qwen35.export.cpu as cpu_export
 def no_compiling(*args, **kwargs):
     raise SystemExit("compile_graphs was called: the cached graphs were not used")
-compiled.compile_graphs = no_compiling
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+cpu_export.compile_graphs = no_compiling
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model
 model = Model.from_pretrained(sys.argv[1], batch_size=int(sys.argv[2]), sequence_length=128, dtype="float32")
 prompt = json.loads(sys.argv[3])
 out = model.generate(torch.tensor([prompt]), max_new_tokens=%d, do_sample=False, eos_token_id=None)

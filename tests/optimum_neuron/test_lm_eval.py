@@ -15,7 +15,7 @@ pytest.importorskip("lm_eval", reason='needs lm-eval (pip install ".[optimum,eva
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 from ..fixtures.lm_eval.tasks import evaluate  # noqa: E402

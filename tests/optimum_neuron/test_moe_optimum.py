@@ -26,8 +26,8 @@ from optimum.neuron import NeuronModelForCausalLM  # noqa: E402
 from transformers import AutoTokenizer, pipeline  # noqa: E402
 
 from optimum_qwen35.errors import UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
-from optimum_qwen35.testing.tiny import CHAT_MESSAGES  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.tiny import CHAT_MESSAGES  # noqa: E402
 
 from ..conftest import FIXTURES, load_reference  # noqa: E402
 from .conftest import BATCH_SIZE, SEQUENCE_LENGTH, last_json_line, run_python  # noqa: E402
@@ -172,7 +172,7 @@ def test_image_text_to_text_pipeline(tmp_path):
     (that model's MoE image prompts against transformers 5: tests/test_vision.py)."""
     pytest.importorskip("PIL", reason="needs Pillow (the vision extra)")
     from optimum_qwen35.processing import Qwen35Processor
-    from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText
+    from optimum_qwen35.runtime import Qwen35Runtime
 
     from .test_vision_flow import IMAGE_BUCKETS, _image
 
@@ -195,7 +195,7 @@ def test_image_text_to_text_pipeline(tmp_path):
                                            return_tensors="pt")
     prompt = inputs["input_ids"][0].tolist()
     assert tokens[: len(prompt)] == prompt and len(tokens) > len(prompt)
-    eager = Qwen35ForImageTextToText.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS)
+    eager = Qwen35Runtime.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS, vision=True)
     expected = eager.generate([prompt], 12, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])[0]
     assert tokens[len(prompt) :] == expected
     model.close()

@@ -1,4 +1,4 @@
-"""The SDK-only modules of the Neuron backend (`optimum_qwen35/neuron/model.py`) against optimum-neuron 0.4.5's
+"""The SDK-only modules of the Neuron backend (`optimum_qwen35/backends/nxd/model.py`) against optimum-neuron 0.4.5's
 installed source, read as text (importing it needs the Neuron SDK): every name imported from optimum-neuron exists,
 every method overridden exists in the base classes with the same parameters, every keyword passed to an
 optimum-neuron constructor is one it takes. This checks names and signatures only: nothing of it runs here.

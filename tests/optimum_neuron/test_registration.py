@@ -57,17 +57,17 @@ print(json.dumps({t: None if c is None else f"{c.__module__}.{c.__qualname__}" f
 
 def test_import_optimum_neuron_finds_the_class_in_a_fresh_process(startup_dir):
     found = last_json_line(run_python(FIND_CLASSES, str(startup_dir)).stdout)
-    expected = "optimum_qwen35.optimum.modeling.Qwen35NeuronModelForCausalLM"
+    expected = "optimum_qwen35.optimum_neuron.modeling.Qwen35NeuronModelForCausalLM"
     assert found == {"qwen3_5": expected, "qwen3_5_text": expected, "qwen3_5_moe": expected, "qwen3_5_moe_text": expected,
                      "config": ["Qwen3_5TextConfig", "Qwen3_5MoeTextConfig"]}
 
 
 def test_hf_configs_imported_first_registers_without_a_warning(startup_dir):
-    """`import optimum_qwen35.hf_configs` as a program's first import: that module imports transformers, whose import
+    """`import optimum_qwen35.config.transformers_configs` as a program's first import: that module imports transformers, whose import
     hook finds it half built; the registration must still happen, and no warning be printed."""
     code = (
         "import site, sys, warnings; site.addsitedir(sys.argv[1]); warnings.simplefilter('error')\n"
-        "import optimum_qwen35.hf_configs\n"
+        "import optimum_qwen35.config.transformers_configs\n"
         "from transformers import AutoConfig\n"
         "print([type(AutoConfig.for_model(t)).__name__ for t in ('qwen3_5', 'qwen3_5_moe')])\n"
     )
@@ -125,7 +125,7 @@ print(json.dumps([config.model_type, cls.__name__, str(config.dtype)]))
 
 def test_vllm_plugin_is_declared_and_runs_without_vllm():
     (plugin,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "optimum_qwen35"]
-    assert plugin.value == "optimum_qwen35.optimum.registration:vllm_plugin"
+    assert plugin.value == "optimum_qwen35.serving.vllm_plugin:vllm_plugin"
     code = """
 import json
 from importlib.metadata import entry_points
@@ -145,7 +145,7 @@ def test_text_config_without_dtype_gets_one(tmp_path):
 
     from transformers import AutoConfig
 
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
     folder = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
     raw = json.loads((folder / "config.json").read_text())
@@ -218,8 +218,8 @@ def test_abstract_class_get_neuron_config_and_export_for_the_cpu_target(tmp_path
     from transformers import LlamaConfig
 
     from optimum_qwen35.errors import UsageError
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
-    from optimum_qwen35.optimum.neuron_config import to_dict
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron.neuron_config import to_dict
 
     from ..conftest import FIXTURES, load_reference
 
@@ -308,7 +308,7 @@ def test_transformers_pipeline_with_an_export_path_loads_the_export(startup_dir,
     loaded model gives."""
     from transformers import AutoTokenizer
 
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     folder = export_dir("tiny-2b", 1)
     code = PIPELINE_BY_PATH.replace("from transformers import pipeline", f"{first}\nfrom transformers import pipeline")

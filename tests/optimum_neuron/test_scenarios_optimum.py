@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from .. import oracle  # noqa: E402
 from ..conftest import FIXTURES  # noqa: E402

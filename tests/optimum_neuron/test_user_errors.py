@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 from ..conftest import FIXTURES, load_reference  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_decode_that_would_leave_a_gap_in_the_cache(export):
 def test_export_checks_its_destination_before_compiling(tmp_path):
     """Each refused destination: exit status 2, one line, before the first graph is compiled (no progress bar), and
     nothing written."""
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
     source = build_tiny_checkpoint(tmp_path / "ckpt", "tiny-2b")
     a_file = tmp_path / "a-file"
@@ -127,7 +127,7 @@ def test_commands_print_no_optimum_neuron_noise_unless_verbose(tmp_path):
 
 
 def test_python_import_prints_nothing():
-    code = "from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM; Qwen35NeuronModelForCausalLM"
+    code = "from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM; Qwen35NeuronModelForCausalLM"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stderr == "", result.stderr
 

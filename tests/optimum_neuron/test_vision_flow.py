@@ -1,7 +1,7 @@
 """Images through the optimum flow (cpu target): export(..., vision=True), save, from_pretrained, generate with
 pixel_values / image_grid_thw, the export's processor (`Qwen35Processor`: chat messages with images) and
 `pipeline("image-text-to-text")`. transformers 4.57 has no qwen3_5, so the numbers are checked against this project's
-eager CPU model (`runtime.vision.Qwen35ForImageTextToText`), itself checked against transformers 5 in
+eager CPU model (`runtime.images.Qwen35ForImageTextToText`), itself checked against transformers 5 in
 tests/test_vision.py."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import torch
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum_qwen35.errors import UsageError  # noqa: E402
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM  # noqa: E402
-from optimum_qwen35.runtime.cpu import Qwen35ForCausalLM  # noqa: E402
-from optimum_qwen35.runtime.vision import Qwen35ForImageTextToText  # noqa: E402
-from optimum_qwen35.testing.tiny import PREPROCESSOR_CONFIG, special_token_id  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
+from optimum_qwen35.runtime import Qwen35Runtime  # noqa: E402
+from optimum_qwen35.tiny import PREPROCESSOR_CONFIG, special_token_id  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 
@@ -71,13 +70,13 @@ def test_generate_with_images_matches_the_eager_model(model, source):
     ids, pixels = _prompt()
     out = model.generate(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=GRIDS, max_new_tokens=16,
                          do_sample=False, eos_token_id=None, mm_token_type_ids=(torch.tensor([ids]) == IMAGE).int())
-    eager = Qwen35ForImageTextToText.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS)
+    eager = Qwen35Runtime.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS, vision=True)
     expected = eager.generate([ids], 16, eos_token_id=[], pixel_values=pixels, image_grid_thw=GRIDS)[0]
     assert out[0, len(ids) :].tolist() == expected
     # Text-only prompts through the vision export: the text graphs, the text model's tokens.
     text = [1, 2, 3, 4, 5]
     got = model.generate(torch.tensor([text]), max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 5:].tolist()
-    assert got == Qwen35ForCausalLM.from_pretrained(source, max_length=64, buckets=[64]).generate([text], 8, eos_token_id=[])[0]
+    assert got == Qwen35Runtime.from_pretrained(source, max_length=64, buckets=[64]).generate([text], 8, eos_token_id=[])[0]
 
 
 def test_bad_image_inputs_are_one_line_errors(model, source):
@@ -114,7 +113,7 @@ def test_images_without_a_vision_export_and_bad_vision_options_are_refused(expor
 
 LOAD_BY_ID = """
 import json, sys, torch
-from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM as Model
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model
 model = Model.from_pretrained(sys.argv[1])
 ids, pixels, grids = torch.load(sys.argv[2])
 out = model.generate(torch.tensor([ids]), pixel_values=pixels, image_grid_thw=grids, max_new_tokens=8, do_sample=False,
@@ -211,7 +210,7 @@ def test_the_processor_resizes_images_to_the_exports_largest_bucket(vision_expor
     assert int(torch.as_tensor(grid).prod()) <= 32
     assert torch.as_tensor(grid).tolist() == [[1, 6, 4]]
     # A Neuron export names its buckets in its config.json (neuron.state_dict.VISION_EXPORT_KEY): the same cap.
-    from optimum_qwen35.neuron.state_dict import VISION_EXPORT_KEY
+    from optimum_qwen35.backends.nxd.state_dict import VISION_EXPORT_KEY
 
     shutil.rmtree(folder / "compiled")
     (folder / "config.json").write_text(json.dumps({VISION_EXPORT_KEY: {"config": {}, "image_buckets": [32]}}))
@@ -243,7 +242,7 @@ def test_pipeline_image_text_to_text_answers_chat_messages_with_images(model, vi
                                            return_tensors="pt")
     prompt = inputs["input_ids"][0].tolist()
     assert tokens[: len(prompt)] == prompt and len(tokens) > len(prompt)
-    eager = Qwen35ForImageTextToText.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS)
+    eager = Qwen35Runtime.from_pretrained(source, max_length=64, buckets=[64], image_buckets=IMAGE_BUCKETS, vision=True)
     expected = eager.generate([prompt], 12, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])[0]
     assert tokens[len(prompt) :] == expected
     # The pipeline's text answer is the decoded tokens.

@@ -61,7 +61,7 @@ def environment() -> dict:
 @pytest.fixture(scope="session")
 def work(tmp_path_factory) -> Path:
     """A folder holding docs/serving.md's export, made by its command."""
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("serving")
     checkpoint = build_tiny_checkpoint(folder / "checkpoint", "tiny-2b")
@@ -76,7 +76,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference(work):
     """The export loaded by this package's class: `generate()` is what vLLM must return."""
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     model = Qwen35NeuronModelForCausalLM.from_pretrained(work / EXPORT)
     yield model

@@ -18,7 +18,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def moe_export(tmp_path_factory):
-    from optimum_qwen35.testing import build_tiny_checkpoint
+    from tests.kit import build_tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("serving-moe")
     checkpoint = build_tiny_checkpoint(folder / "checkpoint", LAYOUT)
@@ -33,7 +33,7 @@ def moe_export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_reference(moe_export):
-    from optimum_qwen35.optimum import Qwen35NeuronModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
 
     model = Qwen35NeuronModelForCausalLM.from_pretrained(moe_export)
     yield model

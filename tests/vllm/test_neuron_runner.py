@@ -58,7 +58,7 @@ def test_optimum_neurons_vllm_runner_drives_the_neuron_graphs():
     from optimum.neuron.vllm.sampler import NeuronSampler
     from vllm import SamplingParams
 
-    from optimum_qwen35.testing.neuron_xla import (
+    from tests.kit.neuron_xla import (
         TracedModel, XlaGraphs, build_graphs, export_config, model_class, neuron_config, traced_parallel_state,
     )
 

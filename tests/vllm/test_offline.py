@@ -44,7 +44,7 @@ def test_the_engine_takes_the_exports_length_and_slots(doc_run):
     assert config.scheduler_config.max_num_seqs == BATCH_SIZE
     assert not config.scheduler_config.chunked_prefill_enabled
     assert config.scheduler_config.max_num_batched_tokens >= SEQUENCE_LENGTH + BATCH_SIZE
-    assert config.parallel_config.worker_cls == "optimum_qwen35.optimum.vllm_worker.Qwen35CpuExportWorker"
+    assert config.parallel_config.worker_cls == "optimum_qwen35.serving.vllm_worker.Qwen35CpuExportWorker"
 
 
 def test_greedy_tokens_equal_generate_solo_and_concurrent(doc_run, reference):

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from optimum_qwen35.optimum.registration import VLLM_CPU_WORKER, vllm_settings
+from optimum_qwen35.serving.vllm_plugin import VLLM_CPU_WORKER, vllm_settings
 
 from .conftest import environment
 
 INSPECT = r"""
 import json, sys
 from vllm.model_executor.models.registry import _ModelInfo
-from optimum_qwen35.optimum.vllm_model import Qwen35ForOptimumNeuron
+from optimum_qwen35.serving.vllm_model import Qwen35ForOptimumNeuron
 info = _ModelInfo.from_model_cls(Qwen35ForOptimumNeuron)
 print(json.dumps({"generate": info.is_text_generation_model, "pooling": info.is_pooling_model,
                   "loaded": sorted(m for m in ("optimum.neuron.vllm.model_loader", "neuronxcc", "neuronx_distributed",

@@ -1,0 +1,17 @@
+"""The Neuron target: Qwen3.5 on optimum-neuron 0.4.5's neuronx-distributed (NxD) backend.
+
+The model math is `optimum_qwen35.modeling` (the one definition); this package only supplies what a Neuron
+graph needs around it:
+
+    glue.py        (no Neuron SDK) the traced forward's body, the state order and aliasing, the fp32 re-cast
+                   of the recurrent state, the padding/position conventions, the compiler flags
+    state_dict.py  (no Neuron SDK) checkpoint -> the TP layout of `checkpoint/shard.py` -> each rank's tensors;
+                   a vision export's mark in its config and its tower's tensors per rank
+    image_runtime.py  (no Neuron SDK) the host loop of prompts holding images over the traced model's graphs
+    layers.py      (SDK) the layer factory over neuronx-distributed's parallel layers
+    model.py       (SDK) the traced module, the graph builders, the NxDModelForCausalLM subclass
+
+Importing this package imports nothing; `layers` and `model` import the Neuron SDK and are imported only by the
+Neuron targets of `optimum_qwen35.optimum_neuron.Qwen35NeuronModelForCausalLM`. See docs/neuron_backend.md for
+what has never run with the SDK or on a device.
+"""

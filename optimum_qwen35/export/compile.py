@@ -1,0 +1,215 @@
+"""The cpu target's compiler: each graph of the model exported once with `torch.export`, saved beside its manifest.
+
+Each program is exported once, on the meta device, and serves every rank (SPMD, as one Neuron graph serves every
+core): the weights and the state are program inputs, not constants, so a program holds no weights (one copy of them,
+in `checkpoint/`, shared by every graph) and the rank is a weight tensor (`embed_tokens.rank`). The programs update
+the state inputs in place (`torch.export` keeps the `index_put_` / `index_copy_` on the inputs), so a decode step
+writes one K/V row per slot, not whole caches. Collectives are `_c10d_functional` ops named by process group, which
+`torch.export` records as graph ops.
+
+Why `torch.export` rather than TorchScript: TorchScript tracing cannot record a torch.distributed collective (the
+process group is not traceable), so a tensor-parallel graph could not be saved; `torch.export` records the
+functional collectives, refuses data-dependent Python control flow (the graphs are proven static, as neuronx-cc
+needs them) and is the format PyTorch maintains. The folder's format is export/layout.py's; runtime/exported.py
+runs the programs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import UsageError
+from optimum_qwen35.export.layout import (
+    GRAPHS_FILE,
+    GRAPHS_FORMAT,
+    GRAPHS_VERSION,
+    VISION_WEIGHTS_FILE,
+    context_graph_name,
+    image_context_graph_name,
+    image_token_graph_name,
+    logits_graph_name,
+    token_graph_name,
+    vision_graph_name,
+)
+from optimum_qwen35.modeling.decoder import (
+    ContextEncodingGraph,
+    ImageContextEncodingGraph,
+    ImageTokenGenerationGraph,
+    Qwen35Decoder,
+    TokenGenerationGraph,
+)
+from optimum_qwen35.modeling.precision import to_model_dtype
+from optimum_qwen35.modeling.state import StateSpec
+from optimum_qwen35.modeling.torch_layers import TorchLayers
+from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
+from optimum_qwen35.runtime.images import load_vision_encoder
+
+# The process group the programs' collectives name: the default (world) group of the worker processes.
+GROUP_NAME = "0"
+
+
+def weight_names(decoder: nn.Module) -> list[str]:
+    """The decoder's weight inputs, in program order: parameters (tied ones once), then persistent buffers."""
+    persistent = decoder.state_dict(keep_vars=True)
+    names = [n for n, _ in decoder.named_parameters()]
+    return names + [n for n, _ in decoder.named_buffers() if n in persistent]
+
+
+class WeightsAsInputs(nn.Module):
+    """Runs a graph module with its weights given as the first input, so that the program holds none."""
+
+    def __init__(self, graph: nn.Module, names: list[str], prefix: str = "decoder."):
+        super().__init__()
+        self._graph = [graph]  # a list, not a submodule: its weights must not become program constants
+        self.names, self.prefix = names, prefix
+
+    def forward(self, weights: list[torch.Tensor], *inputs):
+        params = {f"{self.prefix}{n}": w for n, w in zip(self.names, weights)}
+        return torch.func.functional_call(self._graph[0], params, inputs)
+
+
+def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with the shape and dtype of `tensor` and no memory (stride 0): an export example."""
+    return torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
+
+
+def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec], image_embeds=None) -> tuple[torch.Tensor, ...]:
+    """The graphs' inputs after the weights: token ids, (mask,) positions, seq_ids, (the image inputs,) then the state
+    (`image_embeds`: (hidden size, dtype) of the image graphs' embeddings)."""
+    # Real, contiguous state (the programs write it in place), but never touched: `torch.empty` costs no memory.
+    state = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+    seq_ids = torch.arange(batch_size, dtype=torch.int32)
+    if kind in ("context", "image_context"):
+        ids = torch.zeros(batch_size, length, dtype=torch.int32)
+        positions = torch.arange(length, dtype=torch.int32).expand(batch_size, length)
+        if kind == "image_context":
+            hidden, dtype = image_embeds
+            rope = positions[:, None].expand(batch_size, 3, length)
+            embeds = torch.zeros(batch_size, length, hidden, dtype=dtype)
+            return (ids, torch.ones_like(ids), positions, seq_ids, rope, embeds, torch.zeros_like(ids), *state)
+        return (ids, torch.ones_like(ids), positions, seq_ids, *state)
+    ids = torch.zeros(batch_size, 1, dtype=torch.int32)
+    if kind == "image_token":
+        return (ids, torch.zeros_like(ids), seq_ids, torch.zeros_like(ids), *state)
+    return (ids, torch.zeros_like(ids), seq_ids, *state)
+
+
+def compile_graphs(
+    config: Qwen35Config,
+    tp_degree: int,
+    batch_size: int,
+    max_length: int,
+    buckets: list[int],
+    dtype: torch.dtype,
+    out_dir: str | os.PathLike,
+    progress: bool = True,
+    token_buckets: list[int] | None = None,
+    logits_buckets: list[int] | None = None,
+    vision=None,
+    image_buckets: list[int] | None = None,
+) -> dict:
+    """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
+    bucket; by default the context buckets) and the per-position logits programs (one per bucket of
+    `logits_buckets`, by default the context buckets: what `forward()` runs) to `out_dir`. With `vision` (a
+    `modeling.vision.VisionConfig`; tp_degree 1), also the vision tower's programs (one per image bucket of
+    `image_buckets` patch rows) and the image context-encoding and token-generation programs (same buckets).
+
+    Returns the content of `graphs.json`, written last.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        # Model dtype, except the parameters the precision policy holds in fp32 (as load_sharded returns them).
+        decoder = to_model_dtype(Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME)), dtype)
+    names = weight_names(decoder)
+    tensors = {**dict(decoder.named_parameters()), **dict(decoder.named_buffers())}
+    weights = [_shape_only(tensors[n]) for n in names]
+    specs = decoder.state_specs(batch_size, max_length)
+    token_buckets = sorted(set(token_buckets or buckets) | {max_length})
+    plan = [(context_graph_name(T), "context", T) for T in buckets]
+    plan += [(token_graph_name(L), "token", L) for L in token_buckets]
+    logits_buckets = sorted(set(buckets if logits_buckets is None else logits_buckets))
+    plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
+    vision_manifest = None
+    if vision is not None:
+        if tp_degree != 1:
+            raise UsageError(f"a vision export needs tensor_parallel_size=1 (got {tp_degree}): the vision graphs are not sharded yet")
+        with torch.device("meta"):
+            encoder = VisionEncoder(vision).to(dtype)
+        vision_names = weight_names(encoder)
+        vision_tensors = {**dict(encoder.named_parameters()), **dict(encoder.named_buffers())}
+        vision_weights = [_shape_only(vision_tensors[n]) for n in vision_names]
+        image_buckets = sorted(set(image_buckets))
+        plan += [(vision_graph_name(N), "vision", N) for N in image_buckets]
+        plan += [(image_context_graph_name(T), "image_context", T) for T in buckets]
+        plan += [(image_token_graph_name(L), "image_token", L) for L in token_buckets]
+        vision_manifest = {"image_buckets": image_buckets, "weights": vision_names, "file": VISION_WEIGHTS_FILE}
+    graphs = {}
+    bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
+    for name, kind, length in bar:
+        bar.set_postfix_str(name)  # the graph being compiled now
+        image_embeds = (config.hidden_size, dtype)
+        if kind == "vision":
+            # Any grid of the bucket's size: the program's shapes are the bucket's, the grid is in the inputs' values.
+            grid = (1, vision.spatial_merge_size, length // vision.spatial_merge_size)
+            example = image_bucket_inputs(vision, torch.zeros(length, vision.patch_dim), grid, length)
+            with torch.no_grad():
+                program = torch.export.export(WeightsAsInputs(encoder, vision_names, prefix=""), (vision_weights, *example))
+        else:
+            if kind in ("context", "logits"):
+                graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
+                inputs = example_inputs("context", batch_size, length, specs)
+            elif kind == "image_context":
+                graph = ImageContextEncodingGraph(decoder)
+                inputs = example_inputs(kind, batch_size, length, specs, image_embeds)
+            elif kind == "image_token":
+                graph, inputs = ImageTokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
+            else:
+                graph, inputs = TokenGenerationGraph(decoder, length), example_inputs(kind, batch_size, 1, specs)
+            with torch.no_grad():
+                program = torch.export.export(WeightsAsInputs(graph, names), (weights, *inputs))
+        file = out / f"{name}.pt2"
+        tmp = file.with_name(f".{name}.tmp-{os.getpid()}.pt2")  # torch.export wants the .pt2 suffix
+        torch.export.save(program, tmp)
+        os.replace(tmp, file)
+        graphs[name] = {"kind": kind, "length": length, "file": file.name}
+    manifest = {
+        "format": GRAPHS_FORMAT,
+        "version": GRAPHS_VERSION,
+        "torch_version": torch.__version__.split("+")[0],
+        "tp_degree": tp_degree,
+        "batch_size": batch_size,
+        "max_length": max_length,
+        "buckets": list(buckets),
+        "token_buckets": token_buckets,
+        "logits_buckets": logits_buckets,
+        "dtype": str(dtype).removeprefix("torch."),
+        "group_name": GROUP_NAME,
+        "weights": names,
+        "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in specs],
+        "graphs": graphs,
+    }
+    if vision_manifest is not None:
+        manifest["vision"] = vision_manifest
+    tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / GRAPHS_FILE)
+    return manifest
+
+
+def save_vision_weights(source: str | os.PathLike, vision, dtype: torch.dtype, checkpoint_dir: str | os.PathLike) -> None:
+    """The vision tower's converted weights (modeling/vision.py) into `checkpoint/vision.safetensors`."""
+    encoder = load_vision_encoder(source, vision, dtype)
+    tensors = {n: t.contiguous() for n, t in encoder.state_dict().items()}
+    file = Path(checkpoint_dir) / VISION_WEIGHTS_FILE
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+    os.replace(tmp, file)

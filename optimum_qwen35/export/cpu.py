@@ -1,0 +1,202 @@
+"""The cpu target's export: a source checkpoint in, a complete export folder out (export/layout.py's format).
+
+    source checkpoint --save_sharded--> checkpoint/ (each rank's weights)     checkpoint/shard.py
+                      --compile_graphs--> compiled/ (one program per graph)  export/compile.py, or the compile cache
+                      + config.json (the text config), neuron_config.json, tokenizer and processor files
+
+Everything is written into a fresh work folder that the caller owns (the model class removes it with the model);
+`save_export` copies it to where the user asked, atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_sharded
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
+from optimum_qwen35.export import layout
+from optimum_qwen35.export.compile import compile_graphs, save_vision_weights
+from optimum_qwen35.export.writer import copy_side_files
+from optimum_qwen35.hub.cache import fetch_cached_graphs
+from optimum_qwen35.modeling.vision import VisionConfig
+from optimum_qwen35.optimum_neuron import neuron_config as nc
+from optimum_qwen35.processing import copy_processor_files
+from optimum_qwen35.runtime.buckets import default_buckets
+from optimum_qwen35.runtime.exported import read_graphs_manifest
+from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
+
+logger = logging.getLogger(__name__)
+
+# Context buckets of a cpu export start here: each bucket is one more program to export and load.
+SMALLEST_EXPORT_BUCKET = 128
+
+
+def export_config(config, model_id, dtype, vision=None):
+    """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
+    (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it."""
+    config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
+    config._name_or_path = os.fspath(model_id)
+    config.dtype = dtype
+    # What vLLM resolves first (it refuses a config.json naming no architecture): the text model's class name,
+    # which this package registers with vLLM (serving/vllm_plugin.py).
+    config.architectures = [layout.EXPORT_ARCHITECTURES[config.model_type]]
+    if vision is not None:
+        tower, image_buckets = vision
+        setattr(config, layout.VISION_EXPORT_KEY, {"config": dataclasses.asdict(tower), "image_buckets": list(image_buckets)})
+    return config
+
+
+def check_image_buckets(image_buckets, vision: VisionConfig) -> list[int]:
+    if isinstance(image_buckets, (str, bytes, int)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 and b % vision.merge_unit == 0 for b in image_buckets
+    ):
+        raise UsageError(f"image_buckets must be a list of patch counts, multiples of {vision.merge_unit}, got {image_buckets!r}")
+    return sorted(set(image_buckets))
+
+
+def vision_export_config(qwen_config: Qwen35Config, tp_degree: int, source) -> VisionConfig:
+    """The vision tower's config for `export(..., vision=True)` on the cpu target: a one-line error when the export
+    cannot have one."""
+    vision = VisionConfig.from_dict(qwen_config.raw)
+    if vision is None:
+        raise UsageError(f"vision=True, but {source} has no vision tower (a text-only config.json): export it without vision")
+    if tp_degree != 1:
+        raise UsageError(
+            f"vision=True needs tensor_parallel_size=1 on the cpu target (got {tp_degree}): the vision graphs are not "
+            "sharded yet"
+        )
+    return vision
+
+
+def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None) -> Path:
+    """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
+    it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
+    With `vision`, the vision tower's programs too, one per image bucket."""
+    qwen_config = Qwen35Config.from_pretrained(source)
+    qwen_config.check_tp_degree(neuron_config.tp_degree)
+    dtype = neuron_config.torch_dtype
+    vision_config = vision_export_config(qwen_config, neuron_config.tp_degree, source) if vision else None
+    if vision:
+        image_buckets = check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
+    work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
+    try:
+        save_sharded(source, qwen_config, neuron_config.tp_degree, work / layout.CHECKPOINT_DIR, dtype)
+        copy_side_files(source, work)
+        if vision:
+            save_vision_weights(source, vision_config, dtype, work / layout.CHECKPOINT_DIR)
+            copy_processor_files(source, work)
+        export_config(config, model_id, dtype).save_pretrained(work)
+        nc.save(neuron_config, work)
+        if vision or not graphs_from_cache(work):  # (the compile cache holds text-only graphs)
+            buckets = default_buckets(neuron_config.sequence_length, smallest=SMALLEST_EXPORT_BUCKET)
+            compile_graphs(
+                qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
+                buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
+            )
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return work
+
+
+def graphs_from_cache(folder: Path) -> bool:
+    """The compiled graphs of this configuration from the compile-cache repo (as optimum-neuron takes NEFFs
+    from its cache), for an export of a Hub model; False (compile) on a miss, offline, or any Hub error."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        found = fetch_cached_graphs(folder)
+    except (HubError, IncompatibleExportError, UsageError) as error:
+        logger.warning("compile cache not used (%s): compiling", error)
+        return False
+    if found:
+        logger.warning("compiled graphs of this configuration found in the compile cache: not compiling")
+    return found
+
+
+def check_cpu_export(folder: Path, neuron_config) -> None:
+    """The compiled graphs and the weights must be the ones neuron_config.json describes."""
+    graphs = read_graphs_manifest(folder)
+    for key, value in (("tp_degree", neuron_config.tp_degree), ("batch_size", neuron_config.batch_size), ("max_length", neuron_config.sequence_length)):
+        if graphs[key] != value:
+            raise IncompatibleExportError(
+                f"{folder}: compiled/ was built for {key}={graphs[key]} but neuron_config.json says {value}: "
+                "the folder mixes two exports; export the model again"
+            )
+    if graphs["dtype"] != str(neuron_config.torch_dtype).removeprefix("torch."):
+        raise IncompatibleExportError(f"{folder}: compiled/ is {graphs['dtype']} but neuron_config.json says {neuron_config.torch_dtype}; export again")
+    if graphs["torch_version"] != torch.__version__.split("+")[0]:
+        raise IncompatibleExportError(
+            f"{folder} was compiled with torch {graphs['torch_version']}, but {torch.__version__} is installed: "
+            f"install torch=={graphs['torch_version']} or export the model again"
+        )
+    shards = read_manifest(folder / layout.CHECKPOINT_DIR)
+    if shards["tp_degree"] != neuron_config.tp_degree:
+        raise IncompatibleExportError(
+            f"{folder}: checkpoint/ holds weights for tensor_parallel_size={shards['tp_degree']}, the graphs for "
+            f"{neuron_config.tp_degree}: export the model again"
+        )
+
+
+def check_save_directory(save_directory, overwrite: bool = False, source=None) -> None:
+    """Whether an export may be saved to `save_directory` (what `save_export` checks, and the command line before
+    anything is compiled): not a file, not the source checkpoint, empty unless `overwrite`, and never a folder
+    holding a model checkpoint."""
+    target = Path(save_directory).absolute()
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"{target} is a file: choose a folder to save the model to")
+    if source is not None and Path(source).is_dir() and Path(source).absolute() == target:
+        raise ExportError(f"{target} is the source checkpoint: choose another folder for the export")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            what = "an exported model" if layout.is_export(target) else "other files"
+            raise ExportError(f"{target} already holds {what}: choose an empty folder, or pass overwrite=True (--overwrite) to replace it")
+        if (target / "model.safetensors.index.json").exists() or any(target.glob("model*.safetensors")):
+            raise ExportError(f"{target} holds a model checkpoint: it is never overwritten by an export; choose another folder")
+
+
+def _copy_tree(source: Path, target: Path) -> None:
+    """Hard links where the file system allows (a cpu export is mostly weights), copies elsewhere."""
+
+    def link_or_copy(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link_or_copy)
+
+
+def save_export(folder: Path, save_directory, overwrite: bool = False) -> Path:
+    """Write the export `folder` to `save_directory` atomically (staged in a hidden sibling, then renamed). An existing
+    non-empty folder is refused unless `overwrite=True`, and then replaced whole."""
+    target = Path(save_directory).absolute()
+    if target == Path(folder).absolute():
+        return target
+    check_save_directory(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        _copy_tree(Path(folder), staging)
+        if target.exists():
+            trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(target, trash)
+            os.replace(staging, target)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

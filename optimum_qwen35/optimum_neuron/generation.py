@@ -1,0 +1,197 @@
+"""`generate` as transformers and optimum-neuron users call it, on top of the runtime's slot-based loop.
+
+The runtime (`runtime.host_loop.Qwen35Runtime.generate`) takes token lists and returns each prompt's new tokens; this
+module turns a padded `input_ids`/`attention_mask` batch and a `GenerationConfig` (plus keyword
+overrides) into that call, picks tokens on the host (greedy, or sampling through transformers' own
+temperature / top-k / top-p warpers and `torch.multinomial`, so that `torch.manual_seed` makes it
+reproducible), feeds a streamer, and returns `[batch, prompt + new]` like `transformers.generate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from optimum_qwen35.errors import UsageError
+
+logger = logging.getLogger(__name__)
+# Images given to an export without vision graphs (the cpu and the Neuron targets).
+TEXT_ONLY_EXPORT = (
+    "this export is text-only (no vision graphs): it takes no pixel_values / image_grid_thw; "
+    "export the model with vision=True to give it images"
+)
+# What only sampling reads (reset to transformers' defaults for a greedy call).
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's real tokens (left or right padding both accepted)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise UsageError("input_ids must be a 2-D integer tensor [batch, length] (e.g. tokenizer(..., return_tensors='pt'))")
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise UsageError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+    if any(not p for p in prompts):
+        raise UsageError("a row of attention_mask is all zeros: every prompt needs at least one token")
+    return prompts
+
+
+def _sampler(config):
+    """Token choice from the generation config: argmax, or a sample from the warped distribution."""
+    if not config.do_sample:
+        return None
+
+    warpers = LogitsProcessorList()
+    if config.temperature is not None and config.temperature != 1.0:
+        if config.temperature <= 0:
+            raise UsageError(f"temperature must be > 0 when sampling, got {config.temperature}")
+        warpers.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k > 0:
+        warpers.append(TopKLogitsWarper(config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(config.top_p))
+    no_ids = torch.empty(0, dtype=torch.long)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = warpers(no_ids, logits.float())
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+
+    return sample
+
+
+def _stopping_criteria(criteria):
+    """transformers' `stopping_criteria`: a `StoppingCriteriaList`, a list of criteria or one callable -> one callable
+    (input_ids, scores) -> per-row flags, or None."""
+    if criteria is None:
+        return None
+    if isinstance(criteria, (list, tuple)):
+        if not all(callable(c) for c in criteria):
+            raise UsageError("stopping_criteria must be a transformers StoppingCriteriaList (or a list of StoppingCriteria)")
+        if not callable(criteria):  # a plain list: transformers' list (a StoppingCriteriaList is callable already)
+            from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+            criteria = StoppingCriteriaList(criteria)
+        return criteria
+    if not callable(criteria):
+        raise UsageError(f"stopping_criteria must be a transformers StoppingCriteriaList, got {type(criteria).__name__}")
+    return criteria
+
+
+def _stop_callback(criteria, input_ids: torch.Tensor, pad: int, vocab_size: int):
+    """The runtime's `stop` hook calling transformers stopping criteria after every step, as transformers' loop does:
+    with the whole batch's ids so far ([batch, prompt + new tokens], a finished row padded with `pad`) and the step's
+    scores ([batch, vocab] fp32 logits). A criterion may flag rows (a bool tensor [batch], StoppingCriteriaList's
+    answer) or the whole batch (one bool). With more rows than the compiled batch size (waves), the rows outside the
+    running wave are shown as they stand (a finished wave's tokens, a waiting row's pad tokens, zero scores)."""
+    batch = input_ids.shape[0]
+    new_tokens: list[list[int]] = [[] for _ in range(batch)]
+
+    def stop(first: int, outputs: list[list[int]], logits: torch.Tensor) -> list[bool]:
+        rows = range(first, first + len(outputs))
+        for row, tokens in zip(rows, outputs):
+            new_tokens[row] = tokens
+        width = max(len(t) for t in outputs)
+        tail = torch.full((batch, width), pad, dtype=input_ids.dtype)
+        for row, tokens in enumerate(new_tokens):
+            tokens = tokens[:width]
+            tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+        scores = torch.zeros(batch, logits.shape[-1] if logits.dim() == 2 else vocab_size)
+        scores[first : first + len(outputs)] = logits.float()
+        flags = criteria(torch.cat([input_ids, tail], dim=1), scores)
+        flags = torch.as_tensor(flags, dtype=torch.bool).reshape(-1)
+        if flags.numel() == 1:
+            flags = flags.expand(batch)
+        if flags.numel() != batch:
+            raise UsageError(f"stopping_criteria returned {flags.numel()} flags for a batch of {batch} rows: return one bool or one per row")
+        return flags[first : first + len(outputs)].tolist()
+
+    return stop
+
+
+def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None,
+             stopping_criteria=None, **kwargs):
+    """Generate with `runtime` (a `Qwen35Runtime`); the caller's keyword arguments override the config.
+    `stopping_criteria` (transformers') is called after every step (`_stop_callback`); `token_type_ids` is accepted
+    and ignored (Qwen3.5 has no token types)."""
+    config = copy.deepcopy(generation_config if generation_config is not None else default_config)
+    criteria = _stopping_criteria(stopping_criteria)
+    kwargs.pop("token_type_ids", None)
+    # Images (a vision export): the processor's outputs, passed to the runtime; mm_token_type_ids is implied by
+    # the image tokens of input_ids.
+    images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
+    kwargs.pop("mm_token_type_ids", None)
+    if images and runtime.images is None:
+        raise UsageError(TEXT_ONLY_EXPORT)
+    unused = {}
+    for key, value in kwargs.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+        else:
+            unused[key] = value
+    if not config.do_sample:
+        # Greedy: the sampling defaults of the saved config (Qwen3.5's temperature, top_k, top_p) do not apply, and
+        # transformers would warn that they "are not valid and may be ignored"; the caller's own still do.
+        defaults = type(config)()
+        for key in SAMPLING_FLAGS:
+            if key not in kwargs and hasattr(defaults, key):
+                setattr(config, key, getattr(defaults, key))
+    try:
+        config.validate()
+    except ValueError as error:  # GenerationConfig.validate: an invalid value
+        raise UsageError(f"invalid generation option: {error}") from error
+    unused = {k: v for k, v in unused.items() if v is not None and k not in ("use_cache", "output_attentions")}
+    if unused:
+        raise UsageError(f"generate() does not take {sorted(unused)}; see transformers.GenerationConfig for the options")
+    if config.num_beams not in (None, 1):
+        raise UsageError("beam search is not supported: use greedy decoding or sampling (num_beams=1)")
+    prompts = token_lists(input_ids, attention_mask)
+    longest = max(len(p) for p in prompts)
+    max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    room = runtime.max_length - longest
+    if room < 1:
+        raise UsageError(
+            f"the prompt ({longest} tokens) fills the compiled sequence length ({runtime.max_length}); "
+            "shorten it or export the model with a larger sequence_length"
+        )
+    if max_new_tokens > room:
+        logger.warning(
+            "generation stops after %d new tokens: prompt (%d) + new tokens reach the compiled sequence length %d",
+            room, longest, runtime.max_length,
+        )
+        max_new_tokens = room
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+
+    on_step = None
+    if streamer is not None:
+        if len(prompts) != 1:
+            raise UsageError("a streamer takes one prompt at a time (batch size 1), as in transformers")
+        streamer.put(input_ids[:1].cpu())
+
+        def on_step(step, tokens):
+            streamer.put(torch.tensor(tokens[:1]))
+
+    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
+    new_tokens = runtime.generate(
+        prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop, **images
+    )
+    if streamer is not None:
+        streamer.end()
+    width = max(len(t) for t in new_tokens)
+    tail = torch.full((len(prompts), width), pad, dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)

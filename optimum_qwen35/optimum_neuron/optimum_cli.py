@@ -1,0 +1,151 @@
+"""`optimum-cli export neuron` where the Neuron SDK is not installed.
+
+optimum-cli registers `export neuron` only when torch-neuronx imports, so without the SDK it answers
+"unrecognized arguments: neuron" and nothing else. optimum-cli loads every `optimum/commands/register/*.py` of any
+installed distribution; a regular install of this package puts one there (`register_optimum_qwen35.py`, written by
+setup.py, importing this module), which registers, only where torch-neuronx is absent, an `export neuron` taking
+optimum-neuron's flags: with `--instance_type cpu` it exports Qwen3.5 for the cpu target (`optimum-qwen35 export`);
+with a Neuron instance type, or none, it says in one line that the SDK is missing and gives the cpu command, checked
+first as the export would check it. With the SDK it registers nothing: optimum-neuron's own command runs. Light at
+start-up: standard library and optimum's command base classes only (optimum-cli imports it for every command).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import sys
+
+PROG = "optimum-cli export neuron"
+# optimum-neuron 0.4.5's flags that `optimum-qwen35 export` takes, by their name there (`--num_cores` is its
+# deprecated spelling of `--tensor_parallel_size`).
+VALUE_FLAGS = {"--model": "--model", "-m": "--model", "--task": "--task", "--batch_size": "--batch_size",
+               "--sequence_length": "--sequence_length", "--tensor_parallel_size": "--tensor_parallel_size",
+               "--num_cores": "--tensor_parallel_size", "--torch_dtype": "--torch_dtype",
+               "--instance_type": "--target"}
+# Its compiler options: nothing to do for the cpu target (no neuronx-cc), so left out of the cpu command.
+COMPILER_VALUE_FLAGS = {"--auto_cast", "--auto_cast_type", "--compiler_workdir"}
+COMPILER_SWITCHES = {"-O1", "-O2", "-O3", "--disable_neuron_cache", "--inline-weights-neff", "--disable-validation"}
+NEURON_INSTANCE_TYPES = ("trn1", "inf2", "trn1n", "trn2")
+DTYPES = ("bfloat16", "float32")
+
+
+class ArgumentError(ValueError):
+    pass
+
+
+def neuron_sdk_available() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
+    """optimum-cli's arguments -> (`optimum-qwen35 export` arguments without --target, the instance type, the
+    user's arguments with the compiler options left out). ArgumentError for anything the cpu export cannot take."""
+    export, kept, instance_type, out, i = [], [], None, None, 0
+    while i < len(arguments):
+        name, eq, inline = arguments[i].partition("=")
+        if name in VALUE_FLAGS or name in COMPILER_VALUE_FLAGS:
+            if eq:
+                value, used = inline, arguments[i : i + 1]
+            elif i + 1 < len(arguments):
+                value, used = arguments[i + 1], arguments[i : i + 2]
+            else:
+                raise ArgumentError(f"{name} needs a value")
+            i += len(used)
+            if name in COMPILER_VALUE_FLAGS:
+                continue
+            if name == "--instance_type":
+                instance_type = value
+                continue
+            if name == "--task" and value == "auto":
+                value = "text-generation"
+            if name == "--torch_dtype" and value not in DTYPES:
+                raise ArgumentError(f"--torch_dtype {value}: Qwen3.5 exports in {' or '.join(DTYPES)}")
+            export += [VALUE_FLAGS[name], value]
+            kept += used
+        elif name in COMPILER_SWITCHES:
+            i += 1
+        elif name.startswith("-"):
+            raise ArgumentError(f"{name} is not an option of Qwen3.5's export (see `optimum-qwen35 export --help`)")
+        elif out is not None:
+            raise ArgumentError(f"one output folder, got {out!r} and {name!r}")
+        else:
+            out = arguments[i]
+            i += 1
+    if "--model" not in export:
+        raise ArgumentError("the following arguments are required: -m/--model")
+    if out is None:
+        raise ArgumentError("the following arguments are required: output (the export folder)")
+    return [*export, out], instance_type, [*kept, out]
+
+
+def cpu_command(kept: list[str]) -> str:
+    return " ".join([PROG, *map(shlex.quote, kept), "--instance_type", "cpu"])
+
+
+def check_cpu_export(export: list[str]) -> None:
+    """What `optimum-qwen35 export --target cpu` checks before compiling (folder, sizes, TP degree, source)."""
+    from optimum_qwen35.cli import export_parser, check_export  # start-up time: optimum-cli imports this module for every command
+
+    check_export(export_parser().parse_args([*export, "--target", "cpu"]))
+
+
+def message(arguments: list[str]) -> str:
+    """The one line printed without the SDK for a Neuron instance type (or none): why, and the cpu command."""
+    _, instance_type, kept = translate(arguments)
+    needs = f"--instance_type {instance_type}" if instance_type else "an export without --instance_type (for this Neuron instance)"
+    return (
+        f"{PROG}: error: {needs} needs the Neuron SDK (torch-neuronx, neuronx-distributed), not installed here: on a "
+        "Neuron instance install it from AWS's package index (pip install \"optimum-qwen35[neuronx]\"); on this "
+        f"machine export Qwen3.5 for the cpu target: {cpu_command(kept)}"
+    )
+
+
+def run(arguments: list[str]) -> int:
+    from optimum_qwen35.cli import main  # start-up time: optimum-cli imports this module for every command
+    from optimum_qwen35.errors import Qwen35Error  # start-up time: optimum-cli imports this module for every command
+
+    try:
+        export, instance_type, _ = translate(arguments)
+        if instance_type == "cpu":
+            return main(["export", *export, "--target", "cpu"])
+        if instance_type is not None and instance_type not in NEURON_INSTANCE_TYPES:
+            raise ArgumentError(f"--instance_type {instance_type}: choose cpu or one of {', '.join(NEURON_INSTANCE_TYPES)}")
+        check_cpu_export(export)  # the suggested command must be one that runs
+    except (ArgumentError, Qwen35Error) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    print(message(arguments), file=sys.stderr)
+    return 2
+
+
+def _commands():
+    if neuron_sdk_available():
+        return []
+    from optimum.commands.base import BaseOptimumCLICommand, CommandInfo  # start-up time: optimum-cli imports this module for every command
+    from optimum.commands.export.base import ExportCommand  # start-up time: optimum-cli imports this module for every command
+
+    class NeuronExportWithoutSDK(BaseOptimumCLICommand):
+        COMMAND = CommandInfo(name="neuron", help="export Qwen3.5 (--instance_type cpu here; Neuron types need the Neuron SDK)")
+
+        @staticmethod
+        def parse_args(parser):
+            parser.prefix_chars = "\0"  # take every argument as given: translate() reads optimum-neuron's flags
+            parser.add_argument("arguments", nargs="*")
+
+        def run(self):
+            sys.exit(run(self.args.arguments))
+
+    return [(NeuronExportWithoutSDK, ExportCommand)]
+
+
+class _RegisterOnce(list):
+    """optimum-cli imports `register_optimum_qwen35` once per folder holding it (site-packages and a PYTHONPATH
+    entry, say) and registers what each import lists; argparse refuses the second `neuron`. Listed once only."""
+
+    def __iter__(self):
+        items, self[:] = list(super().__iter__()), []
+        return iter(items)
+
+
+REGISTER_COMMANDS = _RegisterOnce(_commands())

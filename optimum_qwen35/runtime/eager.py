@@ -1,0 +1,166 @@
+"""The eager graph runner: the decoder's own modules run in this process, the way Neuron runs its graphs.
+
+`load_decoder` builds a rank's decoder and loads its weights (a checkpoint folder, converted and sharded on the
+fly, or a sharded export); `EagerGraphs` runs its context-encoding and token-generation graphs, one module per
+bucket, over the state it holds. The host loop around them is runtime/host_loop.py's `Qwen35Runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from optimum_qwen35 import validation
+from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
+from optimum_qwen35.checkpoint.convert import check_finite
+from optimum_qwen35.checkpoint.shard import convert_and_shard
+from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_sharded
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import CheckpointError, UsageError
+from optimum_qwen35.modeling.decoder import (
+    ContextEncodingGraph,
+    ImageContextEncodingGraph,
+    ImageTokenGenerationGraph,
+    Qwen35Decoder,
+    TokenGenerationGraph,
+)
+from optimum_qwen35.modeling.state import allocate_state
+from optimum_qwen35.modeling.torch_layers import TorchLayers, pack_linears
+
+DEFAULT_BUCKET_MIN = 64
+
+
+def load_decoder(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str = torch.float32,
+    tp_degree: int = 1,
+    rank: int = 0,
+    layers=None,
+    config: Qwen35Config | None = None,
+    check_weights: bool = True,
+) -> Qwen35Decoder:
+    """Build the decoder (this rank's share of it) and load its weights.
+
+    `path` is a checkpoint folder (converted, and sharded when tp_degree > 1, on the fly) or a folder
+    written by `optimum_qwen35.checkpoint.sharded_files.save_sharded` (its tp_degree must match). `dtype` is a
+    torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
+    the tensor (`check_weights=False` skips that check; it exists to measure its cost).
+    """
+    dtype = validation.parse_dtype(dtype)
+    path = validation.model_folder(path, "load_decoder")
+    config = config or Qwen35Config.from_pretrained(path)
+    config.check_tp_degree(tp_degree)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
+        raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
+    sharded_export = is_sharded_export(path)
+    if sharded_export:
+        saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
+        if config.is_moe:  # the experts as the export split them
+            config = dataclasses.replace(config, moe_parallel=saved.moe_parallel)
+    if layers is None:
+        layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
+    with torch.device("meta"):
+        decoder = Qwen35Decoder(config, tp_degree, layers)
+    if sharded_export:
+        pass
+    elif tp_degree == 1:
+        params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
+    else:
+        params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
+    if check_weights and not sharded_export:  # load_sharded checked an export's weights
+        check_finite(params, f"{path} (rank {rank} of {tp_degree})" if tp_degree > 1 else str(path))
+    if config.tie_word_embeddings:
+        params["lm_head.weight"] = params["embed_tokens.weight"]
+    params.update(rank_tensors(rank))
+    result = decoder.load_state_dict(params, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{path}: decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
+    if config.tie_word_embeddings:
+        decoder.lm_head.weight = decoder.embed_tokens.weight
+    return decoder.eval()
+
+
+def rank_tensors(rank: int) -> dict[str, torch.Tensor]:
+    """The per-rank tensors that are not checkpoint weights (loaded beside them, one graph for every rank)."""
+    return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int64)}
+
+
+class EagerGraphs:
+    """The graph runner of the decoder's own modules in this process: context encoding, token generation and their
+    image forms (modeling/decoder.py), built per bucket on first use (traced with `torch.jit.trace` when `trace`),
+    over the state list this runner holds and the graphs update in place; the vision tower's module when given."""
+
+    def __init__(self, decoder: Qwen35Decoder, batch_size: int, max_length: int, trace: bool = False,
+                 pack_weights: bool = False, vision_encoder=None):
+        if not isinstance(decoder, Qwen35Decoder):
+            raise UsageError(
+                f"the eager runtime takes a loaded decoder, got {type(decoder).__name__}; to load a folder use "
+                "Qwen35Runtime.from_pretrained(path, ...)"
+            )
+        self.decoder, self.batch_size, self.trace, self.vision_encoder = decoder, batch_size, trace, vision_encoder
+        if pack_weights and not trace:  # a traced graph would hold the packed weights as constants
+            pack_linears(decoder, batch_size)
+        self.state_specs = decoder.state_specs(batch_size, max_length)
+        self.state = allocate_state(self.state_specs)
+        self._graphs: dict[tuple, torch.nn.Module] = {}
+
+    def _graph(self, kind: str, length: int, all_logits: bool = False, key_length: int | None = None):
+        key = (kind, length, all_logits, key_length)
+        if key not in self._graphs:
+            if kind == "context":
+                module = ContextEncodingGraph(self.decoder, all_logits, key_length)
+            elif kind == "image_context":
+                module = ImageContextEncodingGraph(self.decoder, all_logits, key_length)
+            elif kind == "image_token":
+                module = ImageTokenGenerationGraph(self.decoder, key_length)
+            else:
+                module = TokenGenerationGraph(self.decoder, key_length)
+            if self.trace:
+                example = self._example_inputs(kind, length)
+                with torch.no_grad():
+                    module = torch.jit.trace(module, example, check_trace=False)
+            self._graphs[key] = module
+        return self._graphs[key]
+
+    def _example_inputs(self, kind: str, length: int):
+        """Inputs to trace a graph with; the state is a scratch copy, since tracing runs the graph (in place)."""
+        B = self.batch_size
+        state = [torch.zeros_like(t) for t in self.state]
+        ids = torch.zeros(B, length, dtype=torch.int32)
+        seq_ids = torch.arange(B, dtype=torch.int32)
+        if kind in ("context", "image_context"):
+            mask = torch.ones(B, length, dtype=torch.int32)
+            positions = torch.arange(length, dtype=torch.int32).expand(B, length)
+            if kind == "image_context":
+                rope = positions[:, None].expand(B, 3, length)
+                hidden = self.decoder.config.hidden_size
+                embeds = torch.zeros(B, length, hidden, dtype=self.decoder.embed_tokens.weight.dtype)
+                return (ids, mask, positions, seq_ids, rope, embeds, torch.zeros(B, length, dtype=torch.int32), *state)
+            return (ids, mask, positions, seq_ids, *state)
+        pos = torch.zeros(B, 1, dtype=torch.int32)
+        if kind == "image_token":
+            return (ids[:, :1], pos, seq_ids, pos, *state)
+        return (ids[:, :1], pos, seq_ids, *state)
+
+    # The runner's calls (runtime/host_loop.py): the graphs update the state list in place.
+    def context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        return self._graph("context", length, all_logits, key_length)(*inputs, *self.state)[0]
+
+    def token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._graph("token", 1, False, key_length)(*inputs, *self.state)[0]
+
+    def image_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        return self._graph("image_context", length, all_logits, key_length)(*inputs, *self.state)[0]
+
+    def image_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._graph("image_token", 1, False, key_length)(*inputs, *self.state)[0]
+
+    def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.vision_encoder(*inputs)
+
+    def close(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,191 @@
+"""The graph runner of a cpu export: its `torch.export` programs, loaded without re-tracing, run in this process.
+
+An export for the cpu target holds, beside its configs and tokenizer (export/layout.py; written by
+export/compile.py):
+
+    compiled/graphs.json                 what was compiled (sizes, buckets, dtype, weight and state order)
+    compiled/context_encoding_<T>.pt2    one program per context-encoding bucket T
+    compiled/context_logits_<T>.pt2      the same, returning the logits of every position (for `forward`)
+    compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
+    checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.sharded_files.save_sharded`)
+
+and, in a vision export (tensor_parallel_size 1):
+
+    compiled/vision_<N>.pt2                    the vision tower, one program per image bucket of N patch rows
+    compiled/image_context_encoding_<T>.pt2    context encoding of prompts holding images
+    compiled/image_token_generation_<L>.pt2    decode steps after them (rotary position = position + rope delta)
+    checkpoint/vision.safetensors              the vision tower's weights (converted: modeling/vision.py)
+
+`ExportedGraphs` runs one rank's programs in this process (with its weights and its state list);
+runtime/worker_pool.py's `WorkerPool` runs t ranks in t worker processes, each an `ExportedGraphs`. Both answer the
+host loop's calls (runtime/host_loop.py) through `ProgramRunner`, by program name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from optimum_qwen35.checkpoint.sharded_files import load_sharded
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import IncompatibleExportError
+from optimum_qwen35.export.layout import (
+    CHECKPOINT_DIR,
+    COMPILED_DIR,
+    GRAPHS_FILE,
+    GRAPHS_FORMAT,
+    GRAPHS_VERSION,
+    context_graph_name,
+    image_context_graph_name,
+    image_token_graph_name,
+    logits_graph_name,
+    token_graph_name,
+    vision_graph_name,
+)
+from optimum_qwen35.modeling.state import StateSpec, allocate_state
+from optimum_qwen35.runtime.eager import rank_tensors
+
+
+def read_graphs_manifest(folder: str | os.PathLike) -> dict:
+    """`compiled/graphs.json` of an export folder; a clear error when it is missing or foreign."""
+    file = Path(folder) / COMPILED_DIR / GRAPHS_FILE
+    if not file.is_file():
+        raise IncompatibleExportError(
+            f"{Path(folder)} has no {COMPILED_DIR}/{GRAPHS_FILE}: it is not a complete cpu-target export; export it again"
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != GRAPHS_FORMAT or manifest.get("version") != GRAPHS_VERSION:
+        raise IncompatibleExportError(
+            f"{file} is not a {GRAPHS_FORMAT} v{GRAPHS_VERSION} manifest: export the model again with this version"
+        )
+    return manifest
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def load_rank_weights(folder: str | os.PathLike, manifest: dict, rank: int) -> list[torch.Tensor]:
+    """One rank's weight inputs, in program order, from the export's `checkpoint/` shards."""
+    _, _, params = load_sharded(Path(folder) / CHECKPOINT_DIR, rank, manifest["tp_degree"], _dtype(manifest["dtype"]))
+    params.update(rank_tensors(rank))
+    missing = [n for n in manifest["weights"] if n not in params]
+    if missing:
+        raise IncompatibleExportError(
+            f"{Path(folder) / CHECKPOINT_DIR} lacks weights the compiled graphs take: {missing[:5]}; export the model again"
+        )
+    return [params[n] for n in manifest["weights"]]
+
+
+def load_vision_weights(folder: str | os.PathLike, manifest: dict) -> list[torch.Tensor]:
+    """The vision programs' weight inputs, in program order."""
+    file = Path(folder) / CHECKPOINT_DIR / manifest["vision"]["file"]
+    if not file.is_file():
+        raise IncompatibleExportError(f"{file} is missing: the export's vision graphs have no weights; export the model again")
+    params = load_file(os.fspath(file))
+    missing = [n for n in manifest["vision"]["weights"] if n not in params]
+    if missing:
+        raise IncompatibleExportError(f"{file} lacks weights the vision graphs take: {missing[:5]}; export the model again")
+    return [params[n] for n in manifest["vision"]["weights"]]
+
+
+class ProgramRunner:
+    """The host loop's calls (runtime/host_loop.py) answered by a cpu export's programs, by name: `run(name, *inputs,
+    restore)` is the subclass's (this process, or its worker processes)."""
+
+    manifest: dict
+
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def logits_buckets(self) -> list[int]:
+        return self.manifest.get("logits_buckets", [])  # none in exports made before forward() existed
+
+    def context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        if key_length is not None:
+            raise IncompatibleExportError(
+                "compiled context-encoding graphs start fresh sequences only (their buckets reach max_length); "
+                "continuing a sequence's prompt needs the eager runtime (optimum_qwen35.runtime.Qwen35Runtime.from_pretrained)"
+            )
+        if all_logits:
+            raise IncompatibleExportError(
+                "compiled context-encoding graphs return the last token's logits only; per-position logits "
+                "need the eager runtime (optimum_qwen35.runtime.Qwen35Runtime.from_pretrained)"
+            )
+        return self.run(context_graph_name(length), *inputs)
+
+    def token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.run(token_graph_name(key_length), *inputs)
+
+    def image_context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
+        if key_length is not None or all_logits:
+            raise IncompatibleExportError(
+                "compiled image context-encoding graphs start fresh prompts and return the last token's logits only; "
+                "longer prompts or per-position logits need the eager runtime (runtime/host_loop.py, vision=True)"
+            )
+        return self.run(image_context_graph_name(length), *inputs)
+
+    def image_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.run(image_token_graph_name(key_length), *inputs)
+
+    def scores(self, length: int, *inputs: torch.Tensor, restore: list[int]) -> torch.Tensor:
+        """The per-position logits program of `length`; the slots in `restore` get their state back."""
+        return self.run(logits_graph_name(length), *inputs, restore=restore)
+
+    @staticmethod
+    def config_of(folder: str | os.PathLike) -> Qwen35Config:
+        return Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
+
+
+class ExportedGraphs(ProgramRunner):
+    """One rank's compiled programs, its weights and its state; programs are loaded on first use."""
+
+    def __init__(self, folder: str | os.PathLike, rank: int = 0, manifest: dict | None = None):
+        self.folder = Path(folder)
+        self.manifest = manifest or read_graphs_manifest(folder)
+        self.rank = rank
+        self.weights = load_rank_weights(folder, self.manifest, rank)
+        self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"])) for s in self.manifest["state"]]
+        self.state = allocate_state(self.state_specs)
+        self._programs: dict[str, nn.Module] = {}
+        self.vision_weights = None
+        if "vision" in self.manifest:
+            self.vision_weights = load_vision_weights(folder, self.manifest)
+
+    def program(self, name: str) -> nn.Module:
+        if name not in self._programs:
+            entry = self.manifest["graphs"].get(name)
+            if entry is None:
+                raise IncompatibleExportError(f"this export has no graph {name!r}; it has {sorted(self.manifest['graphs'])}")
+            self._programs[name] = torch.export.load(self.folder / COMPILED_DIR / entry["file"]).module()
+        return self._programs[name]
+
+    @torch.no_grad()
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+        """Run graph `name` on `inputs` (token ids, ..., seq_ids), updating this rank's state; returns the logits.
+
+        `restore`: slots whose state is put back as it was before the call (a scoring pass borrows them)."""
+        saved = None
+        if restore:
+            index = torch.as_tensor(restore, dtype=torch.int64)
+            saved = [s.index_select(0, index) for s in self.state]
+        try:
+            return self.program(name)(self.weights, *inputs, *self.state)[0]
+        finally:
+            if saved is not None:
+                for state, before in zip(self.state, saved):
+                    state.index_copy_(0, index, before)
+
+    @torch.no_grad()
+    def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
+        """The vision tower's program of image bucket `bucket` (no state)."""
+        return self.program(vision_graph_name(bucket))(self.vision_weights, *inputs)
+
+    def close(self) -> None:
+        self._programs.clear()

@@ -1,0 +1,150 @@
+"""The graph runner of a tensor-parallel cpu export: one worker process per rank, each running its rank's programs.
+
+The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each holding an `ExportedGraphs`
+(its weights and its state, as the state stays on the device on Neuron) and joined by a gloo process group over a file
+store; each talks to this process over its own socket pair. `WorkerPool.run` sends every rank the same inputs and
+returns rank 0's logits.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from optimum_qwen35.errors import Qwen35Error
+from optimum_qwen35.runtime.exported import ExportedGraphs, ProgramRunner, read_graphs_manifest
+
+
+def _send(conn, obj) -> None:
+    """Plain pickle over the socket: multiprocessing's own pickler would pass torch tensors as shared-memory
+    handles, which only processes of one multiprocessing family may open."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _portable(error: BaseException):
+    """What a worker reports: this package's errors as themselves (the parent re-raises them), others as text."""
+    if isinstance(error, Qwen35Error):
+        try:
+            pickle.dumps(error)
+            return error
+        except Exception:  # noqa: BLE001
+            pass
+    return traceback.format_exc()
+
+
+def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) -> None:
+    """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None."""
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
+        graphs = ExportedGraphs(folder, rank)
+        if dist.group.WORLD.group_name != graphs.manifest["group_name"]:
+            raise RuntimeError(f"process group {dist.group.WORLD.group_name!r} is not the graphs' {graphs.manifest['group_name']!r}")
+        _send(conn, ("ready", None))
+    except BaseException as error:  # noqa: BLE001 (reported to the parent, which raises it)
+        _send(conn, ("error", _portable(error)))
+        return
+    try:
+        while True:
+            try:
+                message = _recv(conn)
+            except EOFError:  # the parent exited without close() (e.g. vLLM's engine shut down): stop quietly
+                break
+            if message is None:
+                break
+            name, inputs, restore = message
+            try:
+                logits = graphs.run(name, *inputs, restore=restore)
+                _send(conn, ("ok", logits if rank == 0 else None))
+            except BaseException as error:  # noqa: BLE001
+                _send(conn, ("error", _portable(error)))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerPool(ProgramRunner):
+    """t ranks in t worker processes (gloo over a file store); `run` sends every rank the same inputs.
+
+    The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each talking to this
+    process over its own socket pair: unlike multiprocessing's spawn, they never re-import the caller's
+    main module, so a script needs no `if __name__ == "__main__":` guard.
+    """
+
+    def __init__(self, folder: str | os.PathLike, tp_degree: int, manifest: dict | None = None):
+        self.manifest = manifest or read_graphs_manifest(folder)
+        self.tp_degree = tp_degree
+        self._tmp = tempfile.TemporaryDirectory(prefix="qwen35-tp-")
+        threads = max(1, (os.cpu_count() or 1) // tp_degree)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        store = os.path.join(self._tmp.name, "store")
+        self._conns, self._procs = [], []
+        self._lock = threading.Lock()
+        for rank in range(tp_degree):
+            ours, theirs = socket.socketpair()
+            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank), str(tp_degree), store, str(theirs.fileno()), str(threads)]
+            self._procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
+            theirs.close()
+            self._conns.append(Connection(ours.detach()))
+        try:
+            self._collect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list:
+        results, errors, package_errors = [], [], []
+        for rank, conn in enumerate(self._conns):
+            try:
+                status, value = _recv(conn)
+            except EOFError:
+                status, value = "error", f"exited with code {self._procs[rank].wait()}"
+            if status == "error":
+                if isinstance(value, Qwen35Error):
+                    package_errors.append(value)  # user-fixable (e.g. weights that do not match): raised as is
+                else:
+                    errors.append(f"rank {rank}: {value}")
+            results.append(value)
+        if package_errors:
+            raise package_errors[0]
+        if errors:
+            raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+        with self._lock:
+            for conn in self._conns:
+                _send(conn, (name, inputs, restore))
+            return self._collect()[0]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                _send(conn, None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        self._tmp.cleanup()
+
+    def __del__(self):
+        if getattr(self, "_procs", None):
+            self.close()
