@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
-from optimum_qwen35 import optimum_cli  # noqa: E402
+from optimum_qwen35.optimum_neuron import optimum_cli  # noqa: E402
 from optimum_qwen35.cli import check_export, export_parser  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
