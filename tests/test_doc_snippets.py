@@ -60,6 +60,7 @@ DOCUMENTS = {
     "docs/neuron_backend.md": None,
     "docs/testing.md": None,
     "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
+    "docs/prefix_caching.md": "reference",
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
@@ -80,11 +81,13 @@ SUBSTITUTIONS = [
     ("docs/optimum_neuron.md", "sequence_length=256", "sequence_length=128", "the same export from Python"),
     ("docs/tensor_parallel.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
     ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
+    ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
 ]
 BUILD_TINY = f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"
 # Set up before a document runs, in its folder: shell commands, and what the stand-in Hub must hold.
 SETUP = {
     "docs/tensor_parallel.md": [BUILD_TINY],
+    "docs/prefix_caching.md": [BUILD_TINY],
     # `out/`: an export of a local copy of "Qwen/Qwen3.5-2B" (here the tiny checkpoint, also on the stand-in Hub).
     "docs/hub.md": [
         BUILD_TINY,

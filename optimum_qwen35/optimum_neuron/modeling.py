@@ -66,6 +66,7 @@ from optimum_qwen35.optimum_neuron.loading import (
 from optimum_qwen35.optimum_neuron.scoring import causal_lm_forward
 from optimum_qwen35.runtime.host_loop import Qwen35Runtime
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
+from optimum_qwen35.runtime.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         else:
             self.generation_config = GenerationConfig.from_model_config(config)
         self._runtime = None
+        self._prefix_cache = "auto"  # set_prefix_cache
         # An export's work folder goes away with the model; a loaded folder is the user's.
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True) if owns_folder else None
 
@@ -341,7 +343,32 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         on first use."""
         if self._runtime is None:
             self._runtime = Qwen35Runtime.from_export(self.folder)
+            self._apply_prefix_cache()
         return self._runtime
+
+    def set_prefix_cache(self, cache: PrefixCache | str | None = "auto") -> None:
+        """Prefix caching for `generate` and the continuous-batching `prefill` / `decode` (runtime/prefix_cache.py,
+        docs/prefix_caching.md): a prompt starting with the tokens of an earlier one resumes context encoding from
+        its cached block states, with the same logits as without a hit.
+
+        "auto" (the default): on, with a default `PrefixCache`, where the export's graphs resume a sequence exactly;
+        off where they cannot, which is every cpu export today (its context programs start fresh sequences only).
+        A `PrefixCache`: on with that cache, refused (IncompatibleExportError) where the graphs cannot resume.
+        None: off."""
+        if not (cache is None or cache == "auto" or isinstance(cache, PrefixCache)):
+            raise UsageError(f'prefix_cache must be "auto", a PrefixCache or None, got {cache!r}')
+        self._prefix_cache = cache
+        if self._runtime is not None:
+            self._apply_prefix_cache()
+
+    def _apply_prefix_cache(self) -> None:
+        cache = self._prefix_cache
+        if cache == "auto":
+            if getattr(self._runtime.graphs, "prefix_cache_owner", None) is None:
+                self._runtime.set_prefix_cache(None)
+                return
+            cache = PrefixCache()
+        self._runtime.set_prefix_cache(cache)
 
     def can_generate(self) -> bool:
         return True

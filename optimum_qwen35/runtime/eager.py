@@ -146,6 +146,12 @@ class EagerGraphs:
             return (ids[:, :1], pos, seq_ids, pos, *state)
         return (ids[:, :1], pos, seq_ids, *state)
 
+    @property
+    def prefix_cache_owner(self) -> tuple:
+        """What a prefix cache's snapshots of this runner's state belong to (runtime/prefix_cache.py `bind`): this
+        decoder's weights, and the state's layout."""
+        return id(self.decoder), tuple((s.name, s.dtype) for s in self.state_specs)
+
     # The runner's calls (runtime/host_loop.py): the graphs update the state list in place.
     def context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
         return self._graph("context", length, all_logits, key_length)(*inputs, *self.state)[0]

@@ -41,6 +41,7 @@ from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
 from optimum_qwen35.runtime.eager import EagerGraphs, load_decoder
 from optimum_qwen35.runtime.exported import ExportedGraphs, read_graphs_manifest
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS, ImageInputs, load_vision_encoder
+from optimum_qwen35.runtime.prefix_cache import PrefixCache, restore, take_block
 from optimum_qwen35.runtime.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Qwen35Runtime:
         key_buckets: Sequence[int] | None = None,
         vision_config: VisionConfig | None = None,
         image_buckets: Sequence[int] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.graphs, self.config = graphs, config
         self.batch_size = validation.positive_int(batch_size, "batch_size")
@@ -80,6 +82,10 @@ class Qwen35Runtime:
         self.images = None
         if vision_config is not None:
             self.images = ImageInputs(vision_config, image_buckets or DEFAULT_IMAGE_BUCKETS, graphs.vision, config.hidden_size)
+        self.prefix_cache = None
+        # Tokens of each prompt of the last prefill that the prefix cache served (0: none, or no cache).
+        self.last_prefix_hits: list[int] = []
+        self.set_prefix_cache(prefix_cache)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -93,14 +99,16 @@ class Qwen35Runtime:
         pack_weights: bool = False,
         vision_encoder=None,
         image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS,
+        prefix_cache: PrefixCache | None = None,
     ) -> "Qwen35Runtime":
         """The host loop over a loaded decoder's modules in this process (runtime/eager.py `EagerGraphs`; with
         `vision_encoder`, prompts may hold images). `pack_weights` prepacks the decoder's linears for oneDNN's CPU GEMM
         at this batch size (`modeling.torch_layers.pack_linears`; the decoder is changed in place, its `state_dict`
-        is not; not with `trace`)."""
+        is not; not with `trace`). `prefix_cache`: a `PrefixCache` (runtime/prefix_cache.py), or None (off: see
+        `set_prefix_cache`)."""
         graphs = EagerGraphs(decoder, batch_size, max_length, trace, pack_weights, vision_encoder)
         vision = None if vision_encoder is None else vision_encoder.config
-        return cls(graphs, decoder.config, batch_size, max_length, buckets, None, vision, image_buckets)
+        return cls(graphs, decoder.config, batch_size, max_length, buckets, None, vision, image_buckets, prefix_cache)
 
     @classmethod
     def from_pretrained(
@@ -114,10 +122,12 @@ class Qwen35Runtime:
         pack_weights: bool = True,
         vision: bool = False,
         image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS,
+        prefix_cache: PrefixCache | None = None,
     ) -> "Qwen35Runtime":
         """Load a checkpoint folder (or a TP = 1 sharded export) and run it eagerly; sizes are checked before any
         weight is read. The decoder's linears are prepacked for the CPU GEMM unless `pack_weights=False`. `vision`:
-        load the vision tower too (the checkpoint must have one), so that `logits` and `generate` take images."""
+        load the vision tower too (the checkpoint must have one), so that `logits` and `generate` take images.
+        `prefix_cache`: a `PrefixCache` to reuse shared prompt prefixes (`set_prefix_cache`), None (off) by default."""
         validation.positive_int(batch_size, "batch_size")
         validation.positive_int(max_length, "max_length")
         if vision is not True and vision is not False:
@@ -133,7 +143,8 @@ class Qwen35Runtime:
             encoder = load_vision_encoder(path, vision_config, dtype)
         else:
             decoder = load_decoder(path, dtype)
-        return cls.from_decoder(decoder, batch_size, max_length, buckets, trace, pack_weights, encoder, image_buckets)
+        return cls.from_decoder(decoder, batch_size, max_length, buckets, trace, pack_weights, encoder, image_buckets,
+                                prefix_cache)
 
     @classmethod
     def from_export(cls, folder: str | os.PathLike) -> "Qwen35Runtime":
@@ -166,6 +177,35 @@ class Qwen35Runtime:
     def close(self) -> None:
         """Stop the runner's worker processes (if any) and drop its programs."""
         self.graphs.close()
+
+    def set_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Turn prefix caching on (a `PrefixCache`, which several runtimes of the same model may share) or off (None).
+
+        With a cache, `prefill` of fresh text prompts (start 0, no images) runs context encoding in blocks of the
+        cache's block size at block-aligned positions, stores the slot's state after each full block, and resumes a
+        prompt whose first blocks are cached from the last of them: the same operations on the same inputs as a cold
+        run with the cache on, so a hit gives the same logits, bit for bit. It needs a runner that holds its state
+        in this process and whose context graphs continue a sequence (`EagerGraphs`); a cpu export's programs
+        start fresh sequences only (docs/prefix_caching.md)."""
+        if cache is None:
+            self.prefix_cache = None
+            return
+        if not isinstance(cache, PrefixCache):
+            raise UsageError(f"prefix_cache must be a PrefixCache or None, got {type(cache).__name__}")
+        owner = getattr(self.graphs, "prefix_cache_owner", None)
+        if owner is None:
+            raise IncompatibleExportError(
+                f"prefix caching needs a runner whose context graphs continue a sequence from states it holds in this "
+                f"process (the eager runtime, Qwen35Runtime.from_pretrained); {type(self.graphs).__name__} has none "
+                "(docs/prefix_caching.md)"
+            )
+        if cache.block_size > self.buckets[-1]:
+            raise UsageError(
+                f"the prefix cache's block_size ({cache.block_size}) is longer than the largest context bucket "
+                f"({self.buckets[-1]}): a block runs in one context-encoding call; choose a smaller block_size"
+            )
+        cache.bind(owner)
+        self.prefix_cache = cache
 
     # ------------------------------------------------------------------ buckets and checks
     def bucket_for(self, length: int) -> int:
@@ -234,6 +274,7 @@ class Qwen35Runtime:
         all_logits: bool = False,
         starts: Sequence[int] | None = None,
         images: Sequence | None = None,
+        prefix_cache: bool = True,
     ):
         """Encode `prompts` in `slots` (one prompt per slot). Returns the logits of each prompt's last token
         [n, vocab] (or of every token, [n, len, vocab] padded to the longest prompt, with `all_logits`).
@@ -242,7 +283,11 @@ class Qwen35Runtime:
         starts[i] tokens are already encoded. Prompts longer than the largest context bucket run in chunks.
         `images`: one entry per prompt, None for a text prompt or the `ImagePrompt` of a fresh prompt holding images
         (runtime/images.py: its 3-D rotary positions, image embeddings and rope delta); prompts holding images run
-        the image context graphs, text-only calls the text graphs."""
+        the image context graphs, text-only calls the text graphs.
+
+        With the runtime's prefix cache on (`set_prefix_cache`) and `prefix_cache` True, fresh text prompts go through
+        it (`_prefill_cached`; `last_prefix_hits` says how many tokens of each it served); with `all_logits`, the
+        positions it served have no logits (NaN there)."""
         prompts = validation.token_ids(prompts, self.config.vocab_size)
         slots = self._check_slots(slots)
         if len(prompts) != len(slots):
@@ -260,6 +305,9 @@ class Qwen35Runtime:
         if len(images) != len(prompts) or any(im is not None and (s or len(im.mask) != len(p)) for im, p, s in zip(images, prompts, starts)):
             raise UsageError("prefill needs one image entry per prompt, each a fresh prompt (start 0) of its own length")
         with_images = any(im is not None for im in images)
+        self.last_prefix_hits = [0] * len(prompts)
+        if prefix_cache and self.prefix_cache is not None and not with_images and not any(starts):
+            return self._prefill_cached(prompts, slots, all_logits)
         B, n, largest = self.batch_size, len(prompts), self.buckets[-1]
         done = [0] * n  # tokens of each prompt encoded so far
         results: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -298,6 +346,73 @@ class Qwen35Runtime:
         per_prompt = [torch.cat(r) for r in results]
         width = max(len(p) for p in prompts)
         return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])) for x in per_prompt])
+
+    def _prefill_cached(self, prompts: list[list[int]], slots: list[int], all_logits: bool):
+        """`prefill` of fresh text prompts through the prefix cache.
+
+        Each prompt restores its longest cached run of blocks into its slot (at most up to its last token, which is
+        always computed: its logits are the result) and encodes the rest in pieces that end at block boundaries:
+        piece [s, e) runs in the context bucket of e - s tokens, attending over the cache bucket of e (none for the
+        first, fresh piece), so a piece's graph depends on the prompt's length and the piece's place only, never on
+        the other rows or on where the hit ended. A call runs every row whose next piece has the graph of the row
+        furthest behind. After a full block the slot's state is stored (`take_block`), unless the cache has it."""
+        cache, bs = self.prefix_cache, self.prefix_cache.block_size
+        names = [s.name for s in self.graphs.state_specs]
+        state = self.graphs.state
+        B, n = self.batch_size, len(prompts)
+        keys = [cache.keys(p) for p in prompts]
+        done = []
+        for p, slot, chain in zip(prompts, slots, keys):
+            entries = cache.lookup(p, chain)[: (len(p) - 1) // bs]
+            if entries:
+                restore(state, names, slot, entries, bs)
+            done.append(len(entries) * bs)
+        self.last_prefix_hits = list(done)
+        results: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+        def piece(i):
+            return done[i], min(len(prompts[i]), (done[i] // bs + 1) * bs)
+
+        def graph(i):
+            start, end = piece(i)
+            T = self.bucket_for(end - start)
+            return T, (max(T, self.key_bucket_for(end)) if start else None)
+
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            rows = [i for i in range(n) if done[i] < len(prompts[i])]
+            T, key_length = graph(min(rows, key=lambda i: done[i]))
+            rows = [i for i in rows if graph(i) == (T, key_length)]
+            ids = torch.zeros(B, T, dtype=torch.int32)
+            mask = torch.zeros(B, T, dtype=torch.int32)
+            positions = torch.zeros(B, T, dtype=torch.int32)
+            seq_ids = torch.full((B,), -1, dtype=torch.int32)
+            for i in rows:
+                start, end = piece(i)
+                ids[i, : end - start] = torch.as_tensor(prompts[i][start:end], dtype=torch.int32)
+                mask[i, : end - start] = 1
+                positions[i, : end - start] = torch.arange(start, end, dtype=torch.int32)
+                seq_ids[i] = slots[i]
+            out = self.graphs.context(T, all_logits, key_length, ids, mask, positions, seq_ids)
+            for i in rows:
+                start, end = piece(i)
+                results[i].append(out[i, : end - start] if all_logits else out[i])
+                done[i] = end
+                if end - start == bs:  # a full block (pieces start at block boundaries)
+                    prefix, key = prompts[i][:end], keys[i][end // bs - 1]
+                    if not cache.contains(prefix, key):
+                        cache.insert(prefix, key, take_block(state, names, slots[i], start, end), keys[i][: end // bs - 1])
+        for p, slot, chain in zip(prompts, slots, keys):
+            cache.touch(chain)
+            self.encoded[slot] = len(p)
+            self.rope_deltas[slot] = 0
+        if not all_logits:
+            return torch.stack([r[-1] for r in results])
+        width = max(len(p) for p in prompts)
+        out = torch.full((n, width, results[0][0].shape[-1]), float("nan"), dtype=results[0][0].dtype)
+        for i, (r, hit) in enumerate(zip(results, self.last_prefix_hits)):
+            logits = torch.cat(r)
+            out[i, hit : hit + logits.shape[0]] = logits
+        return out
 
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
@@ -366,7 +481,8 @@ class Qwen35Runtime:
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
             group_images = None if images is None else images[start : start + self.batch_size]
-            out = self.prefill(group, list(range(len(group))), all_logits=True, images=group_images)
+            # Every position's logits: nothing served from the prefix cache.
+            out = self.prefill(group, list(range(len(group))), all_logits=True, images=group_images, prefix_cache=False)
             results += [out[i, : len(p)].float() for i, p in enumerate(group)]
         return results
 

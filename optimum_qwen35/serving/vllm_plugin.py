@@ -76,7 +76,10 @@ def vllm_settings(vllm_config) -> None:
       so chunked prefill is off and the step's token budget holds a full-length prompt beside a decode step of
       every slot (vLLM's default budget, 2048 to 8192 tokens, would never schedule a longer prompt);
     - a cpu-target export runs in optimum-neuron's worker with this package's loader (`vllm_worker.py`), which
-      needs no Neuron core or compiler; Neuron exports keep optimum-neuron's worker.
+      needs no Neuron core or compiler; Neuron exports keep optimum-neuron's worker;
+    - vLLM's prefix caching is off (one log line when it was asked for): its hits skip the cached tokens of a
+      request, but optimum-neuron's runner prefills every prompt whole into a slot whose DeltaNet states vLLM's
+      block tables do not hold (docs/prefix_caching.md).
     """
     model_config, scheduler = vllm_config.model_config, vllm_config.scheduler_config
     export = None if model_config is None else qwen35_export(model_config.model)
@@ -93,6 +96,11 @@ def vllm_settings(vllm_config) -> None:
         scheduler.enable_chunked_prefill = scheduler.chunked_prefill_enabled = False
         scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model_config.max_model_len + slots)
         scheduler.max_num_partial_prefills = 1
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "enable_prefix_caching", False):
+        logger.info("prefix caching off for this Qwen3.5 export: vLLM's block hits cannot restore its DeltaNet states "
+                    "(docs/prefix_caching.md)")
+        cache.enable_prefix_caching = False
     parallel = vllm_config.parallel_config
     if neuron_config.get("target") == "cpu" and parallel is not None and parallel.worker_cls == "auto":
         parallel.worker_cls = VLLM_CPU_WORKER

@@ -70,3 +70,15 @@ def test_other_models_are_left_alone(tmp_path):
         before = json.dumps(config, default=vars)
         vllm_settings(config)
         assert json.dumps(config, default=vars) == before
+
+
+def test_vllms_prefix_caching_is_turned_off_with_one_log_line(tmp_path, caplog):
+    config = engine_config(folder(tmp_path, "cpu", "qwen3_5_text", "cpu"))
+    config.cache_config = SimpleNamespace(enable_prefix_caching=True)
+    with caplog.at_level("INFO", logger="optimum_qwen35.serving.vllm_plugin"):
+        vllm_settings(config)
+    assert config.cache_config.enable_prefix_caching is False
+    assert [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()] == [
+        "prefix caching off for this Qwen3.5 export: vLLM's block hits cannot restore its DeltaNet states "
+        "(docs/prefix_caching.md)"
+    ]
