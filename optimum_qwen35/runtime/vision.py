@@ -211,20 +211,14 @@ class ImageInputs:
         return super().logits(prompts, images=self.image_prompts(prompts, pixel_values, image_grid_thw))
 
     def generate(self, prompts, max_new_tokens: int = 32, eos_token_id=None, streamer=None, sampler=None,
-                 pixel_values=None, image_grid_thw=None, stop=None) -> list[list[int]]:
+                 pixel_values=None, image_grid_thw=None, stop=None, min_new_tokens: int = 0) -> list[list[int]]:
         """`Qwen35ForCausalLM.generate` of prompts holding images: `pixel_values` [patches, patch_dim] and
         `image_grid_thw` [images, 3] as the processor returns them, the images in prompt order."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
-        for p in prompts:  # the length errors come before the vision tower runs
-            self._check_length(len(p))
-            if len(p) + max_new_tokens > self.max_length:
-                raise UsageError(
-                    f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
-                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
-                )
+        self._new_token_limits(prompts, max_new_tokens)  # the length errors come before the vision tower runs
         images = self.image_prompts(prompts, pixel_values, image_grid_thw)
-        return super().generate(prompts, max_new_tokens, eos_token_id, streamer, sampler, images=images, stop=stop)
+        return super().generate(prompts, max_new_tokens, eos_token_id, streamer, sampler, images=images, stop=stop,
+                                min_new_tokens=min_new_tokens)
 
 
 class Qwen35ForImageTextToText(ImageInputs, Qwen35ForCausalLM):
