@@ -285,8 +285,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _fail(error: BaseException | str, status: int) -> int:
-    print(f"optimum-qwen35: error: {error}", file=sys.stderr)
+def _fail(error: BaseException | str, status: int, prog: str = "optimum-qwen35") -> int:
+    print(f"{prog}: error: {error}", file=sys.stderr)
     return status
 
 
@@ -313,7 +313,9 @@ def export_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`prog`: the command the user typed when another front end runs `export` (`optimum-cli export neuron`,
+    optimum_cli.py): the export's usage errors and its one-line errors start with it."""
     parser = _Parser(prog="optimum-qwen35", description="Qwen3.5 on AWS Trainium/Inferentia through optimum-neuron, and on the CPU.")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     parser.add_argument(
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser(
         "export",
+        **({"prog": prog} if prog else {}),
         help="compile a checkpoint into an optimum-neuron export folder (the flags of `optimum-cli export neuron`)",
         description="Compile a Qwen3.5 checkpoint for a target and save the export folder that "
         "`NeuronModelForCausalLM.from_pretrained` (and Qwen35NeuronModelForCausalLM) loads.",
@@ -423,17 +426,17 @@ def main(argv: list[str] | None = None) -> int:
     except Qwen35Error as error:
         if args.debug:
             raise
-        return _fail(error, error.exit_status)
+        return _fail(error, error.exit_status, prog or "optimum-qwen35")
     except KeyboardInterrupt:
-        return _fail(KeyboardInterrupt("interrupted"), 130)
+        return _fail(KeyboardInterrupt("interrupted"), 130, prog or "optimum-qwen35")
     except OSError as error:  # the disk or the system refused (full, no permission): the user can act on it
         if args.debug:
             raise
-        return _fail(error, 1)
+        return _fail(error, 1, prog or "optimum-qwen35")
     except Exception as error:  # a bug: still one line, and how to get the traceback
         if args.debug:
             raise
-        return _fail(f"unexpected {type(error).__name__}: {error} (a bug: rerun with --debug and report the traceback)", 1)
+        return _fail(f"unexpected {type(error).__name__}: {error} (a bug: rerun with --debug and report the traceback)", 1, prog or "optimum-qwen35")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, ModelNotFoundError, UsageError
+from .export.layout import NEURON_CONFIG_FILE
 
 
 # ------------------------------------------------------------------------------------------ numbers
@@ -186,6 +187,8 @@ def model_folder(path, command: str = "this command") -> Path:
             f"{os.fspath(path)!r} has no config.json: it is not a Qwen3.5 checkpoint folder (pass the folder that holds "
             "config.json and the *.safetensors weights)"
         )
+    if (folder / NEURON_CONFIG_FILE).is_file():
+        raise CheckpointError(export_folder_message(folder))
     has_weights = any((folder / f).is_file() for f in WEIGHT_FILES) or any(folder.glob("*.safetensors"))
     half_export = any(folder.glob("rank_*.safetensors")) and not (folder / "tp_shards.json").is_file()
     if not has_weights or half_export:
@@ -193,8 +196,20 @@ def model_folder(path, command: str = "this command") -> Path:
     return folder
 
 
+def export_folder_message(folder: Path) -> str:
+    """An optimum-neuron export (neuron_config.json) given where a checkpoint is read: what loads it, and where."""
+    return (
+        f"{folder} is an optimum-neuron export (it has a neuron_config.json), not a checkpoint: load it with "
+        "optimum.neuron's NeuronModelForCausalLM.from_pretrained (or optimum_qwen35.optimum_neuron's "
+        "Qwen35NeuronModelForCausalLM) in the environment that has optimum-neuron and transformers 4.57 "
+        "(pip install \"optimum-qwen35[optimum]\"); here, pass the checkpoint it was exported from"
+    )
+
+
 def missing_weights_message(folder: Path) -> str:
     """Why a folder with a config.json has no loadable weights, and what to do."""
+    if (folder / NEURON_CONFIG_FILE).is_file():
+        return export_folder_message(folder)
     if any(folder.glob(".rank_*.safetensors.tmp-*")) or any(folder.glob("rank_*.safetensors")):
         return (
             f"{folder} is not a complete sharded export (no tp_shards.json: an interrupted `shard` leaves none); "

@@ -40,7 +40,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 
@@ -52,10 +51,25 @@ def l2norm(x, eps: float = 1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
+    """torch's softplus (beta 1, threshold 20: x itself above the threshold, log(1 + exp(x)) below), written with
+    exp, add, subtract, log, divide and select, which neuronx-cc's XLA operator list holds (torch-xla lowers
+    F.softplus to log-plus-one, which it does not). log1p(u), u = exp(x) <= e^20, as log(1 + u) * u / ((1 + u) - 1),
+    within a few ulp of log1p (the rounding of 1 + u cancels), and u itself where 1 + u rounds to 1."""
+    # No Python scalar meets x in a compare or a select (torch-xla would make it an f64 or s64 constant).
+    capped = x.clamp(max=threshold)  # keeps the branch the select drops finite
+    u = torch.exp(capped)
+    w = 1 + u
+    d = w - 1
+    rounded = d == torch.zeros_like(d)  # 1 + u == 1
+    log1p = torch.where(rounded, u, torch.log(w) * (u / torch.where(rounded, torch.ones_like(d), d)))
+    return torch.where(capped < x, x, log1p)  # capped < x: x above the threshold
+
+
 def gates(a, b, A_log, dt_bias):
     """Raw projections -> (g, beta), as the model computes them: beta = sigmoid(b) in b's dtype; g in fp32."""
     beta = torch.sigmoid(b)
-    g = -_upcast(A_log).exp() * F.softplus(_upcast(a) + dt_bias)
+    g = -_upcast(A_log).exp() * softplus(_upcast(a) + dt_bias)
     return g, beta
 
 

@@ -54,7 +54,9 @@ class Slots:
         self.read = seq_ids.clamp(min=0)  # [B]: inactive rows read slot 0, harmlessly
         active = seq_ids >= 0
         self.fresh = None if fresh is None else fresh & active  # an inactive row reads its slot 0 as it is
-        self.any_active = active.any()
+        # A max reduce, not any(): torch-xla lowers any() to an `or` reduce, which neuronx-cc's Reduce (Min, Max, Add,
+        # Mul) does not list.
+        self.any_active = active.to(torch.int32).amax(0) > 0
         batch = seq_ids.shape[0]
         rows = torch.arange(batch, device=seq_ids.device, dtype=self.index_dtype)
         # The row whose write each row makes: itself when active, else the first active row (row 0 if none). In

@@ -9,11 +9,23 @@ from __future__ import annotations
 
 __all__ = ["Qwen35NeuronModelForCausalLM", "register"]
 
+# Where optimum (optimum-neuron) is not installed, e.g. the transformers 5 environment: one line saying where it is.
+NEEDS_OPTIMUM_NEURON = (
+    "optimum_qwen35.optimum_neuron (exports: Qwen35NeuronModelForCausalLM, NeuronModelForCausalLM) needs optimum-neuron, "
+    "which is not installed in this environment: optimum-neuron pins transformers 4.57, so it has its own environment "
+    "(pip install \"optimum-qwen35[optimum]\"); this one loads checkpoints (optimum_qwen35.runtime.Qwen35Runtime, or "
+    "transformers' own Qwen3.5 classes with transformers >= 5), not exports"
+)
+
 
 def __getattr__(name: str):
     if name == "Qwen35NeuronModelForCausalLM":
-        from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # start-up: imports optimum-neuron
-
+        try:
+            from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # start-up: imports optimum-neuron
+        except ModuleNotFoundError as error:
+            if error.name not in ("optimum", "optimum.neuron"):
+                raise
+            raise ModuleNotFoundError(NEEDS_OPTIMUM_NEURON, name=error.name) from None
         return Qwen35NeuronModelForCausalLM
     if name == "register":
         return register

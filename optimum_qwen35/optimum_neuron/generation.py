@@ -118,6 +118,43 @@ def _stop_callback(criteria, input_ids: torch.Tensor, pad: int, vocab_size: int)
     return stop
 
 
+def row_limits(prompts: list[list[int]], max_length: int, max_new_tokens: int, config) -> tuple[list[int], int]:
+    """Each row's own limit of new tokens: `max_new_tokens`, or fewer where its prompt + new tokens reach the compiled
+    sequence length (that row stops there, with a warning; the other rows run on); and `min_new_tokens` (transformers'
+    `min_new_tokens`, or `min_length` counted with the padded prompt). A request no row could serve raises a
+    UsageError in one line: a prompt that fills the compiled length, or a minimum a row has no room for."""
+    rooms = [max_length - len(p) for p in prompts]
+    full = [row for row, room in enumerate(rooms) if room < 1]
+    if full:
+        row = full[0]
+        raise UsageError(
+            f"the prompt of row {row} ({len(prompts[row])} tokens) fills the compiled sequence length ({max_length}): "
+            "no new token fits; shorten it or export the model with a larger sequence_length"
+        )
+    min_new_tokens = config.min_new_tokens or 0
+    if not config.min_new_tokens and config.min_length:  # transformers: min_length counts the (padded) prompt
+        min_new_tokens = max(0, config.min_length - max(len(p) for p in prompts))
+    if min_new_tokens > max_new_tokens:
+        raise UsageError(f"min_new_tokens ({min_new_tokens}) is more than max_new_tokens ({max_new_tokens}): lower it")
+    short = [row for row, room in enumerate(rooms) if room < min_new_tokens]
+    if short:
+        row = short[0]
+        raise UsageError(
+            f"min_new_tokens ({min_new_tokens}) cannot be met: the prompt of row {row} ({len(prompts[row])} tokens) leaves "
+            f"room for {rooms[row]} new tokens in the compiled sequence length ({max_length}); lower min_new_tokens, "
+            "shorten the prompt or export the model with a larger sequence_length"
+        )
+    limits = [min(max_new_tokens, room) for room in rooms]
+    cut = [row for row, limit in enumerate(limits) if limit < max_new_tokens]
+    if cut:
+        logger.warning(
+            "rows %s stop before max_new_tokens (%d): their prompt + new tokens reach the compiled sequence length %d "
+            "(at most %s new tokens); the other rows run on",
+            cut, max_new_tokens, max_length, [limits[row] for row in cut],
+        )
+    return limits, min_new_tokens
+
+
 def generate(runtime, default_config, input_ids, attention_mask=None, generation_config=None, streamer=None,
              stopping_criteria=None, **kwargs):
     """Generate with `runtime` (a `Qwen35Runtime`); the caller's keyword arguments override the config.
@@ -155,22 +192,10 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     if config.num_beams not in (None, 1):
         raise UsageError("beam search is not supported: use greedy decoding or sampling (num_beams=1)")
     prompts = token_lists(input_ids, attention_mask)
-    longest = max(len(p) for p in prompts)
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    room = runtime.max_length - longest
-    if room < 1:
-        raise UsageError(
-            f"the prompt ({longest} tokens) fills the compiled sequence length ({runtime.max_length}); "
-            "shorten it or export the model with a larger sequence_length"
-        )
-    if max_new_tokens > room:
-        logger.warning(
-            "generation stops after %d new tokens: prompt (%d) + new tokens reach the compiled sequence length %d",
-            room, longest, runtime.max_length,
-        )
-        max_new_tokens = room
+    limits, min_new_tokens = row_limits(prompts, runtime.max_length, max_new_tokens, config)
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
@@ -186,7 +211,8 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
 
     stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
     new_tokens = runtime.generate(
-        prompts, max_new_tokens, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop, **images
+        prompts, limits, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop,
+        min_new_tokens=min_new_tokens, **images
     )
     if streamer is not None:
         streamer.end()

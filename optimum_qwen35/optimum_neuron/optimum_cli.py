@@ -24,10 +24,39 @@ VALUE_FLAGS = {"--model": "--model", "-m": "--model", "--task": "--task", "--bat
                "--num_cores": "--tensor_parallel_size", "--torch_dtype": "--torch_dtype",
                "--instance_type": "--target"}
 # Its compiler options: nothing to do for the cpu target (no neuronx-cc), so left out of the cpu command.
-COMPILER_VALUE_FLAGS = {"--auto_cast", "--auto_cast_type", "--compiler_workdir"}
+COMPILER_VALUE_FLAGS = {"--auto_cast", "--compiler_workdir"}
 COMPILER_SWITCHES = {"-O1", "-O2", "-O3", "--disable_neuron_cache", "--inline-weights-neff", "--disable-validation"}
+# Switches passed on as they are: `--overwrite`, which the export's own "folder not empty" error names.
+SWITCHES = {"--overwrite": "--overwrite"}
 NEURON_INSTANCE_TYPES = ("trn1", "inf2", "trn1n", "trn2")
 DTYPES = ("bfloat16", "float32")
+# `--auto_cast_type` (optimum-neuron's README and most Neuron model cards export decoders with `bf16`): the export's
+# dtype; its other types (fp16, tf32, mixed) are no dtype Qwen3.5 exports in.
+AUTO_CAST_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+HELP = f"""usage: {PROG} --model MODEL [--instance_type {{cpu,{','.join(NEURON_INSTANCE_TYPES)}}}]
+       [--task text-generation] [--batch_size N] [--sequence_length N] [--tensor_parallel_size N]
+       [--torch_dtype {{{','.join(DTYPES)}}} | --auto_cast_type {{{','.join(AUTO_CAST_DTYPES)}}}] [--overwrite] OUTPUT
+
+Export Qwen3.5 with optimum-neuron's flags (optimum-qwen35; the Neuron SDK is not installed here).
+`--instance_type cpu` exports for this machine's CPU (no Neuron SDK needed); trn1, inf2, trn1n and trn2 need the
+Neuron SDK, and without it the command says so and gives the cpu command.
+
+arguments:
+  -m, --model MODEL          a Qwen3.5 checkpoint folder or Hugging Face Hub id
+  OUTPUT                     the export folder to write
+  --instance_type TYPE       cpu, or a Neuron instance type (needs the Neuron SDK)
+  --task text-generation     the task (auto is text-generation)
+  --batch_size N             compiled batch size: sequences served at once (default 1)
+  --sequence_length N        compiled length: prompt + new tokens (default min(max positions, 4096))
+  --tensor_parallel_size N   ranks to split the model over (--num_cores is its older name)
+  --torch_dtype DTYPE        bfloat16 or float32 (default: the checkpoint's)
+  --auto_cast_type TYPE      bf16 or fp32: the export's dtype, as --torch_dtype bfloat16 / float32
+  --overwrite                replace an existing export in OUTPUT
+  -h, --help                 show this help and exit
+
+Accepted and unused for the cpu target (no neuronx-cc): --auto_cast, --compiler_workdir, -O1, -O2, -O3,
+--disable_neuron_cache, --inline-weights-neff, --disable-validation. More: `optimum-qwen35 export --help`.
+"""
 
 
 class ArgumentError(ValueError):
@@ -41,10 +70,10 @@ def neuron_sdk_available() -> bool:
 def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
     """optimum-cli's arguments -> (`optimum-qwen35 export` arguments without --target, the instance type, the
     user's arguments with the compiler options left out). ArgumentError for anything the cpu export cannot take."""
-    export, kept, instance_type, out, i = [], [], None, None, 0
+    export, kept, instance_type, out, i, auto_cast = [], [], None, None, 0, None
     while i < len(arguments):
         name, eq, inline = arguments[i].partition("=")
-        if name in VALUE_FLAGS or name in COMPILER_VALUE_FLAGS:
+        if name in VALUE_FLAGS or name in COMPILER_VALUE_FLAGS or name == "--auto_cast_type":
             if eq:
                 value, used = inline, arguments[i : i + 1]
             elif i + 1 < len(arguments):
@@ -53,6 +82,14 @@ def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
                 raise ArgumentError(f"{name} needs a value")
             i += len(used)
             if name in COMPILER_VALUE_FLAGS:
+                continue
+            if name == "--auto_cast_type":
+                if value not in AUTO_CAST_DTYPES:
+                    raise ArgumentError(
+                        f"--auto_cast_type {value}: Qwen3.5 exports in bfloat16 or float32 (--auto_cast_type bf16 or "
+                        "fp32, or --torch_dtype bfloat16 or float32)"
+                    )
+                auto_cast = value
                 continue
             if name == "--instance_type":
                 instance_type = value
@@ -65,6 +102,10 @@ def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
             kept += used
         elif name in COMPILER_SWITCHES:
             i += 1
+        elif name in SWITCHES and not eq:
+            export.append(SWITCHES[name])
+            kept.append(name)
+            i += 1
         elif name.startswith("-"):
             raise ArgumentError(f"{name} is not an option of Qwen3.5's export (see `optimum-qwen35 export --help`)")
         elif out is not None:
@@ -72,6 +113,14 @@ def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
         else:
             out = arguments[i]
             i += 1
+    if auto_cast is not None:
+        dtype = AUTO_CAST_DTYPES[auto_cast]
+        if "--torch_dtype" not in export:
+            export += ["--torch_dtype", dtype]
+            kept += ["--torch_dtype", dtype]
+        elif export[export.index("--torch_dtype") + 1] != dtype:
+            given = export[export.index("--torch_dtype") + 1]
+            raise ArgumentError(f"--auto_cast_type {auto_cast} ({dtype}) and --torch_dtype {given} disagree: give one")
     if "--model" not in export:
         raise ArgumentError("the following arguments are required: -m/--model")
     if out is None:
@@ -105,10 +154,18 @@ def run(arguments: list[str]) -> int:
     from optimum_qwen35.cli import main  # start-up time: optimum-cli imports this module for every command
     from optimum_qwen35.errors import Qwen35Error  # start-up time: optimum-cli imports this module for every command
 
+    if "-h" in arguments or "--help" in arguments:
+        print(HELP, end="")
+        return 0
     try:
         export, instance_type, _ = translate(arguments)
         if instance_type == "cpu":
-            return main(["export", *export, "--target", "cpu"])
+            auto_cast = next((a.partition("=")[2] or arguments[k + 1] for k, a in enumerate(arguments)
+                              if a.partition("=")[0] == "--auto_cast_type"), None)
+            if auto_cast is not None:  # (the suggested cpu command of a Neuron type carries --torch_dtype itself)
+                dtype = AUTO_CAST_DTYPES[auto_cast]
+                print(f"{PROG}: --auto_cast_type {auto_cast}: exporting in {dtype} (--torch_dtype {dtype})", file=sys.stderr)
+            return main(["export", *export, "--target", "cpu"], prog=PROG)
         if instance_type is not None and instance_type not in NEURON_INSTANCE_TYPES:
             raise ArgumentError(f"--instance_type {instance_type}: choose cpu or one of {', '.join(NEURON_INSTANCE_TYPES)}")
         check_cpu_export(export)  # the suggested command must be one that runs

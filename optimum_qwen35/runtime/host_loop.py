@@ -80,6 +80,7 @@ class Qwen35Runtime:
         # text graphs; after a prompt holding images, a token at position p rotates as p + delta.
         self.rope_deltas = [0] * self.batch_size
         self.images = None
+        self._waves_logged = False  # `generate` says once per model that prompts run in waves
         if vision_config is not None:
             self.images = ImageInputs(vision_config, image_buckets or DEFAULT_IMAGE_BUCKETS, graphs.vision, config.hidden_size)
         self.prefix_cache = None
@@ -520,63 +521,94 @@ class Qwen35Runtime:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        max_new_tokens: int = 32,
+        max_new_tokens: int | Sequence[int] = 32,
         eos_token_id: int | Sequence[int] | None = None,
         streamer=None,
         sampler=None,
         pixel_values=None,
         image_grid_thw=None,
         stop=None,
+        min_new_tokens: int = 0,
     ) -> list[list[int]]:
         """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
-        (>= 1) new tokens of each prompt, stopping after an EOS token. Prompts beyond `batch_size` run in
-        successive waves (logged once). `streamer(step, tokens)` is called once per step with the tokens of the wave's
+        (>= 1) new tokens of each prompt, stopping after an EOS token; `max_new_tokens` may also be one limit per
+        prompt (each row stops at its own, the others run on). `min_new_tokens` (default 0): no EOS token is chosen
+        before that many new tokens (transformers' `min_new_tokens`). Prompts beyond `batch_size` run in successive
+        waves (logged once per model). `streamer(step, tokens)` is called once per step with the tokens of the wave's
         rows; `stop(first_row, new_tokens, logits) -> one bool per wave row` (optional) after each step, with the
         index of the wave's first prompt, each wave row's new tokens so far and the logits the step's tokens were
         chosen from: a row it flags finishes there, as after an EOS. Prompts holding images take the processor's
         `pixel_values` [patches, patch_dim] and `image_grid_thw` [images, 3], the images in prompt order. Every
         argument is checked before the first graph runs."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
+        limits = self._new_token_limits(prompts, max_new_tokens)
+        min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
         eos = validation.eos_ids(eos_token_id)
         for name, fn in (("streamer", streamer), ("sampler", sampler), ("stop", stop)):
             if fn is not None and not callable(fn):
                 raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
-        pick = sampler or (lambda logits: logits.argmax(-1))
-        for p in prompts:
-            self._check_length(len(p))  # a prompt longer than max_length gets that error first
-            if len(p) + max_new_tokens > self.max_length:
-                raise UsageError(
-                    f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
-                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
-                )
+        choose = sampler or (lambda logits: logits.argmax(-1))
+
+        def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
+            if step < min_new_tokens and eos:  # no EOS before min_new_tokens (transformers' MinNewTokensLogitsProcessor)
+                logits = logits.clone()
+                logits[:, [t for t in eos if t < logits.shape[-1]]] = float("-inf")
+            return choose(logits)
+
         images = self._image_prompts(prompts, pixel_values, image_grid_thw)  # the vision tower runs after the checks
-        if len(prompts) > self.batch_size:
-            logger.info("%d prompts run in %d waves of at most %d (the batch size)", len(prompts),
-                        -(-len(prompts) // self.batch_size), self.batch_size)
+        if len(prompts) > self.batch_size and not self._waves_logged:
+            self._waves_logged = True
+            logger.warning(
+                "generate: %d prompts on a model of batch size %d run in %d successive waves of at most %d rows "
+                "(logged once); build or export the model with a larger batch size to run them together",
+                len(prompts), self.batch_size, -(-len(prompts) // self.batch_size), self.batch_size,
+            )
         results: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
+            group_limits = limits[start : start + self.batch_size]
             slots = list(range(len(group)))
             group_images = None if images is None else images[start : start + self.batch_size]
             logits = self.prefill(group, slots, images=group_images)
-            next_tokens = pick(logits).tolist()
+            next_tokens = pick(logits, 0).tolist()
             positions = [len(p) for p in group]
             outputs = [[] for _ in group]
             done = [False] * len(group)
-            for step in range(max_new_tokens):
+            steps = max(group_limits)
+            for step in range(steps):
                 for i in range(len(group)):
                     if not done[i]:
                         outputs[i].append(next_tokens[i])
-                        done[i] = next_tokens[i] in eos
+                        done[i] = next_tokens[i] in eos or len(outputs[i]) >= group_limits[i]
                 if streamer is not None:
                     streamer(step, next_tokens[: len(group)])
                 if stop is not None:
                     done = [d or bool(f) for d, f in zip(done, stop(start, outputs, logits[: len(group)]))]
-                if all(done) or step == max_new_tokens - 1:
+                if all(done) or step == steps - 1:
                     break
-                logits = self.decode(next_tokens, positions, slots)
-                next_tokens = pick(logits).tolist()
+                # A row past its own limit is finished: it still rides along (its slot, its garbage tokens), held at
+                # the last cache position so that it never runs past max_length.
+                logits = self.decode(next_tokens, [min(p, self.max_length - 1) for p in positions], slots)
+                next_tokens = pick(logits, step + 1).tolist()
                 positions = [p + 1 for p in positions]
             results += outputs
         return results
+
+    def _new_token_limits(self, prompts: Sequence[Sequence[int]], max_new_tokens) -> list[int]:
+        """`max_new_tokens` (one int, or one per prompt) checked against each prompt: one limit per prompt."""
+        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
+            if len(max_new_tokens) != len(prompts):
+                raise UsageError(
+                    f"max_new_tokens has {len(max_new_tokens)} limits for {len(prompts)} prompts: give one int or one per prompt"
+                )
+            limits = [validation.positive_int(n, "max_new_tokens") for n in max_new_tokens]
+        else:
+            limits = [validation.positive_int(max_new_tokens, "max_new_tokens")] * len(prompts)
+        for p, limit in zip(prompts, limits):
+            self._check_length(len(p))  # a prompt longer than max_length gets that error first
+            if len(p) + limit > self.max_length:
+                raise UsageError(
+                    f"prompt ({len(p)} tokens) + max_new_tokens ({limit}) exceeds max_length "
+                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
+                )
+        return limits

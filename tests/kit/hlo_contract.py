@@ -9,7 +9,9 @@ it) and returns one line per breach of these rules:
 4. every opcode and every form of the ops the compiler restricts (gather and scatter dimension numbers,
    dynamic-slice / dynamic-update-slice indices, the combiner of reduce and friends) must be in `reference`, the
    census of optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE NxD graphs lowered on the same path (`reference_census`),
-   unless `FORM_EXCEPTIONS` names it with a sourced reason.
+   unless `FORM_EXCEPTIONS` names it with a sourced reason;
+5. no form `REFUSED` names, census or not: ops neuronx-cc is not documented to accept that the graphs once had and
+   now express otherwise (softplus's log-plus-one, `any()`'s or-reduce).
 
 Sources of the reasons: the neuron-cc operator notes for XLA ("neuron-cc list-operators --framework XLA", Neuron
 docs, release-notes/archive/neuron-cc/neuron-cc-ops/neuron-cc-ops-xla): Gather "supports only disjoint
@@ -29,14 +31,13 @@ RANK_LIMIT = 5  # a tensor of this rank or more is a violation
 
 # Forms of ours outside the reference census, each with why it is accepted. A pattern matches a whole form string.
 FORM_EXCEPTIONS: dict[str, str] = {
-    r"opcode (and|not|or)": (
+    r"opcode (and|not)": (
         "predicate logic on masks (valid & active, ~mask): the neuron-cc XLA operator list has LogicalAnd and "
-        "LogicalNot; `or` is the same elementwise class"
+        "LogicalNot"
     ),
-    r"opcode clamp": "index and length clamps: Clamp is in the neuron-cc XLA operator list",
-    r"opcode log-plus-one": (
-        "softplus of the DeltaNet gate (torch's softplus lowers to log1p(exp)): an elementwise transcendental as "
-        "exp/log in the census; not in the old neuron-cc XLA list (open until a neuronx-cc run)"
+    r"opcode log": (
+        "softplus of the DeltaNet gate as log(1 + exp(x)) (kernels/gated_delta_rule/fused.py `softplus`): Log is in "
+        "the neuron-cc XLA operator list"
     ),
     r"opcode (erf|tanh)": "the vision tower's GELU: Tanh is in the neuron-cc XLA operator list; erf elementwise",
     r"opcode batch-norm-training": (
@@ -47,10 +48,6 @@ FORM_EXCEPTIONS: dict[str, str] = {
         "torch.cumsum of the gates inside a 64-token chunk (the chunked delta rule's PyTorch form): not in the "
         "census and not in the neuron-cc XLA list; open until a neuronx-cc run (nki-library's gdn_cte computes it "
         "as a matmul with a triangular ones matrix)"
-    ),
-    r"reduce combiner=select init=constant": (
-        "torch-xla's lowering of `any()` over a boolean vector (active rows): a reduce whose combiner selects; "
-        "outside the old neuron-cc note (Min/Max/Add/Mul), as the census's own variadic argmax reduce is"
     ),
     r"reduce combiner=minimum init=constant": (
         "amin over int32 row numbers (the first active row): Min is one of the neuron-cc note's reduce computations"
@@ -66,6 +63,21 @@ FORM_EXCEPTIONS: dict[str, str] = {
     r"scatter (rows|points) index_map=leading inserted=yes windows=whole combiner=parameter": (
         "index_put of rows (state slots) or points (K/V positions), assigning: the census's scatters with a whole "
         "trailing window"
+    ),
+}
+
+
+# Forms refused even where the census or an exception would take them: ops in no Neuron operator list that the
+# graphs once had, expressed since with listed ones. A pattern matches a whole form string.
+REFUSED: dict[str, str] = {
+    r"opcode log-plus-one": (
+        "torch-xla's lowering of F.softplus (log1p): on no Neuron operator list; the gate's softplus is "
+        "log(1 + exp(x)) with torch's threshold branch (kernels/gated_delta_rule/fused.py `softplus`)"
+    ),
+    r"opcode or|reduce combiner=(or|select)( .*)?": (
+        "torch-xla's lowering of any() (an `or` reduce whose combiner selects): LogicalOr is on no Neuron operator "
+        "list and Reduce takes Min, Max, Add and Mul only; the active-row test is an int32 max reduce "
+        "(modeling/state.py `Slots`)"
     ),
 }
 
@@ -262,7 +274,10 @@ def violations(hlo: dict, reference: set[str] | dict, exceptions: dict[str, str]
                 ):
                     out.append(f"s64 not allowed: {_describe(inst)}")
     for entry in sorted(census(hlo)):
-        if entry not in reference and not any(re.fullmatch(p, entry) for p in exceptions):
+        refused = next((reason for p, reason in REFUSED.items() if re.fullmatch(p, entry)), None)
+        if refused is not None:
+            out.append(f"refused: {entry} ({refused})")
+        elif entry not in reference and not any(re.fullmatch(p, entry) for p in exceptions):
             out.append(f"outside the census: {entry}")
     return out
 

@@ -198,3 +198,38 @@ def test_hand_made_modules():
     foreign = module(inst(1, "parameter", "F32", [4]), inst(2, "sort", "F32", [4], (1,)))
     foreign["computations"][0]["instructions"][1]["calledComputationIds"] = ["1"]
     assert "outside the census: opcode sort" in hlo_contract.violations(foreign, reference)
+
+
+# ----------------------------------------------------------------- refused ops (issue 42, item 3), census or not
+def test_softplus_and_any_as_torch_lowers_them_are_refused(reference):
+    """F.softplus lowers to log-plus-one and any() to an or-reduce: refused even where the census or an exception
+    would take them; the graphs' own softplus (log / exp / add with torch's threshold branch) and the slots' max
+    reduce keep the contract."""
+    from optimum_qwen35.kernels.gated_delta_rule.fused import softplus
+
+    found = hlo_contract.violations(lowered(lambda x: torch.nn.functional.softplus(x), X), reference)
+    assert [f.split(" (")[0] for f in found] == ["refused: opcode log-plus-one"], found
+    everything = reference | {"opcode log-plus-one"}  # refused even inside the census
+    assert [f.split(" (")[0] for f in hlo_contract.violations(lowered(torch.log1p, X.abs()), everything)] == [
+        "refused: opcode log-plus-one"]
+    active = torch.tensor([-1, 2, 0, -1], dtype=torch.int32) >= 0
+    found = hlo_contract.violations(lowered(lambda a: a.any().to(torch.int32), active), reference)
+    assert found and all(f.startswith("refused: ") for f in found), found
+    assert hlo_contract.violations(lowered(softplus, X), reference) == []
+    assert hlo_contract.violations(lowered(lambda a: (a.to(torch.int32).amax(0) > 0).to(torch.int32), active),
+                                   reference) == []
+
+
+def test_the_gate_softplus_keeps_torchs_numerics():
+    """kernels' softplus against F.softplus in fp32: within 3 ulp (relative) wherever softplus > 1e-30, the same
+    threshold branch (x itself above 20), finite at the extremes."""
+    from optimum_qwen35.kernels.gated_delta_rule.fused import softplus
+
+    x = torch.cat([torch.linspace(-80, 100, 400_001), torch.tensor([-1e30, -88.0, 0.0, 19.999, 20.0, 20.001, 89.0, 1e30])])
+    ours, torchs = softplus(x), torch.nn.functional.softplus(x)
+    assert ours.isfinite().all()
+    big = x > 20
+    assert torch.equal(ours[big], x[big])
+    ok = torchs > 1e-30
+    relative = ((ours - torchs).abs() / torchs)[ok]
+    assert relative.max() <= 3 * torch.finfo(torch.float32).eps, relative.max()

@@ -16,12 +16,14 @@ updates it in place and never returns it. This module fixes, for Qwen3.5:
   (`A_log`, `dt_bias`) included; they must be fp32 again before tracing (the rotary
   frequencies survive that cast by themselves: `RotaryEmbedding._apply` rebuilds them);
 - `compiler_args` and `check_neuron_config` (speculation, on-device sampling and extra logits outputs off);
+- `set_local_world_size`: the `LOCAL_WORLD_SIZE` neuronx-distributed's parallel state reads on trn1 / inf2 at TP 4;
 - `kernel_backend`: which kernel backend the traced DeltaNet layers call, by target (the PyTorch references; the NKI
   kernels on request, on trn2 and later with the real NKI package).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -248,6 +250,23 @@ def check_neuron_config(neuron_config) -> None:
         problems.append("output_logits=True (must be False)")
     if problems:
         raise ValueError("Qwen3.5's Neuron graphs do not support " + ", ".join(problems))
+
+
+def set_local_world_size(neuron_config) -> None:
+    """neuronx-distributed 0.15's parallel state reads `os.environ["LOCAL_WORLD_SIZE"]` on trn1-family hardware (trn1,
+    inf2) at TP 4 (`initialize_model_parallel`, parallel_state.py L600; `get_tensor_model_parallel_src_rank`, L927),
+    which only `torchrun` sets: a plain export or load would stop on a KeyError before any graph is built. The ranks
+    of an export are one node's (`ModelBuilder.trace` mocks a world of `world_size` ranks in this process): set it
+    to that world size where it is unset (as optimum-neuron's exporter does for its `parallel_model_trace` path),
+    and again at each export or load of the same process (a TP 1 export, then a TP 4 one); a value set by anyone
+    else (a `torchrun` launch) is kept."""
+    global _LOCAL_WORLD_SIZE_SET
+    world_size = str(getattr(neuron_config, "world_size", None) or neuron_config.tp_degree)
+    if os.environ.get("LOCAL_WORLD_SIZE") in (None, _LOCAL_WORLD_SIZE_SET):
+        os.environ["LOCAL_WORLD_SIZE"] = _LOCAL_WORLD_SIZE_SET = world_size
+
+
+_LOCAL_WORLD_SIZE_SET: str | None = None  # the value set_local_world_size last set, if any
 
 
 def int32_indices(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -348,6 +348,7 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def create_graph_builders(cls, config, neuron_config):
         """The text graphs, and a vision export's graphs (`vision_graph_builders`) when its config says so."""
         adapter.check_neuron_config(neuron_config)
+        adapter.set_local_world_size(neuron_config)  # before the export's trace and the load build any parallel state
         ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
         tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
         builders = {
