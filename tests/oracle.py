@@ -109,18 +109,52 @@ def attention(x, W, p, c):
     return (out * torch.sigmoid(gate)).reshape(T, H * hd) @ W[p + "o_proj.weight"].T
 
 
+def _dense_layer(h, W, p, kind, c):
+    """One pre-norm decoder layer (dense MLP) over h [T, hidden] of one sequence from position 0."""
+    eps = c["rms_norm_eps"]
+    x = rms_norm(h, W[p + "input_layernorm.weight"], eps)
+    h = h + (deltanet(x, W, p + "linear_attn.", c) if kind == "linear_attention" else attention(x, W, p + "self_attn.", c))
+    x = rms_norm(h, W[p + "post_attention_layernorm.weight"], eps)
+    return h + (F.silu(x @ W[p + "mlp.gate_proj.weight"].T) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+
+
+def hidden_states(folder_or_weights, tokens: list[int]) -> torch.Tensor:
+    """The final-normed hidden states [len(tokens), hidden] in float64 of one sequence from position 0."""
+    c, W = folder_or_weights if isinstance(folder_or_weights, tuple) else read_text_weights(folder_or_weights)
+    h = W["embed_tokens.weight"][torch.tensor(tokens)]
+    for i, kind in enumerate(c["layer_types"]):
+        h = _dense_layer(h, W, f"layers.{i}.", kind, c)
+    return rms_norm(h, W["norm.weight"], c["rms_norm_eps"])
+
+
 def logits(folder_or_weights, tokens: list[int]) -> torch.Tensor:
     """Teacher-forced logits [len(tokens), vocab] in float64 of one sequence from position 0."""
     c, W = folder_or_weights if isinstance(folder_or_weights, tuple) else read_text_weights(folder_or_weights)
+    return hidden_states((c, W), tokens) @ W["lm_head.weight"].T
+
+
+def read_mtp_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The multi-token-prediction head's tensors {name under `mtp.`: float64} (dense checkpoints)."""
+    weights = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key.startswith("mtp."):
+                    weights[key[len("mtp.") :]] = f.get_tensor(key).to(F64)
+    return weights
+
+
+def mtp(text, M: dict[str, torch.Tensor], next_tokens: list[int], hidden: torch.Tensor):
+    """The MTP head over positions 0 .. T - 1 of one sequence: position i reads hidden[i] (a final-normed hidden
+    state) and the embedding of next_tokens[i]; x = fc([norm_e(embed) | norm_h(hidden)]), one full-attention layer
+    (causal over the head's own positions), norm. Returns (logits [T, vocab], out [T, hidden])."""
+    c, W = text
     eps = c["rms_norm_eps"]
-    h = W["embed_tokens.weight"][torch.tensor(tokens)]
-    for i, kind in enumerate(c["layer_types"]):
-        p = f"layers.{i}."
-        x = rms_norm(h, W[p + "input_layernorm.weight"], eps)
-        h = h + (deltanet(x, W, p + "linear_attn.", c) if kind == "linear_attention" else attention(x, W, p + "self_attn.", c))
-        x = rms_norm(h, W[p + "post_attention_layernorm.weight"], eps)
-        h = h + (F.silu(x @ W[p + "mlp.gate_proj.weight"].T) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
-    return rms_norm(h, W["norm.weight"], eps) @ W["lm_head.weight"].T
+    e = W["embed_tokens.weight"][torch.tensor(next_tokens)]
+    x = torch.cat([rms_norm(e, M["pre_fc_norm_embedding.weight"], eps), rms_norm(hidden, M["pre_fc_norm_hidden.weight"], eps)], -1)
+    h = _dense_layer(x @ M["fc.weight"].T, M, "layers.0.", "full_attention", c)
+    out = rms_norm(h, M["norm.weight"], eps)
+    return out @ W["lm_head.weight"].T, out
 
 
 def cached_logits(folder: str | Path, tokens: list[int]) -> torch.Tensor:

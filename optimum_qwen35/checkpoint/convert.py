@@ -17,41 +17,83 @@ from .reader import CheckpointReader
 def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
     """Every text tensor a Qwen3.5 checkpoint must hold, by decoder-relative name, with its shape."""
     c = config
-    hidden, hd = c.hidden_size, c.head_dim
+    hidden = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (c.vocab_size, hidden), "norm.weight": (hidden,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
     for i, layer_type in enumerate(c.layer_types):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        if c.is_moe:
-            shapes.update(moe_shapes(c, p + "mlp."))
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
-            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
-            shapes[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
-        if layer_type == FULL_ATTENTION:
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (2 * c.num_attention_heads * hd, hidden)
-            shapes[a + "k_proj.weight"] = (c.num_key_value_heads * hd, hidden)
-            shapes[a + "v_proj.weight"] = (c.num_key_value_heads * hd, hidden)
-            shapes[a + "o_proj.weight"] = (hidden, c.num_attention_heads * hd)
-            shapes[a + "q_norm.weight"] = (hd,)
-            shapes[a + "k_norm.weight"] = (hd,)
-        else:
-            d = p + "linear_attn."
-            nv = c.linear_num_value_heads
-            shapes[d + "in_proj_qkv.weight"] = (c.linear_conv_dim, hidden)
-            shapes[d + "in_proj_z.weight"] = (c.linear_value_dim, hidden)
-            shapes[d + "in_proj_b.weight"] = (nv, hidden)
-            shapes[d + "in_proj_a.weight"] = (nv, hidden)
-            shapes[d + "conv1d.weight"] = (c.linear_conv_dim, 1, c.linear_conv_kernel_dim)
-            shapes[d + "A_log"] = (nv,)
-            shapes[d + "dt_bias"] = (nv,)
-            shapes[d + "norm.weight"] = (c.linear_value_head_dim,)
-            shapes[d + "out_proj.weight"] = (hidden, c.linear_value_dim)
+        shapes.update(layer_shapes(c, f"layers.{i}.", layer_type))
     return shapes
+
+
+def layer_shapes(config: Qwen35Config, p: str, layer_type: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's tensors under prefix `p` (a main layer, or the MTP head's `mtp.layers.N.`)."""
+    c = config
+    hidden = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[p + "input_layernorm.weight"] = (hidden,)
+    shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    if c.is_moe:
+        shapes.update(moe_shapes(c, p + "mlp."))
+    else:
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, c.intermediate_size)
+    if layer_type == FULL_ATTENTION:
+        a = p + "self_attn."
+        shapes[a + "q_proj.weight"] = (2 * c.num_attention_heads * hd, hidden)
+        shapes[a + "k_proj.weight"] = (c.num_key_value_heads * hd, hidden)
+        shapes[a + "v_proj.weight"] = (c.num_key_value_heads * hd, hidden)
+        shapes[a + "o_proj.weight"] = (hidden, c.num_attention_heads * hd)
+        shapes[a + "q_norm.weight"] = (hd,)
+        shapes[a + "k_norm.weight"] = (hd,)
+    else:
+        d = p + "linear_attn."
+        nv = c.linear_num_value_heads
+        shapes[d + "in_proj_qkv.weight"] = (c.linear_conv_dim, hidden)
+        shapes[d + "in_proj_z.weight"] = (c.linear_value_dim, hidden)
+        shapes[d + "in_proj_b.weight"] = (nv, hidden)
+        shapes[d + "in_proj_a.weight"] = (nv, hidden)
+        shapes[d + "conv1d.weight"] = (c.linear_conv_dim, 1, c.linear_conv_kernel_dim)
+        shapes[d + "A_log"] = (nv,)
+        shapes[d + "dt_bias"] = (nv,)
+        shapes[d + "norm.weight"] = (c.linear_value_head_dim,)
+        shapes[d + "out_proj.weight"] = (hidden, c.linear_value_dim)
+    return shapes
+
+
+def mtp_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction head's tensors, by name under `mtp.`: `fc` [H, 2H] over the concatenation
+    [pre_fc_norm_embedding(embedding) | pre_fc_norm_hidden(hidden)], `mtp_num_hidden_layers` full-attention layers
+    (sparse MoE blocks in MoE checkpoints), the final `norm` (modeling/mtp.py)."""
+    h = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, 2 * h),
+        "pre_fc_norm_embedding.weight": (h,),
+        "pre_fc_norm_hidden.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(config.mtp_num_hidden_layers):
+        shapes.update(layer_shapes(config, f"layers.{i}.", FULL_ATTENTION))
+    return shapes
+
+
+def convert_mtp(reader: CheckpointReader, config: Qwen35Config, dtype: torch.dtype | None = None):
+    """Yield (decoder name `mtp.*`, tensor) of the multi-token-prediction head of a reader opened with mtp=True,
+    after checking that the checkpoint holds exactly the head's tensors with their shapes."""
+    expected = mtp_shapes(config)
+    present = set(reader.mtp_names())
+    missing, unexpected = sorted(set(expected) - present), sorted(present - set(expected))
+    wrong = sorted(f"mtp.{n}: {reader.mtp_shape(n)}, {expected[n]} expected" for n in set(expected) & present
+                   if reader.mtp_shape(n) != expected[n])
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"checkpoint {reader.folder}: its multi-token-prediction head (mtp.*) does not match config.json: "
+            f"missing {['mtp.' + n for n in missing]}, unexpected {['mtp.' + n for n in unexpected]}, wrong shape {wrong}"
+        )
+    for name in expected:
+        tensor = convert_tensor(name, reader.get_mtp(name))
+        yield "mtp." + decoder_name(name), tensor if dtype is None else tensor.to(stored_dtype(name, dtype))
 
 
 def moe_shapes(config: Qwen35Config, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -3,7 +3,8 @@
 Single file (`model.safetensors`) or sharded (`model.safetensors.index.json` + shards). The text decoder
 (`model.language_model.*` in the vision-language checkpoints Qwen ships, or bare `model.*` in text-only ones)
 is what `names`/`get` serve; the vision tower (`model.visual.*`) is served apart (`vision_names`/`get_vision`),
-read only when a vision export asks for it; the multi-token-prediction head (`mtp.*`) is never read.
+read only when a vision export asks for it; the multi-token-prediction head (`mtp.*`) is read only when asked
+(`CheckpointReader(folder, mtp=True)`: served apart too, `mtp_names`/`get_mtp`, so the text names never change).
 
 Files are read directly (the JSON header, then plain reads of each tensor's bytes) rather than through
 the safetensors library's memory map: the mapped pages a long conversion touches all count in its RSS,
@@ -43,7 +44,8 @@ def _torch_dtype(code: str, where: str) -> torch.dtype:
     return SAFETENSORS_DTYPES[code]
 
 VISION_PREFIX = "model.visual."
-SKIPPED_PREFIXES = (VISION_PREFIX, "mtp.", "model.mtp.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+SKIPPED_PREFIXES = (VISION_PREFIX, *MTP_PREFIXES)
 TEXT_PREFIXES = ("model.language_model.", "model.")
 
 
@@ -60,9 +62,10 @@ def text_name(key: str) -> str | None:
 
 
 class CheckpointReader:
-    """Maps text tensor names to their file and reads each tensor only when asked."""
+    """Maps text tensor names to their file and reads each tensor only when asked. With `mtp=True` the
+    multi-token-prediction head's tensors are served too, by their name under `mtp.` (`mtp_names`, `get_mtp`)."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, mtp: bool = False):
         self.folder = Path(folder)
         self._headers: dict[str, tuple[int, dict]] = {}
         index = self.folder / "model.safetensors.index.json"
@@ -93,12 +96,18 @@ class CheckpointReader:
         self._files: dict[str, str] = {}
         self._keys: dict[str, str] = {}
         self._vision: dict[str, tuple[str, str]] = {}  # name under model.visual. -> (file, key)
+        self._mtp: dict[str, tuple[str, str]] = {}  # name under mtp. -> (file, key), only with mtp=True
         for key, file in weight_map.items():
             name = text_name(key)
             if name is not None:
                 self._files[name], self._keys[name] = file, key
             elif key.startswith(VISION_PREFIX):
                 self._vision[key[len(VISION_PREFIX) :]] = (file, key)
+            elif mtp and key.startswith(MTP_PREFIXES):
+                self._mtp[key[key.index("mtp.") + len("mtp.") :]] = (file, key)
+        # An MoE head's experts stored per expert are served under the fused names, as the decoder's are.
+        self._mtp_fused = experts.fuse_expert_names(list(self._mtp))
+        self._mtp_parts = {part: self._mtp.pop(part) for parts in self._mtp_fused.values() for part in parts}
         # MoE experts stored per expert are served under the fused names (checkpoint/experts.py).
         self._fused: dict[str, list[str]] = experts.fuse_expert_names(list(self._files))
         self.missing_expert_tensors = experts.missing_expert_tensors(list(self._files))
@@ -118,6 +127,23 @@ class CheckpointReader:
     def get_vision(self, name: str) -> torch.Tensor:
         """Read one vision tensor (named under `model.visual.`)."""
         return self._read(*self._vision[name])
+
+    def mtp_names(self) -> list[str]:
+        """The multi-token-prediction head's tensors, by name under `mtp.` (empty unless read with mtp=True)."""
+        return list(self._mtp) + list(self._mtp_fused)
+
+    def mtp_shape(self, name: str) -> tuple[int, ...]:
+        if name in self._mtp_fused:
+            shapes = [tuple(self._header(f)[1][k]["shape"]) for f, k in (self._mtp_parts[p] for p in self._mtp_fused[name])]
+            return experts.fused_shape(name, shapes)
+        file, key = self._mtp[name]
+        return tuple(self._header(file)[1][key]["shape"])
+
+    def get_mtp(self, name: str) -> torch.Tensor:
+        """Read one tensor of the multi-token-prediction head (named under `mtp.`)."""
+        if name in self._mtp_fused:
+            return experts.fuse(name, [self._read(*self._mtp_parts[p]) for p in self._mtp_fused[name]])
+        return self._read(*self._mtp[name])
 
     def names(self) -> list[str]:
         return list(self._files) + list(self._fused)

@@ -51,7 +51,7 @@ from .convert import (
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 
 MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION = layout.TP_SHARDS_FILE, layout.TP_SHARDS_FORMAT, layout.TP_SHARDS_VERSION
-rank_file = layout.rank_file
+rank_file = layout.rank_file  # a rank's file name in a sharded folder (the format is export/layout.py's)
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 

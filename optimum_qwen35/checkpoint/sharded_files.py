@@ -135,7 +135,7 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
     entries = [(name, dtypes[name], shapes[name]) for name in shapes]
     writers = [
         StreamingSafetensorsWriter(
-            out / rank_file(r), entries, {"format": "pt", "tp_degree": str(tp_degree), "rank": str(r)}
+            out / layout.rank_file(r), entries, {"format": "pt", "tp_degree": str(tp_degree), "rank": str(r)}
         )
         for r in range(tp_degree)
     ]
@@ -156,7 +156,7 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
         bar.close()
         files = []
         for rank, writer in enumerate(writers):
-            files.append({"rank": rank, "file": rank_file(rank), "bytes": writer.commit()})
+            files.append({"rank": rank, "file": layout.rank_file(rank), "bytes": writer.commit()})
     except BaseException:
         for writer in writers:
             writer.abort()
@@ -236,18 +236,18 @@ def load_sharded(
     config = Qwen35Config.from_pretrained(path)
     if "moe_parallel" in manifest:  # how this export split the experts
         config = dataclasses.replace(config, moe_parallel=manifest["moe_parallel"])
-    tensors = load_file(path / rank_file(rank))
+    tensors = load_file(path / layout.rank_file(rank))
     expected = sharded_shapes(config, saved_degree)
     got = {n: tuple(t.shape) for n, t in tensors.items()}
     if got != expected:
         missing = sorted(set(expected) - set(got))
         wrong = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])
         raise CheckpointError(
-            f"{path / rank_file(rank)} does not match config.json: missing {missing}, "
+            f"{path / layout.rank_file(rank)} does not match config.json: missing {missing}, "
             f"unexpected {sorted(set(got) - set(expected))}, wrong shape {wrong}"
         )
     if check_weights:
-        check_finite(tensors, str(path / rank_file(rank)))
+        check_finite(tensors, str(path / layout.rank_file(rank)))
     if dtype is not None:
         tensors = {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}
     return config, saved_degree, tensors

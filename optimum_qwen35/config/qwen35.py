@@ -114,6 +114,13 @@ class Qwen35Config:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def mtp_num_hidden_layers(self) -> int:
+        """Layers of the multi-token-prediction head (`mtp.*`, modeling/mtp.py): the text config's field, 0 without.
+        Read from the raw config, not a field: the plain model never uses it (and configs compare without it)."""
+        text = self.raw.get("text_config", self.raw) if isinstance(self.raw, dict) else {}
+        return int(text.get("mtp_num_hidden_layers", 0) or 0)
+
     # ------------------------------------------------------------------ tensor parallelism
     def valid_tp_degrees(self) -> list[int]:
         """Degrees t that split every layer by whole heads.

@@ -84,3 +84,21 @@ class GatedAttention(nn.Module):
         visible = (cached[None, :] <= position_ids)[:, None, None, :]  # [B, 1, 1, L]
         out = self._attend(q, keys, values, visible, gate)
         return out, k_cache, v_cache
+
+    def verify(self, x, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache):
+        """Speculative verification: x [B, T, hidden] continuing each row's slot at positions position_ids [B, T]
+        (`lengths` [B] of them real). Writes K/V as context encoding does, then attends one query position at a time,
+        the way a decode step attends (the backend's one-query form): each verified position gets exactly the numbers
+        a decode step at that position would (SDPA's multi-query kernel rounds differently in bf16), so greedy
+        speculative decoding returns what greedy decoding returns."""
+        T = x.shape[1]
+        q, k, v, gate = self._project(x, cos, sin)
+        k_cache = slots.write_positions(k_cache, k, starts, lengths)
+        v_cache = slots.write_positions(v_cache, v, starts, lengths)
+        keys, values = slots.gather(k_cache[:, :, :key_length]), slots.gather(v_cache[:, :, :key_length])
+        cached = torch.arange(key_length, device=x.device, dtype=position_ids.dtype)
+        outputs = []
+        for t in range(T):
+            visible = (cached[None, :] <= position_ids[:, t : t + 1])[:, None, None, :]  # [B, 1, 1, L]
+            outputs.append(self._attend(q[:, :, t : t + 1], keys, values, visible, gate[:, t : t + 1]))
+        return torch.cat(outputs, dim=1), k_cache, v_cache

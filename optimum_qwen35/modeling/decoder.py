@@ -25,11 +25,13 @@ import torch
 from torch import nn
 
 from ..config import FULL_ATTENTION, Qwen35Config
+from ..errors import UnsupportedModelError
 from ..kernels.gated_delta_rule import CHUNK_SIZE
 from .attention import GatedAttention
 from .deltanet import GatedDeltaNet
 from .layers import MLP, RMSNorm, RotaryEmbedding, upcast
 from .moe import SparseMoeBlock
+from .mtp import MTPHead, mtp_state_specs
 from .parallel import ShardedDims
 from .torch_layers import TorchLayers
 from .state import Slots, StateSpec, state_specs
@@ -97,6 +99,20 @@ class DecoderLayer(nn.Module):
             mixed, state_a, state_b = self.linear_attn.context_encoding(x, lengths, slots, state_a, state_b)
         return self._finish(h, mixed), state_a, state_b
 
+    def verify(self, h, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b):
+        """T consecutive tokens per row continuing its slot (speculative verification, `Qwen35Decoder.verify`).
+        Attention writes K/V at the row's valid positions and attends as in context encoding; a DeltaNet layer
+        leaves its slot states as they are and returns the states after each position instead. Returns
+        (h, state_a, state_b, per-position states: () or (conv [B, T, C, K - 1], recurrent [B, T, nv, dk, dv]))."""
+        x = self._norm(self.input_layernorm, h)
+        if self.is_attention:
+            mixed, state_a, state_b = self.self_attn.verify(
+                x, cos, sin, position_ids, starts, lengths, key_length, slots, state_a, state_b
+            )
+            return self._finish(h, mixed), state_a, state_b, ()
+        mixed, convs, recurrents = self.linear_attn.verify(x, slots, state_a, state_b)
+        return self._finish(h, mixed), state_a, state_b, (convs, recurrents)
+
     def token_generation(self, h, cos, sin, position_ids, key_length, slots, state_a, state_b):
         x = self._norm(self.input_layernorm, h)
         if self.is_attention:
@@ -111,7 +127,7 @@ class DecoderLayer(nn.Module):
 class Qwen35Decoder(nn.Module):
     """One rank's share of the model (the whole model at tp_degree 1)."""
 
-    def __init__(self, config: Qwen35Config, tp_degree: int = 1, layers=None):
+    def __init__(self, config: Qwen35Config, tp_degree: int = 1, layers=None, mtp: bool = False):
         super().__init__()
         self.config = config
         self.dims = ShardedDims.from_config(config, tp_degree)
@@ -126,17 +142,36 @@ class Qwen35Decoder(nn.Module):
             for layer in self.layers:
                 layer.mlp.bind_rank(self.embed_tokens)
         self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.mrope_section)
+        # The multi-token-prediction head (modeling/mtp.py), opt-in: the plain model neither builds nor reads it.
+        self.mtp = None
+        if mtp:
+            if config.mtp_num_hidden_layers < 1:
+                raise UnsupportedModelError("this checkpoint's config has no multi-token-prediction head (mtp_num_hidden_layers)")
+            if tp_degree > 1:
+                raise UnsupportedModelError("the multi-token-prediction head is built at tp_degree 1 only (not sharded yet)")
+            head_layers = [DecoderLayer(config, FULL_ATTENTION, self.dims, layers) for _ in range(config.mtp_num_hidden_layers)]
+            self.mtp = MTPHead(config, head_layers, layers)
+            if config.is_moe:
+                for layer in self.mtp.layers:
+                    layer.mlp.bind_rank(self.embed_tokens)
         # In place on CPU (a decode step moves only what it writes), updated copies in the Neuron graphs.
         self.state_in_place = layers.state_in_place
 
     def state_specs(self, slots: int, max_length: int) -> list[StateSpec]:
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
 
+    def mtp_state_specs(self, slots: int, max_length: int) -> list[StateSpec]:
+        """The MTP head's KV cache (empty without the head), apart from the decoder's state."""
+        if self.mtp is None:
+            return []
+        return mtp_state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
+
     def context_encoding(
         self, input_ids, attention_mask, position_ids, seq_ids, *state, all_logits: bool = False, key_length=None,
-        image=None,
+        image=None, hidden: bool = False,
     ):
-        """`image`: None for text, or (rope_position_ids [B, 3, T], image_embeds [B, T, hidden], image_mask [B, T])
+        """`hidden`: return the final-normed hidden states of every position [B, T, H] after the logits (what the MTP
+        head reads; the logits are the same numbers). `image`: None for text, or (rope_position_ids [B, 3, T], image_embeds [B, T, hidden], image_mask [B, T])
         for prompts holding images: the masked tokens take the vision tower's embeddings instead of their own, and
         every token rotates by its 3-D position (`position_ids` still places tokens in the cache)."""
         slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
@@ -156,14 +191,73 @@ class Qwen35Decoder(nn.Module):
                 h, cos, sin, position_ids, starts, lengths, key_length, slots, state[2 * i], state[2 * i + 1]
             )
             new_state += [a, b]
+        normed = self.norm(h) if hidden else None  # per row: the same numbers as the rows normed below
         if not all_logits:
             # Only the last real token of each prompt feeds lm_head.
             # Rows of h [B * T, hidden] (an index_select: no gather with its per-element index tensor).
-            B, T = h.shape[:2]
-            last = torch.arange(B, device=h.device, dtype=lengths.dtype) * T + (lengths - 1).clamp(min=0)
-            h = h.reshape(B * T, -1).index_select(0, last)
+            h = _last_rows(h, lengths)
         logits = self.lm_head(self.norm(h))
-        return (logits, *new_state)
+        return (logits, normed, *new_state) if hidden else (logits, *new_state)
+
+    # ------------------------------------------------------------------ speculative decoding (the MTP head)
+    def verify(self, input_ids, position_ids, lengths, seq_ids, *state, key_length=None):
+        """Speculative verification: T tokens per row [B, T] (the last accepted token, then the drafts) at
+        consecutive positions position_ids [B, T], continuing each row's slot; `lengths` [B] of them are real (fewer at
+        the end of the cache). Attention K/V are written at those positions (positions past what the host accepts are
+        stale afterwards, and harmless: every later call writes a position before any query reads it); DeltaNet slot
+        states are not changed. Returns (logits [B, T, vocab], final-normed hidden [B, T, H], the per-position
+        DeltaNet states (conv, recurrent) of each DeltaNet layer in layer order, then the state); `commit` writes
+        the states after the accepted position."""
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        starts = position_ids[:, 0].to(slots.index_dtype)
+        lengths = lengths.to(slots.index_dtype)
+        key_length = key_length or self._max_length(state)
+        h = upcast(self.embed_tokens(input_ids))
+        cos, sin = self.rotary(position_ids, h.dtype)
+        new_state, per_position = [], []
+        for i, layer in enumerate(self.layers):
+            h, a, b, states = layer.verify(h, cos, sin, position_ids, starts, lengths, key_length, slots,
+                                           state[2 * i], state[2 * i + 1])
+            new_state += [a, b]
+            per_position += list(states)
+        normed = self.norm(h)
+        return (self.lm_head(normed), normed, *per_position, *new_state)
+
+    def commit(self, seq_ids, accepted, *tensors):
+        """After `verify`: each active row's DeltaNet slot states become the states after its position accepted[b]
+        (0 = the first verified token). `tensors`: verify's per-position states, then the state. Returns the state."""
+        n = 2 * len(self.config.linear_layers)
+        per_position, state = list(tensors[:n]), list(tensors[n:])
+        slots = Slots(seq_ids, in_place=self.state_in_place)
+        rows = torch.arange(accepted.shape[0], device=accepted.device)
+        j = 0
+        for i, layer in enumerate(self.layers):
+            if layer.is_attention:
+                continue
+            for which in (0, 1):
+                picked = per_position[j + which][rows, accepted.to(rows.dtype)]
+                state[2 * i + which] = slots.write(state[2 * i + which], picked)
+            j += 2
+        return tuple(state)
+
+    def mtp_forward(self, input_ids, hidden, position_ids, lengths, seq_ids, k_cache, v_cache, key_length=None):
+        """The MTP head over T positions per row [B, T] continuing its KV cache (a fresh row starts at 0):
+        input_ids the tokens after each position, hidden [B, T, H] the final-normed hidden states there
+        (the main model's, or the head's own for a draft), `lengths` [B] real positions. Writes the head's K/V at
+        those positions and returns (logits [B, vocab], out [B, H]) at each row's last real position, then the
+        cache."""
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        starts = position_ids[:, 0].to(slots.index_dtype)
+        lengths = lengths.to(slots.index_dtype)
+        key_length = key_length or k_cache.shape[2]
+        embeds = upcast(self.embed_tokens(input_ids))
+        h = self.mtp.fuse(embeds, upcast(hidden).to(embeds.dtype))
+        cos, sin = self.rotary(position_ids, h.dtype)
+        h, k_cache, v_cache = self.mtp.layers[0].context_encoding(
+            h, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache
+        )
+        out = self.mtp.norm(_last_rows(h, lengths))
+        return self.lm_head(out), out, k_cache, v_cache
 
     def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None, rope_position_ids=None):
         """`rope_position_ids` [B, 1]: the rotary position, when it is not the cache position (after a prompt
@@ -186,6 +280,14 @@ class Qwen35Decoder(nn.Module):
             if layer.is_attention:
                 return state[2 * i].shape[2]
         return 1
+
+
+def _last_rows(h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """h [B, T, H] -> [B, H]: each row's last real position (an index_select of the [B * T, H] rows: no gather with
+    its per-element index tensor)."""
+    B, T = h.shape[:2]
+    last = torch.arange(B, device=h.device, dtype=lengths.dtype) * T + (lengths - 1).clamp(min=0)
+    return h.reshape(B * T, -1).index_select(0, last)
 
 
 class ContextEncodingGraph(nn.Module):

@@ -22,6 +22,7 @@ from .. import kernels
 from ..config import Qwen35Config
 from .layers import GatedRMSNorm
 from .parallel import ShardedDims
+from .state import Slots
 
 
 class GatedDeltaNet(nn.Module):
@@ -85,3 +86,27 @@ class GatedDeltaNet(nn.Module):
             recurrent_state, slots, backend=self.kernel_backend,
         )
         return self._output(o[:, :, None], x), conv_state, recurrent_state
+
+    def verify(self, x, slots, conv_state, recurrent_state):
+        """x [B, T, hidden]: T consecutive decode steps per row from its slot's states (speculative verification),
+        the projections of all T tokens at once, then the decode seam once per position on this call's own copy of
+        the rows' states (`kernels.deltanet_decode` as it is: each position runs exactly a decode step's numbers).
+        The slot states are left as they are. Returns the output [B, T, hidden] and the states after each position:
+        conv [B, T, conv_dim, kernel - 1], recurrent [B, T, nv, dk, dv] (`Qwen35Decoder.commit` keeps one)."""
+        B, T, _ = x.shape
+        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        # Row b of the copies is batch row b's; inactive rows stay inactive (they write nothing).
+        rows = torch.arange(B, device=x.device, dtype=slots.seq_ids.dtype)
+        own = Slots(torch.where(slots.seq_ids >= 0, rows, -1), in_place=slots.in_place)
+        conv, recurrent = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
+        outputs, convs, recurrents = [], [], []
+        for t in range(T):
+            o, conv, recurrent = kernels.deltanet_decode(
+                qkv[:, t].contiguous(), a[:, t].contiguous(), b[:, t].contiguous(), self.A_log, self.dt_bias,
+                self.conv_weight, conv, recurrent, own, backend=self.kernel_backend,
+            )
+            outputs.append(o)
+            # In place, the seam writes the same copies again at the next position: keep this one's values.
+            convs.append(conv.clone() if own.in_place else conv)
+            recurrents.append(recurrent.clone() if own.in_place else recurrent)
+        return self._output(torch.stack(outputs, dim=2), x), torch.stack(convs, 1), torch.stack(recurrents, 1)

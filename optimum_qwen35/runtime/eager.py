@@ -14,11 +14,11 @@ import torch
 
 from optimum_qwen35 import validation
 from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
-from optimum_qwen35.checkpoint.convert import check_finite
+from optimum_qwen35.checkpoint.convert import check_finite, convert_mtp
 from optimum_qwen35.checkpoint.shard import convert_and_shard
 from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_sharded
 from optimum_qwen35.config import Qwen35Config
-from optimum_qwen35.errors import CheckpointError, UsageError
+from optimum_qwen35.errors import CheckpointError, UnsupportedModelError, UsageError
 from optimum_qwen35.modeling.decoder import (
     ContextEncodingGraph,
     ImageContextEncodingGraph,
@@ -40,13 +40,15 @@ def load_decoder(
     layers=None,
     config: Qwen35Config | None = None,
     check_weights: bool = True,
+    mtp: bool = False,
 ) -> Qwen35Decoder:
     """Build the decoder (this rank's share of it) and load its weights.
 
     `path` is a checkpoint folder (converted, and sharded when tp_degree > 1, on the fly) or a folder
     written by `optimum_qwen35.checkpoint.sharded_files.save_sharded` (its tp_degree must match). `dtype` is a
     torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
-    the tensor (`check_weights=False` skips that check; it exists to measure its cost).
+    the tensor (`check_weights=False` skips that check; it exists to measure its cost). `mtp`: build and load the
+    multi-token-prediction head too (modeling/mtp.py; a checkpoint folder at tp_degree 1), for speculative decoding.
     """
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -55,6 +57,11 @@ def load_decoder(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
+    if mtp and (sharded_export or tp_degree > 1):
+        raise UnsupportedModelError(
+            "the multi-token-prediction head loads from a checkpoint folder at tp_degree 1 only (no sharded export, "
+            "no tensor parallelism yet)"
+        )
     if sharded_export:
         saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
         if config.is_moe:  # the experts as the export split them
@@ -62,11 +69,14 @@ def load_decoder(
     if layers is None:
         layers = TorchLayers(tp_degree, rank)  # this rank's vocabulary block; needs torch.distributed when t > 1
     with torch.device("meta"):
-        decoder = Qwen35Decoder(config, tp_degree, layers)
+        decoder = Qwen35Decoder(config, tp_degree, layers, mtp=mtp)
     if sharded_export:
         pass
     elif tp_degree == 1:
-        params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
+        reader = CheckpointReader(path, mtp=mtp)
+        params = dict(convert_checkpoint(reader, config, dtype))
+        if mtp:
+            params.update(convert_mtp(reader, config, dtype))
     else:
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
     if check_weights and not sharded_export:  # load_sharded checked an export's weights
@@ -106,6 +116,10 @@ class EagerGraphs:
             pack_linears(decoder, batch_size)
         self.state_specs = decoder.state_specs(batch_size, max_length)
         self.state = allocate_state(self.state_specs)
+        # The MTP head's KV cache (empty without the head), and the per-position DeltaNet states of the last `verify`
+        # until `commit` (speculative decoding).
+        self.mtp_state = allocate_state(decoder.mtp_state_specs(batch_size, max_length))
+        self._verified: list[torch.Tensor] | None = None
         self._graphs: dict[tuple, torch.nn.Module] = {}
 
     def _graph(self, kind: str, length: int, all_logits: bool = False, key_length: int | None = None):
@@ -164,6 +178,38 @@ class EagerGraphs:
 
     def image_token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
         return self._graph("image_token", 1, False, key_length)(*inputs, *self.state)[0]
+
+    # Speculative decoding with the MTP head (runtime/speculative.py); eager modules, not traced.
+    @property
+    def has_mtp(self) -> bool:
+        return self.decoder.mtp is not None
+
+    def context_hidden(self, length: int, key_length: int | None, *inputs: torch.Tensor):
+        """Context encoding that also returns the final-normed hidden states of every position: (logits of each
+        row's last token [B, vocab], hidden [B, T, H])."""
+        out = self.decoder.context_encoding(*inputs, *self.state, key_length=key_length, hidden=True)
+        return out[0], out[1]
+
+    def verify(self, key_length: int, ids, positions, lengths, seq_ids):
+        """(logits [B, T, vocab], hidden [B, T, H]) of T verified tokens per row; the per-position DeltaNet states
+        are held until `commit`."""
+        out = self.decoder.verify(ids, positions, lengths, seq_ids, *self.state, key_length=key_length)
+        n = len(self.state)
+        self._verified, self.state[:] = list(out[2 : len(out) - n]), out[len(out) - n :]
+        return out[0], out[1]
+
+    def commit(self, seq_ids, accepted) -> None:
+        """Each active row's DeltaNet states become those after its verified position accepted[b]."""
+        if self._verified is None:
+            raise UsageError("commit without a verify before it")
+        self.state[:] = self.decoder.commit(seq_ids, accepted, *self._verified, *self.state)
+        self._verified = None
+
+    def mtp(self, key_length: int | None, ids, hidden, positions, lengths, seq_ids):
+        """The MTP head over T positions per row: (logits [B, vocab], out [B, H]) at each row's last real one."""
+        logits, out, *self.mtp_state[:] = self.decoder.mtp_forward(ids, hidden, positions, lengths, seq_ids,
+                                                                   *self.mtp_state, key_length=key_length)
+        return logits, out
 
     def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:
         return self.vision_encoder(*inputs)

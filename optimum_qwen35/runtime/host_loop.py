@@ -40,6 +40,7 @@ from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
 from optimum_qwen35.runtime.eager import EagerGraphs, load_decoder
 from optimum_qwen35.runtime.exported import ExportedGraphs, read_graphs_manifest
+from optimum_qwen35.runtime.speculative import SpeculationStats, check_runner, generate_wave
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS, ImageInputs, load_vision_encoder
 from optimum_qwen35.runtime.prefix_cache import PrefixCache, restore, take_block
 from optimum_qwen35.runtime.worker_pool import WorkerPool
@@ -124,11 +125,14 @@ class Qwen35Runtime:
         vision: bool = False,
         image_buckets: Sequence[int] = DEFAULT_IMAGE_BUCKETS,
         prefix_cache: PrefixCache | None = None,
+        mtp: bool = False,
     ) -> "Qwen35Runtime":
         """Load a checkpoint folder (or a TP = 1 sharded export) and run it eagerly; sizes are checked before any
         weight is read. The decoder's linears are prepacked for the CPU GEMM unless `pack_weights=False`. `vision`:
         load the vision tower too (the checkpoint must have one), so that `logits` and `generate` take images.
-        `prefix_cache`: a `PrefixCache` to reuse shared prompt prefixes (`set_prefix_cache`), None (off) by default."""
+        `prefix_cache`: a `PrefixCache` to reuse shared prompt prefixes (`set_prefix_cache`), None (off) by default.
+        `mtp`: load the multi-token-prediction head too (a checkpoint folder), for `generate(...,
+        num_speculative_tokens=k)`."""
         validation.positive_int(batch_size, "batch_size")
         validation.positive_int(max_length, "max_length")
         if vision is not True and vision is not False:
@@ -140,10 +144,10 @@ class Qwen35Runtime:
             vision_config = VisionConfig.from_dict(config.raw)
             if vision_config is None:
                 raise UnsupportedModelError(f"{path} has no vision tower (a text-only config); load it without vision=True")
-            decoder = load_decoder(path, dtype, config=config)
+            decoder = load_decoder(path, dtype, config=config, mtp=mtp)
             encoder = load_vision_encoder(path, vision_config, dtype)
         else:
-            decoder = load_decoder(path, dtype)
+            decoder = load_decoder(path, dtype, mtp=mtp)
         return cls.from_decoder(decoder, batch_size, max_length, buckets, trace, pack_weights, encoder, image_buckets,
                                 prefix_cache)
 
@@ -276,6 +280,7 @@ class Qwen35Runtime:
         starts: Sequence[int] | None = None,
         images: Sequence | None = None,
         prefix_cache: bool = True,
+        hidden: bool = False,
     ):
         """Encode `prompts` in `slots` (one prompt per slot). Returns the logits of each prompt's last token
         [n, vocab] (or of every token, [n, len, vocab] padded to the longest prompt, with `all_logits`).
@@ -288,7 +293,9 @@ class Qwen35Runtime:
 
         With the runtime's prefix cache on (`set_prefix_cache`) and `prefix_cache` True, fresh text prompts go through
         it (`_prefill_cached`; `last_prefix_hits` says how many tokens of each it served); with `all_logits`, the
-        positions it served have no logits (NaN there)."""
+        positions it served have no logits (NaN there); `hidden` bypasses it.
+        `hidden` (text prompts, a runner with the MTP head:
+        runtime/speculative.py) returns (last-token logits, each prompt's final-normed hidden states [len, H])."""
         prompts = validation.token_ids(prompts, self.config.vocab_size)
         slots = self._check_slots(slots)
         if len(prompts) != len(slots):
@@ -307,7 +314,10 @@ class Qwen35Runtime:
             raise UsageError("prefill needs one image entry per prompt, each a fresh prompt (start 0) of its own length")
         with_images = any(im is not None for im in images)
         self.last_prefix_hits = [0] * len(prompts)
-        if prefix_cache and self.prefix_cache is not None and not with_images and not any(starts):
+        if hidden and (with_images or all_logits):
+            raise UsageError("prefill(hidden=True) takes text prompts and returns the last token's logits only")
+        hiddens: list[list[torch.Tensor]] = [[] for _ in prompts]
+        if prefix_cache and not hidden and self.prefix_cache is not None and not with_images and not any(starts):
             return self._prefill_cached(prompts, slots, all_logits)
         B, n, largest = self.batch_size, len(prompts), self.buckets[-1]
         done = [0] * n  # tokens of each prompt encoded so far
@@ -333,6 +343,10 @@ class Qwen35Runtime:
             if with_images:
                 extra = self._image_block(images, chunks, done, positions, T)
                 out = self.graphs.image_context(T, all_logits, key_length, ids, mask, positions, seq_ids, *extra)
+            elif hidden:
+                out, block_hidden = self.graphs.context_hidden(T, key_length, ids, mask, positions, seq_ids)
+                for i, chunk in chunks.items():
+                    hiddens[i].append(block_hidden[i, : len(chunk)])
             else:
                 out = self.graphs.context(T, all_logits, key_length, ids, mask, positions, seq_ids)
             for i, chunk in chunks.items():
@@ -342,6 +356,8 @@ class Qwen35Runtime:
             self.encoded[slot] = s + len(p)
             if s == 0:
                 self.rope_deltas[slot] = im.rope_delta if im is not None else 0
+        if hidden:
+            return torch.stack([r[-1] for r in results]), [torch.cat(h) for h in hiddens]
         if not all_logits:
             return torch.stack([r[-1] for r in results])
         per_prompt = [torch.cat(r) for r in results]
@@ -529,6 +545,9 @@ class Qwen35Runtime:
         image_grid_thw=None,
         stop=None,
         min_new_tokens: int = 0,
+        num_speculative_tokens: int = 0,
+        distribution=None,
+        generator: torch.Generator | None = None,
     ) -> list[list[int]]:
         """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
         (>= 1) new tokens of each prompt, stopping after an EOS token; `max_new_tokens` may also be one limit per
@@ -539,7 +558,22 @@ class Qwen35Runtime:
         index of the wave's first prompt, each wave row's new tokens so far and the logits the step's tokens were
         chosen from: a row it flags finishes there, as after an EOS. Prompts holding images take the processor's
         `pixel_values` [patches, patch_dim] and `image_grid_thw` [images, 3], the images in prompt order. Every
-        argument is checked before the first graph runs."""
+        argument is checked before the first graph runs.
+
+        `num_speculative_tokens=k` (0: off, the default) decodes speculatively with the checkpoint's own
+        multi-token-prediction head (loaded with `from_pretrained(..., mtp=True)`; runtime/speculative.py): k drafts
+        per step, verified in one graph. Greedy, it returns exactly what greedy decoding returns; sampled, pass
+        `distribution(logits [n, vocab]) -> probabilities [n, vocab]` (instead of `sampler`) and optionally a
+        `generator`: the standard rejection rule keeps plain sampling's distribution. Text prompts only, no
+        `streamer` / `stop`. `self.speculation` holds the last call's counts (acceptance length)."""
+        num_speculative_tokens = validation.positive_int(num_speculative_tokens, "num_speculative_tokens", minimum=0)
+        if num_speculative_tokens:
+            if min_new_tokens:
+                raise UsageError("speculative decoding takes no min_new_tokens: pass num_speculative_tokens=0 with it")
+            return self._generate_speculative(prompts, max_new_tokens, eos_token_id, num_speculative_tokens, distribution,
+                                              generator, streamer, sampler, pixel_values, image_grid_thw, stop)
+        if distribution is not None or generator is not None:
+            raise UsageError("distribution and generator go with num_speculative_tokens > 0 (plain sampling takes sampler)")
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         limits = self._new_token_limits(prompts, max_new_tokens)
         min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
@@ -612,3 +646,32 @@ class Qwen35Runtime:
                     f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
                 )
         return limits
+
+    def _generate_speculative(self, prompts, max_new_tokens, eos_token_id, k, distribution, generator, streamer,
+                              sampler, pixel_values, image_grid_thw, stop) -> list[list[int]]:
+        """`generate(..., num_speculative_tokens=k)`: runtime/speculative.py, wave by wave."""
+        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
+        max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
+        eos = validation.eos_ids(eos_token_id)
+        if any(x is not None for x in (streamer, sampler, pixel_values, image_grid_thw, stop)):
+            raise UsageError(
+                "speculative decoding takes text prompts, greedy or `distribution` sampling: no streamer, sampler, "
+                "stop or images"
+            )
+        if distribution is not None and not callable(distribution):
+            raise UsageError(f"distribution must be a callable or None, got {type(distribution).__name__}")
+        check_runner(self.graphs)
+        for p in prompts:
+            self._check_length(len(p))
+            if len(p) + max_new_tokens > self.max_length:
+                raise UsageError(
+                    f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
+                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
+                )
+        self.speculation = SpeculationStats()
+        results: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            group = prompts[start : start + self.batch_size]
+            results += generate_wave(self, group, list(range(len(group))), max_new_tokens, eos, k,
+                                                 distribution, generator, self.speculation)
+        return results

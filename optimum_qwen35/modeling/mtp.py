@@ -1,0 +1,63 @@
+"""The multi-token-prediction (MTP) head every Qwen3.5 checkpoint ships (`mtp.*`), a draft model for speculative decoding.
+
+At position i the head reads the main model's final hidden state h_i (after the final norm: what lm_head reads)
+and the embedding of the next token t_{i+1}, and predicts the token after it, t_{i+2}:
+
+    x_i    = fc( [ pre_fc_norm_embedding(embed(t_{i+1})) | pre_fc_norm_hidden(h_i) ] )     fc: [H, 2H], no bias
+    y_i    = the head's full-attention decoder layer `mtp.layers.0` over x_0 .. x_i (rotary position i; its own KV
+             cache; a sparse MoE block in MoE checkpoints)
+    out_i  = mtp.norm(y_i);   logits_i = lm_head(out_i)   (embedding and lm_head shared with the main model)
+
+The concatenation order (embedding first, hidden second), the zero-centred RMSNorms (1 + w) and the hidden state
+after the final norm are those of vLLM's Qwen3.5 MTP model (vllm/model_executor/models/qwen3_5_mtp.py,
+`Qwen3_5MultiTokenPredictor.forward`, vllm-project/vllm at 01d99805, read for the equations; nothing copied), whose
+proposer passes the target model's returned (final-normed) hidden states and, for the next draft, the head's own
+`out_i`. Drafting k tokens re-runs the one layer: draft s + 1 reads (out of draft s, draft s) at the next position.
+
+The head lives in the one model definition (`Qwen35Decoder(..., mtp=True)`, modeling/decoder.py runs it: it needs
+the shared embedding, rotary tables and lm_head); this module holds its parameters and its state specs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Qwen35Config
+from ..errors import UnsupportedModelError
+from .layers import RMSNorm
+from .parallel import ShardedDims
+from .state import StateSpec
+
+
+class MTPHead(nn.Module):
+    """The head's parameters, named as the checkpoint names them under `mtp.`; `layers` are the decoder's own layer
+    class, built by the caller (full attention; MoE blocks in MoE checkpoints)."""
+
+    def __init__(self, config: Qwen35Config, layers: list[nn.Module], factory):
+        super().__init__()
+        if len(layers) != 1:
+            raise UnsupportedModelError(
+                f"mtp_num_hidden_layers={len(layers)}: only the one-layer multi-token-prediction head of the published "
+                "Qwen3.5 checkpoints is supported"
+            )
+        h = config.hidden_size
+        # Replicated at every rank: a plain (column) linear with the whole output (tensor parallelism of the head is
+        # not built: Qwen35Decoder refuses mtp=True at tp_degree > 1).
+        self.fc = factory.column_linear(2 * h, h)
+        self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [B, T, H] (fp32) -> the layer's input [B, T, H] in fp32 (the residual stream's dtype)."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return self.fc(x.to(self.norm.weight.dtype)).to(embeds.dtype)  # the model dtype into the linear
+
+
+def mtp_state_specs(config: Qwen35Config, dims: ShardedDims, slots: int, max_length: int, dtype: torch.dtype):
+    """The head's KV cache, one K and one V per layer, shaped as the decoder's attention caches."""
+    shape = (slots, dims.num_kv_heads, max_length, config.head_dim)
+    return [StateSpec(f"mtp.layers.{i}.{kind}", shape, dtype)
+            for i in range(config.mtp_num_hidden_layers) for kind in ("key_cache", "value_cache")]

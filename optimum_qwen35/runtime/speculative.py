@@ -1,0 +1,213 @@
+"""Speculative decoding with the checkpoint's own multi-token-prediction head (`Qwen35Runtime.generate(...,
+num_speculative_tokens=k)`): the host loop of one wave, over a graph runner that has the head (runtime/eager.py).
+
+Per row, `last` is the newest emitted token, at position p, not yet run by the main model; the main model's state
+holds positions < p, the head's KV cache positions < p. One round:
+
+1. draft: the head's output at position p - 1 (from the previous round) gives d1; k - 1 single steps of the head at
+   positions p .. p + k - 2 give d2 .. dk (the head reads its own output and the previous draft);
+2. verify: one main-model graph over [last, d1 .. dk] at positions p .. p + k (fewer at the end of the cache):
+   logits and final-normed hidden states at each position, the DeltaNet states after each position;
+3. accept: greedy, the longest prefix of drafts equal to the main model's argmax, then the main model's own token
+   after it; sampled, the standard rejection rule (Leviathan et al. 2023, Chen et al. 2023): draft d (drawn from the
+   head's distribution q) is kept with probability min(1, p(d) / q(d)); at the first rejection the token is drawn
+   from normalise(max(p - q, 0)); when all k are kept, one more from p. Either way the tokens are distributed as
+   plain decoding's (greedy: equal to them);
+4. commit: each row's DeltaNet states become those after its accepted position (different per row); attention K/V
+   was written at every verified position: those past the accepted one are stale, and never read, since every later
+   graph call writes a position before any query at or after it reads it (queries read positions <= their own);
+5. catch up: the head runs over positions p .. p + j with the main model's hidden states there and the tokens after
+   them (the accepted drafts and the new token), replacing what the drafts wrote; its last output drafts the next
+   round's d1.
+
+A row stops at EOS (inside the accepted tokens too: what follows it is dropped) or at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from optimum_qwen35.errors import IncompatibleExportError, UsageError
+
+
+@dataclass
+class SpeculationStats:
+    """What the last speculative generate did: verify rounds, drafts proposed and accepted, tokens emitted by the
+    rounds (the first token of each prompt comes from prefill and is not counted)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens per verify round (accepted drafts + the verified token): 1.0 when no draft is ever kept."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+
+def check_runner(graphs) -> None:
+    if not getattr(graphs, "has_mtp", False):
+        raise IncompatibleExportError(
+            "speculative decoding needs the multi-token-prediction head: load the checkpoint with "
+            "Qwen35Runtime.from_pretrained(path, ..., mtp=True) (the eager runtime; a compiled export has no MTP graphs yet)"
+        )
+
+
+def _sample(probs: torch.Tensor, generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _Picker:
+    """Greedy (distribution None) or sampled tokens from logits [vocab]."""
+
+    def __init__(self, distribution, generator):
+        self.distribution, self.generator = distribution, generator
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.distribution(logits[None].float())[0].double()
+        return p / p.sum()
+
+    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self.distribution is None:
+            return int(logits.argmax()), None
+        q = self.probs(logits)
+        return _sample(q, self.generator), q
+
+
+def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
+    """The head over every prompt position (position i reads the prompt's hidden state i and token i + 1; the last
+    position the first generated token), in the context buckets. Returns (logits [n, vocab], out [n, H]) at each
+    prompt's last position."""
+    graphs, B, largest = runtime.graphs, runtime.batch_size, runtime.buckets[-1]
+    n = len(prompts)
+    tokens = [list(p[1:]) + [t] for p, t in zip(prompts, first_tokens)]
+    hidden_size = hiddens[0].shape[-1]
+    done = [0] * n
+    last_logits, last_out = [None] * n, [None] * n
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        rows = [i for i in range(n) if done[i] < len(prompts[i])]
+        chunks = {i: range(done[i], min(done[i] + largest, len(prompts[i]))) for i in rows}
+        T = runtime.bucket_for(max(len(c) for c in chunks.values()))
+        ids = torch.zeros(B, T, dtype=torch.int32)
+        hidden = torch.zeros(B, T, hidden_size, dtype=hiddens[0].dtype)
+        positions = torch.zeros(B, T, dtype=torch.int32)
+        lengths = torch.zeros(B, dtype=torch.int32)
+        seq_ids = torch.full((B,), -1, dtype=torch.int32)
+        for i, c in chunks.items():
+            ids[i, : len(c)] = torch.as_tensor(tokens[i][c.start : c.stop], dtype=torch.int32)
+            hidden[i, : len(c)] = hiddens[i][c.start : c.stop]
+            positions[i, : len(c)] = torch.arange(c.start, c.stop, dtype=torch.int32)
+            lengths[i], seq_ids[i] = len(c), slots[i]
+        end = max(c.stop for c in chunks.values())
+        key_length = max(T, runtime.key_bucket_for(end)) if any(c.start for c in chunks.values()) else T
+        logits, out = graphs.mtp(key_length, ids, hidden, positions, lengths, seq_ids)
+        for i, c in chunks.items():
+            last_logits[i], last_out[i] = logits[i], out[i]
+            done[i] = c.stop
+    return torch.stack(last_logits), torch.stack(last_out)
+
+
+def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=None, generator=None,
+                  stats: SpeculationStats | None = None) -> list[list[int]]:
+    """Speculative decoding of one wave (at most batch_size prompts, in `slots`), k drafts per round."""
+    graphs, B, max_length = runtime.graphs, runtime.batch_size, runtime.max_length
+    n = len(prompts)
+    picker = _Picker(distribution, generator)
+    stats = stats if stats is not None else SpeculationStats()
+    logits, hiddens = runtime.prefill(prompts, slots, hidden=True)
+    first = [picker.pick(logits[i])[0] for i in range(n)]
+    outputs = [[t] for t in first]
+    done = [t in eos or max_new_tokens == 1 for t in first]
+    last, p = list(first), [len(q) for q in prompts]
+    draft_logits, draft_out = _mtp_prefill(runtime, prompts, hiddens, first, slots)
+    T = k + 1
+    steps = torch.arange(T, dtype=torch.int32)
+    while not all(done):
+        active = [i for i in range(n) if not done[i]]
+        seq_ids = torch.full((B,), -1, dtype=torch.int32)
+        for i in active:
+            seq_ids[i] = slots[i]
+        top = min(max_length, max(p[i] for i in active) + T)
+        key_length = runtime.key_bucket_for(top)
+        # 1. drafts
+        drafts = [[0] * k for _ in range(n)]
+        q = [[None] * k for _ in range(n)]
+        for i in active:
+            drafts[i][0], q[i][0] = picker.pick(draft_logits[i])
+        out = draft_out
+        for s in range(1, k):
+            ids = torch.zeros(B, 1, dtype=torch.int32)
+            positions = torch.zeros(B, 1, dtype=torch.int32)
+            for i in active:
+                ids[i, 0], positions[i, 0] = drafts[i][s - 1], p[i] + s - 1
+            step_logits, out = graphs.mtp(key_length, ids, out[:, None], positions, torch.ones(B, dtype=torch.int32),
+                                          seq_ids)
+            for i in active:
+                drafts[i][s], q[i][s] = picker.pick(step_logits[i])
+        # 2. verify
+        ids = torch.zeros(B, T, dtype=torch.int32)
+        positions = torch.zeros(B, T, dtype=torch.int32)
+        lengths = torch.ones(B, dtype=torch.int32)
+        for i in active:
+            ids[i] = torch.as_tensor([last[i], *drafts[i]], dtype=torch.int32)
+            positions[i] = p[i] + steps
+            lengths[i] = min(T, max_length - p[i])
+        verify_logits, verify_hidden = graphs.verify(key_length, ids, positions, lengths, seq_ids)
+        # 3. accept
+        accepted = torch.zeros(B, dtype=torch.int64)
+        catch_up = torch.zeros(B, T, dtype=torch.int32)
+        for i in active:
+            room = int(lengths[i]) - 1  # drafts whose verification fits in the cache
+            j, token = 0, None
+            while j < min(k, room):
+                target = verify_logits[i, j]
+                if distribution is None:
+                    if drafts[i][j] != int(target.argmax()):
+                        break
+                else:
+                    pt, qt, d = picker.probs(target), q[i][j], drafts[i][j]
+                    if float(torch.rand((), generator=generator, dtype=torch.float64)) * qt[d] >= pt[d]:
+                        residual = (pt - qt).clamp(min=0)
+                        token = _sample(residual / residual.sum(), generator)
+                        break
+                j += 1
+            if token is None:
+                token = picker.pick(verify_logits[i, j])[0]
+            accepted[i] = j
+            new = drafts[i][:j] + [token]
+            stats.rounds += 1
+            stats.drafted += min(k, room)
+            stats.accepted += j
+            stats.emitted += j + 1
+            stats.accepted_per_round.append(j)
+            for t in new:
+                if len(outputs[i]) == max_new_tokens:
+                    done[i] = True
+                    break
+                outputs[i].append(t)
+                if t in eos:
+                    done[i] = True
+                    break
+            if len(outputs[i]) == max_new_tokens:
+                done[i] = True
+            catch_up[i, : j + 1] = torch.as_tensor(new, dtype=torch.int32)
+        # 4. commit the DeltaNet states after each row's accepted position
+        graphs.commit(seq_ids, accepted)
+        # 5. the head catches up over the verified positions, with the main model's hidden states
+        live = torch.full((B,), -1, dtype=torch.int32)
+        for i in active:
+            p[i] += int(accepted[i]) + 1
+            last[i] = int(catch_up[i, accepted[i]])
+            runtime.encoded[slots[i]] = p[i]
+            if not done[i]:
+                live[i] = slots[i]
+        if all(done):
+            break
+        draft_logits, draft_out = graphs.mtp(
+            key_length, catch_up, verify_hidden, positions, (accepted + 1).to(torch.int32), live
+        )
+    return outputs

@@ -1,0 +1,75 @@
+"""Speculative decoding with the MTP head (runtime/speculative.py) is exact: greedy, it returns token for token what
+plain greedy decoding returns, for k = 1..4, in fp32 and bf16 (bf16 against plain bf16 decoding), with prompts across
+context-bucket and cache-bucket edges, rows of different acceptance in one batch, EOS inside accepted drafts and the end
+of the cache. The tiny checkpoints' random heads accept almost nothing (exactness would be easy there), so the same
+tests run with a head fitted to its own main model (tests/kit/mtp_fit.py), which accepts most drafts."""
+
+import json
+
+import pytest
+import torch
+
+from optimum_qwen35.runtime import Qwen35Runtime
+
+from .conftest import FIXTURES
+
+MAX_LENGTH = 128  # cache buckets 64, 96, 128
+BUCKETS = [16, 32]  # prompts longer than 32 run in chunks
+# 15 and 17 tokens: either side of the 16-token bucket edge; 40: two chunks; generation crosses the 64 cache bucket.
+PROMPTS = [list(range(5, 20)), [7, 300, 2] * 5 + [11, 12], [(i * 37) % 500 + 3 for i in range(40)]]
+NEW = 40
+
+
+def runtime(folder, dtype, batch_size=3):
+    return Qwen35Runtime.from_pretrained(folder, batch_size=batch_size, max_length=MAX_LENGTH, dtype=dtype,
+                                         buckets=BUCKETS, mtp=True)
+
+
+@pytest.fixture(scope="module", params=["random", "fitted"])
+def case(request, tmp_path_factory):
+    """(checkpoint, prompts): the random head with PROMPTS; the fitted head with prompts of the same lengths made of
+    a fitted prompt and the start of its greedy continuation (so that what follows is in-sample)."""
+    if request.param == "random":
+        return FIXTURES / "tiny-2b", PROMPTS
+    from tests.kit.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s): only for these parameters
+
+    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    fitted = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:3]
+    model = Qwen35Runtime.from_pretrained(folder, batch_size=3, max_length=MAX_LENGTH, buckets=BUCKETS)
+    continued = model.generate(fitted, max_new_tokens=32)
+    return folder, [p + c[: len(want) - len(p)] for p, c, want in zip(fitted, continued, PROMPTS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_speculation_equals_greedy_decoding(case, dtype):
+    head, prompts = case
+    model = runtime(head, dtype)
+    plain = model.generate(prompts, max_new_tokens=NEW)
+    lengths = {}
+    for k in (1, 2, 3, 4):
+        assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=k) == plain, f"k={k}"
+        lengths[k] = model.speculation.acceptance_length
+        if head.name != "tiny-2b":  # the fitted head accepts (in bf16 less: its greedy continuation leaves fp32's, which
+            # the head was fitted on, after a few tokens)
+            floor = 1.5 if dtype == torch.float32 else 1.05
+            assert model.speculation.acceptance_length > floor, (k, model.speculation.accepted_per_round)
+    if head.name != "tiny-2b":  # and at k = 4 the rows of one batch accept different numbers of drafts
+        assert len(set(model.speculation.accepted_per_round)) > 1, model.speculation.accepted_per_round
+    print(f"acceptance length per k ({head.name}, {dtype}): {lengths}")
+
+
+def test_eos_inside_accepted_drafts_and_end_of_cache(case):
+    head, prompts = case
+    model = runtime(head, torch.float32, batch_size=2)
+    plain = model.generate(prompts[:2], max_new_tokens=NEW)
+    # An EOS the greedy continuation reaches mid-way: every row stops right after it, as plain decoding does.
+    eos = plain[0][NEW // 2]
+    want = model.generate(prompts[:2], max_new_tokens=NEW, eos_token_id=eos)
+    assert len(want[0]) == NEW // 2 + 1 or eos in want[0][: NEW // 2]
+    for k in (2, 4):
+        assert model.generate(prompts[:2], max_new_tokens=NEW, eos_token_id=eos, num_speculative_tokens=k) == want
+    # Up to the last position of the cache: verification past it is cut to what fits.
+    last = [prompts[2][:30], prompts[0]]
+    longest = MAX_LENGTH - 30
+    want = model.generate(last, max_new_tokens=longest)
+    assert model.generate(last, max_new_tokens=longest, num_speculative_tokens=4) == want
