@@ -29,7 +29,7 @@ def expected_shapes(config: Qwen35Config) -> dict[str, tuple[int, ...]]:
 def layer_shapes(config: Qwen35Config, p: str, layer_type: str) -> dict[str, tuple[int, ...]]:
     """One decoder layer's tensors under prefix `p` (a main layer, or the MTP head's `mtp.layers.N.`)."""
     c = config
-    hidden = c.hidden_size
+    hidden, hd = c.hidden_size, c.head_dim
     shapes: dict[str, tuple[int, ...]] = {}
     shapes[p + "input_layernorm.weight"] = (hidden,)
     shapes[p + "post_attention_layernorm.weight"] = (hidden,)
