@@ -23,7 +23,7 @@ import types
 
 import numpy as np
 
-from . import cost, isa, language, rules, runtime, tensors
+from . import cost, isa, language, language_isa, rules, runtime, tensors
 from .cost import CostParams, CostReport, Trace  # noqa: F401
 from .rules import TARGETS, NkiRuleError, NkiValidationError, Target, get_target
 from .tensors import NkiTensor
@@ -63,6 +63,10 @@ isa_constants = types.ModuleType("nki.isa.constants", "Enums of nki.isa.")
 for _name in ("engine", "reduce_cmd", "dge_mode", "oob_mode", "matmul_perf_mode", "nc_version"):
     setattr(isa_constants, _name, getattr(isa, _name))
 isa.constants = isa_constants
+
+# nki.language's functions that run nki.isa instructions live in language_isa.py (isa.py imports language.py).
+for _name in language_isa.__all__:
+    setattr(language, _name, getattr(language_isa, _name))
 
 IS_EMULATOR = True
 __version__ = "0.3.0+emulator"
