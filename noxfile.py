@@ -28,6 +28,7 @@ nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
+HF_KERNELS = "kernels"  # Hugging Face's hub kernels package (PyPI `kernels`), pinned in constraints/reference.txt
 
 # Every package each test session installs, pinned (constraints/<session>.txt: `pip freeze` of that session's
 # environment), so that a session builds the same environment whatever PyPI serves that day. They are updated on
@@ -78,7 +79,9 @@ def _pytest(session, *marks, parallel=False):
 @nox.session
 def reference(session):
     """Everything, with transformers >= 5: parity against the reference and the fixture check."""
-    _install(session, TORCH, "-e", ".[tests,reference]")
+    # Hugging Face's `kernels` (which transformers imports where installed): the package must not shadow it, nor it
+    # the package (tests/test_kernels_package.py).
+    _install(session, TORCH, "-e", ".[tests,reference]", HF_KERNELS)
     _freeze_pins(session)
     _pytest(session)
 
