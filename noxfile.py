@@ -28,6 +28,7 @@ nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
+HF_KERNELS = "kernels"  # Hugging Face's hub kernels package (PyPI `kernels`), pinned in constraints/reference.txt
 
 # Every package each test session installs, pinned (constraints/<session>.txt: `pip freeze` of that session's
 # environment), so that a session builds the same environment whatever PyPI serves that day. They are updated on
@@ -78,7 +79,9 @@ def _pytest(session, *marks, parallel=False):
 @nox.session
 def reference(session):
     """Everything, with transformers >= 5: parity against the reference and the fixture check."""
-    _install(session, TORCH, "-e", ".[tests,reference]")
+    # Hugging Face's `kernels` (which transformers imports where installed): the package must not shadow it, nor it
+    # the package (tests/test_kernels_package.py).
+    _install(session, TORCH, "-e", ".[tests,reference]", HF_KERNELS)
     _freeze_pins(session)
     _pytest(session)
 
@@ -233,13 +236,13 @@ def vllm(session):
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing
-# What `nox -s mutation` mutates (paths as the package installs them: `kernels/` is `optimum_qwen35/kernels/`) and the
-# fast test selection each mutant runs against (mutmut runs, per mutant, only the selected tests that call the mutated
-# function). docs/testing.md has the score and the survivors.
+# What `nox -s mutation` mutates (paths as the package installs them: `kernels/<sub>` is
+# `optimum_qwen35/kernels/<sub>`) and the fast test selection each mutant runs against (mutmut runs, per mutant, only
+# the selected tests that call the mutated function). docs/testing.md has the score and the survivors.
 MUTATED = [
     "optimum_qwen35/modeling/*",
     "optimum_qwen35/kernels/gated_delta_rule/reference.py",
-    "optimum_qwen35/kernels/causal_conv1d_reference.py",
+    "optimum_qwen35/kernels/conv1d/reference.py",
     "optimum_qwen35/checkpoint/shard.py",
 ]
 MUTATION_TESTS = [
@@ -275,9 +278,9 @@ def mutation(session):
     """Mutation testing with mutmut (not run by CI: it is not in nox.options.sessions; ~1 hour on 2 cores).
 
     mutmut runs from a staging folder (.mutation/) holding the committed tree (HEAD) laid out as the package installs,
-    kernels/ inside optimum_qwen35/, so that the module names mutmut derives from file paths are the imported ones. `nox -s mutation`
-    runs everything; `nox -s mutation -- <mutmut run arguments>` runs those in the same staging folder (made from HEAD
-    if absent), e.g. one module at a time: `nox -s mutation -- "optimum_qwen35.kernels.*"`, then
+    kernels/<sub> inside optimum_qwen35/kernels/, so that the module names mutmut derives from file paths are the
+    imported ones. `nox -s mutation` runs everything; `nox -s mutation -- <mutmut run arguments>` runs those in the
+    same staging folder (made from HEAD if absent), e.g. one module at a time: `nox -s mutation -- "optimum_qwen35.kernels.*"`, then
     `"optimum_qwen35.modeling.*"`, then `"optimum_qwen35.checkpoint.*"`; `nox -s mutation -- results` lists them.
     """
     import shutil
@@ -298,7 +301,10 @@ def mutation(session):
         with tarfile.open(archive) as tar:
             tar.extractall(stage / "head")
         shutil.move(stage / "head" / "optimum_qwen35", stage / "optimum_qwen35")
-        shutil.move(stage / "head" / "kernels", stage / "optimum_qwen35" / "kernels")
+        # kernels/<sub> is optimum_qwen35.kernels.<sub> (setup.py's package_dir), beside the dispatch module
+        # optimum_qwen35/kernels/__init__.py.
+        for sub in (stage / "head" / "kernels").iterdir():
+            shutil.move(sub, stage / "optimum_qwen35" / "kernels" / sub.name)
         shutil.move(stage / "head" / "tests", stage / "tests")
         shutil.rmtree(stage / "head")
         archive.unlink()

@@ -1,12 +1,16 @@
-# The `kernels/` folder of this repository is installed as `optimum_qwen35.kernels`: a top-level `kernels`
-# module would shadow the Hugging Face `kernels` package that transformers probes for.
+# The `kernels/` folder of this repository is installed inside the package, as subpackages of `optimum_qwen35.kernels`
+# (whose own module, the dispatch, is optimum_qwen35/kernels/__init__.py): `kernels/gated_delta_rule` is
+# `optimum_qwen35.kernels.gated_delta_rule`, and so on. kernels/ has no __init__.py: nothing imports it as a top-level
+# `kernels`, and from the repository's root (on sys.path under pytest or `python -c`) it is only a namespace portion,
+# which a regular `kernels` package anywhere on sys.path (Hugging Face's, which transformers imports) wins over.
 import os
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 packages = find_packages(include=["optimum_qwen35", "optimum_qwen35.*"])
-packages += ["optimum_qwen35.kernels"] + [f"optimum_qwen35.kernels.{p}" for p in find_packages("kernels")]
+KERNEL_PACKAGES = {f"optimum_qwen35.kernels.{p}": os.path.join("kernels", *p.split(".")) for p in find_packages("kernels")}
+packages += list(KERNEL_PACKAGES)
 
 # `optimum_qwen35.pth` goes to site-packages itself: it makes every interpreter (optimum-cli's export
 # subprocess, vLLM's workers) register Qwen3.5 once it imports transformers or optimum.neuron. A regular
@@ -33,4 +37,4 @@ class BuildPyWithStartupFile(build_py):
         return super().get_outputs(include_bytecode) + extra
 
 
-setup(packages=packages, package_dir={"optimum_qwen35.kernels": "kernels"}, cmdclass={"build_py": BuildPyWithStartupFile})
+setup(packages=packages, package_dir=KERNEL_PACKAGES, cmdclass={"build_py": BuildPyWithStartupFile})

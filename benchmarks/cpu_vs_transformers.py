@@ -175,7 +175,7 @@ def worker(args) -> None:
 
 def checkout(rev: str, into: str) -> str:
     """This package as it was at git revision `rev`, laid out to import as `optimum_qwen35` (its `kernels/` folder
-    installed as `optimum_qwen35.kernels`, as setup.py does) under `into`. Returns the commit it resolved to."""
+    installed inside `optimum_qwen35.kernels`, as setup.py does) under `into`. Returns the commit it resolved to."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
@@ -184,7 +184,13 @@ def checkout(rev: str, into: str) -> str:
         raise SystemExit(f"--against {rev}: not a git revision of {repo} (give a commit, tag or branch of this repository)")
     archive = subprocess.run(["git", "-C", repo, "archive", commit, "optimum_qwen35", "kernels"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
-    shutil.move(os.path.join(into, "kernels"), os.path.join(into, "optimum_qwen35", "kernels"))
+    # kernels/<sub> goes to optimum_qwen35/kernels/<sub> (setup.py's package_dir); before the dispatch module moved to
+    # optimum_qwen35/kernels/__init__.py, kernels/ held it too, and the same moves place it there.
+    target = os.path.join(into, "optimum_qwen35", "kernels")
+    os.makedirs(target, exist_ok=True)
+    for name in os.listdir(os.path.join(into, "kernels")):
+        shutil.move(os.path.join(into, "kernels", name), os.path.join(target, name))
+    os.rmdir(os.path.join(into, "kernels"))
     return commit
 
 

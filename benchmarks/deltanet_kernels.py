@@ -42,7 +42,7 @@ ACTIVATIONS = {"bf16": BF16, "fp32": np.float32}
 
 
 def state_traffic_us(batch: int) -> tuple[float, float]:
-    """The slots' fp32 states read and written once: (at the cost model's DMA rate, at the raw HBM bandwidth)."""
+    """The rows' fp32 states read and written once: (at the cost model's DMA rate, at the raw HBM bandwidth)."""
     nbytes = 2 * batch * NV * DK * DV * 4
     return nbytes / dma_bandwidth(get_target("trn2")) * 1e6, nbytes / HBM_PER_CORE * 1e6
 
@@ -51,8 +51,7 @@ def decode(batch: int, operands: str = "auto", activations: str = "bf16"):
     C = 2 * NK * DK + NV * DV
     z, act = np.zeros, ACTIVATIONS[activations]
     args = (z((batch, C), act), z((batch, NV), act), z((batch, NV), act), z(NV, np.float32), z(NV, np.float32),
-            z((C, K), act), z((batch, C, K - 1), act), z((batch, NV, DK, DV), np.float32),
-            np.arange(batch, dtype=np.int32).reshape(1, batch), operands)
+            z((C, K), act), z((batch, C, K - 1), act), z((batch, NV, DK, DV), np.float32), operands)
     _, report = estimate(gated_delta_rule_tkg, *args, target="trn2", compute=False)
     return report
 
@@ -61,7 +60,7 @@ def prefill(tokens: int, operands: str = "auto", lnc: int = 2, activations: str 
     z, act = np.zeros, ACTIVATIONS[activations]
     args = (z((1, NK, tokens, DK), act), z((1, NK, tokens, DK), act), z((1, NV, tokens, DV), act),
             z((1, tokens, NV), act), z((1, tokens, NV), act), z(NV, np.float32), z(NV, np.float32),
-            z((1, NV, DK, DV), np.float32), np.zeros((1, 1), np.int32), np.full((1, 1), tokens, np.int32),
+            z((1, NV, DK, DV), np.float32), np.full((1, 1), tokens, np.int32),
             solve_masks(), operands)
     _, report = estimate(gated_delta_rule_cte, *args, target="trn2", compute=False, grid=lnc)
     return report

@@ -11,13 +11,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LAYOUTS = ("tiny-2b", "tiny-nv2x", "tiny-nv3x")
 
 
-def has_reference_transformers() -> bool:
-    """transformers >= 5 with `qwen3_5`: the reference implementation is importable."""
+def reference_import_error() -> str | None:
+    """With transformers >= 5: why `transformers.models.qwen3_5.modeling_qwen3_5` does not import, or None."""
     try:
         import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def pytest_addoption(parser):
@@ -36,7 +36,19 @@ def deep(request) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if has_reference_transformers():
+    """The reference tests need transformers >= 5 (its `qwen3_5`): skipped where transformers < 5 is installed (the
+    optimum environment). With transformers >= 5 its Qwen3.5 must import: an ImportError there (a package shadowing
+    one transformers imports, a broken install) stops the session with the error instead of skipping every reference
+    test."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        error = reference_import_error()
+        if error is not None:
+            raise pytest.UsageError(
+                f"transformers {transformers.__version__} is installed but its Qwen3.5 does not import ({error}): "
+                "the reference tests cannot run"
+            )
         return
     skip = pytest.mark.skip(reason="needs transformers >= 5 (qwen3_5); runs in the nox `reference` session")
     for item in items:

@@ -128,7 +128,7 @@ def mutants(source: str) -> list[tuple[str, int, str, str]]:
 
 
 def stage() -> None:
-    """The committed tree (HEAD), laid out as the package installs (kernels/ as optimum_qwen35/kernels/)."""
+    """The committed tree (HEAD), laid out as the package installs (kernels/<sub> as optimum_qwen35/kernels/<sub>)."""
     shutil.rmtree(STAGE, ignore_errors=True)
     STAGE.mkdir()
     archive = STAGE / "head.tar"
@@ -137,7 +137,9 @@ def stage() -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(STAGE)
     archive.unlink()
-    shutil.move(STAGE / "kernels", STAGE / "optimum_qwen35" / "kernels")
+    for sub in (STAGE / "kernels").iterdir():  # kernels/<sub> is optimum_qwen35.kernels.<sub> (setup.py)
+        shutil.move(sub, STAGE / "optimum_qwen35" / "kernels" / sub.name)
+    (STAGE / "kernels").rmdir()
 
 
 def run_tests(timeout: float | None = None) -> tuple[str, float]:

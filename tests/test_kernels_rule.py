@@ -8,7 +8,7 @@ sharing key heads) would pass there."""
 import torch
 import torch.nn.functional as F
 
-from optimum_qwen35.kernels.causal_conv1d_reference import causal_conv1d, causal_conv1d_step
+from optimum_qwen35.kernels.conv1d.reference import causal_conv1d, causal_conv1d_step
 from optimum_qwen35.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 

@@ -108,10 +108,11 @@ def test_query_blocks_of_a_long_block_in_one_go():
 
 def test_the_factorys_token_block_reaches_every_layer():
     """The layer factory's token block is what each layer uses: a 150-token prompt (padded to the 256-token bucket)
-    over 64-token blocks runs the DeltaNet prefill four times per DeltaNet layer (counted by the kernel dispatch),
+    over 64-token blocks runs the DeltaNet prefill four times per DeltaNet layer (counted in the kernel registry),
     a 64-token one once."""
-    from optimum_qwen35 import kernels
     from optimum_qwen35.modeling.torch_layers import TorchLayers
+
+    from .kit.kernel_calls import count_kernel_calls
 
     class SmallBlocks(TorchLayers):
         token_block = 64
@@ -120,18 +121,19 @@ def test_the_factorys_token_block_reaches_every_layer():
     deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
     model = Qwen35Runtime.from_decoder(decoder, batch_size=1, max_length=256, buckets=[64, 256])
     for length, blocks in ((150, 4), (64, 1)):
-        before = kernels.calls[("torch", "deltanet_prefill")]
-        model.prefill([random_prompt(length, 5)], [0])
-        assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
+        with count_kernel_calls("torch") as calls:
+            model.prefill([random_prompt(length, 5)], [0])
+        assert calls["torch", "deltanet_prefill"] == blocks * deltanet_layers
 
 
 @pytest.mark.parametrize("batch, blocks", [(1, 1), (2, 2), (4, 4), (8, 4)])
 def test_token_blocks_hold_a_number_of_rows(batch, blocks):
     """The factory's token block counts rows (batch x tokens): 256 rows run a 256-token bucket in one block at
     batch 1, two 128-token blocks at batch 2, four 64-token ones at batch 4, and never less than one delta-rule
-    chunk (64 tokens) per block: four at batch 8 too (counted by the kernel dispatch)."""
-    from optimum_qwen35 import kernels
+    chunk (64 tokens) per block: four at batch 8 too (counted in the kernel registry)."""
     from optimum_qwen35.modeling.torch_layers import TorchLayers
+
+    from .kit.kernel_calls import count_kernel_calls
 
     class Rows256(TorchLayers):
         token_block = 256
@@ -140,9 +142,9 @@ def test_token_blocks_hold_a_number_of_rows(batch, blocks):
     assert [decoder.layers[0].block_tokens(b) for b in (1, 2, 3, 4, 5, 8)] == [256, 128, 64, 64, 64, 64]
     deltanet_layers = sum(not layer.is_attention for layer in decoder.layers)
     model = Qwen35Runtime.from_decoder(decoder, batch_size=batch, max_length=256, buckets=[256])
-    before = kernels.calls[("torch", "deltanet_prefill")]
-    model.prefill([random_prompt(200, 5)], [0])
-    assert kernels.calls[("torch", "deltanet_prefill")] - before == blocks * deltanet_layers
+    with count_kernel_calls("torch") as calls:
+        model.prefill([random_prompt(200, 5)], [0])
+    assert calls["torch", "deltanet_prefill"] == blocks * deltanet_layers
 
 
 def test_decode_attends_only_to_its_cache_bucket(decoder):
@@ -236,41 +238,43 @@ def test_slot_write_touches_only_the_active_rows_slots(seq_ids):
 
 
 def test_decode_seams_fast_path_equals_the_functional_one(monkeypatch):
-    """The CPU decode seam updates its own copy of the slots' recurrent states in place (issue 31): the same numbers,
-    bit for bit, as the functional path the Neuron graphs take, on a batch with a fresh row, a continued row and an
-    inactive row; the caller's states change only in the active rows' slots, and the in-place step really ran."""
+    """The CPU decode seam, given initial states it may keep (`donate_initial`: the mixer's own copies of the slots'
+    rows, on CPU), updates the recurrent state in them (issue 31): the same numbers, bit for bit, as the functional
+    path the Neuron graphs take, with a zero (fresh) row among them; the in-place step really ran, and only then."""
     from optimum_qwen35 import kernels
     from optimum_qwen35.kernels.gated_delta_rule import fused, reference
-    from optimum_qwen35.modeling.state import Slots
 
     ran = []
-    real = reference.recurrent_gated_delta_rule_step_
-    monkeypatch.setattr(reference, "recurrent_gated_delta_rule_step_", lambda *a: ran.append(1) or real(*a))
+    real = fused.recurrent_gated_delta_rule_step_
+    monkeypatch.setattr(fused, "recurrent_gated_delta_rule_step_", lambda *a: ran.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
     B, nk, nv, dk, dv, K = 3, 2, 4, 8, 16, 4
     C = 2 * nk * dk + nv * dv
     mixed, a, b = torch.randn(B, C, generator=g), torch.randn(B, nv, generator=g), torch.randn(B, nv, generator=g)
     A_log, dt_bias, weight = torch.randn(nv, generator=g), torch.randn(nv, generator=g), torch.randn(C, K, generator=g)
-    conv, rec = torch.randn(4, C, K - 1, generator=g), torch.randn(4, nv, dk, dv, generator=g)
-    seq_ids, fresh = torch.tensor([2, 0, -1], dtype=torch.int32), torch.tensor([True, False, True])
+    conv, rec = torch.randn(B, C, K - 1, generator=g), torch.randn(B, nv, dk, dv, generator=g)
+    conv[1], rec[1] = 0, 0  # a fresh row
     results = {}
-    for in_place in (True, False):
-        states = (conv.clone(), rec.clone())
-        out = fused.deltanet_decode_reference(mixed, a, b, A_log, dt_bias, weight, *states,
-                                              Slots(seq_ids, fresh, in_place=in_place))
-        assert (out[1] is states[0] and out[2] is states[1]) == in_place
-        results[in_place] = out
-    assert ran == [1], "the in-place step did not run on the in-place path alone"
+    for donate in (True, False):
+        initial = (conv.clone(), rec.clone())
+        out = fused.deltanet_decode_reference(mixed, a, b, A_log, dt_bias, weight, *initial, donate_initial=donate)
+        assert (out[2].data_ptr() == initial[1].data_ptr()) == donate
+        if not donate:
+            assert torch.equal(initial[1], rec), "a state not donated changed"
+        results[donate] = out
+    assert ran == [1], "the in-place step did not run on the donated path alone"
     for fast, functional in zip(results[True], results[False]):
         assert torch.equal(fast, functional)
-    assert torch.equal(results[True][2][[1, 3]], rec[[1, 3]]) and not torch.equal(results[True][2][2], rec[2])
-    # A backend with its own step keeps getting it, in place or not.
+    # A backend with its own step keeps getting it, donated or not: its decode seam is the reference over its step.
     own_step = lambda *args: ran.append(2) or reference.recurrent_gated_delta_rule_step(*args)  # noqa: E731
-    monkeypatch.setitem(kernels._BACKENDS, "own-step", {**kernels._BACKENDS["torch"], "recurrent_gated_delta_rule_step": own_step})
-    monkeypatch.setattr(kernels, "_active", "own-step")
-    fused.deltanet_decode_reference(mixed, a, b, A_log, dt_bias, weight, conv.clone(), rec.clone(),
-                                    Slots(seq_ids, fresh, in_place=True))
+    kernels.register_backend("own-step", {"recurrent_gated_delta_rule_step": own_step})
+    try:
+        out = kernels.deltanet_decode(mixed, a, b, A_log, dt_bias, weight, conv.clone(), rec.clone(),
+                                      backend="own-step", donate_initial=True)
+    finally:
+        kernels.unregister_backend("own-step")
     assert ran == [1, 2]
+    assert all(torch.equal(x, y) for x, y in zip(out, results[False]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

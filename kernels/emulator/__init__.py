@@ -23,7 +23,7 @@ import types
 
 import numpy as np
 
-from . import cost, isa, language, rules, runtime, tensors
+from . import cost, isa, language, language_isa, rules, runtime, tensors
 from .cost import CostParams, CostReport, Trace  # noqa: F401
 from .rules import TARGETS, NkiRuleError, NkiValidationError, Target, get_target
 from .tensors import NkiTensor
@@ -64,6 +64,10 @@ for _name in ("engine", "reduce_cmd", "dge_mode", "oob_mode", "matmul_perf_mode"
     setattr(isa_constants, _name, getattr(isa, _name))
 isa.constants = isa_constants
 
+# nki.language's functions that run nki.isa instructions live in language_isa.py (isa.py imports language.py).
+for _name in language_isa.__all__:
+    setattr(language, _name, getattr(language_isa, _name))
+
 IS_EMULATOR = True
 __version__ = "0.3.0+emulator"
 
@@ -92,7 +96,7 @@ def _to_device(x, name):
     if isinstance(x, NkiTensor):
         return x, None
     if type(x).__module__.startswith("torch"):
-        import torch
+        import torch  # the emulator itself needs no torch: only a caller that hands it torch tensors
 
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
@@ -107,7 +111,7 @@ def _from_device(x, kind):
     if isinstance(x, NkiTensor):
         arr = x.read(what="the kernel's return value").copy()
         if kind == "torch":
-            import torch
+            import torch  # (the same: torch tensors in, torch tensors out)
 
             if arr.dtype == tensors.bfloat16:
                 return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)

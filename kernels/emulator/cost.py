@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from .tensors import bfloat16, float16
+
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
 
 # Where the documents cited below live: the aws-neuron/aws-neuron-sdk repository, published at
@@ -550,8 +552,6 @@ def _uid(t):
 
 # ------------------------------------------- per-instruction work (priced at schedule time, see engine_cycles)
 def is_16bit(*dtypes) -> bool:
-    from .tensors import bfloat16, float16
-
     return all(d in (bfloat16, float16) for d in dtypes)
 
 

@@ -15,7 +15,7 @@ import enum
 import numpy as np
 
 from . import cost, runtime
-from .language import float32, resolve_op
+from .language import equal, float32, resolve_op
 from .rules import NkiRuleError, NkiValidationError  # noqa: F401
 from .tensors import (
     FLOAT8,
@@ -771,8 +771,6 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     """``nisa.affine_select``: ``dst = on_true_tile`` where ``cmp_op(affine_value, 0)`` else ``on_false_value``, with
     the affine value of ``iota`` (GpSimd; dst and on_true_tile in SBUF)."""
     _no_other_keywords("affine_select", kwargs)
-    from .language import equal
-
     for t in (dst, on_true_tile):
         if t.buffer is not sbuf:
             rule = "gpsimd-psum" if t.buffer is psum else "memory-type"

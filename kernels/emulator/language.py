@@ -7,7 +7,10 @@ operator identifiers passed to ``nki.isa`` instructions (``op=nl.add``); called 
 
 from __future__ import annotations
 
+# `copy`, `sqrt` are names of nki.language, which this module emulates: the standard modules go by other names.
 import builtins
+import contextlib as _contextlib
+import copy as _copy
 import math as _math
 
 import numpy as np
@@ -17,6 +20,8 @@ from .rules import NkiRuleError
 from .tensors import (  # noqa: F401  (re-exported names of nki.language)
     FLOAT8,
     DynSlice,
+    ParDim,
+    from_array,
     MemoryRegion,
     NkiTensor,
     allocate,
@@ -115,8 +120,6 @@ def _nki_fields(cls) -> dict:
 
 
 def _field_default(value):
-    import copy as _copy
-
     # Mutable class values (lists, dicts) are copied per instance, as a data class's default factory would.
     return _copy.copy(value) if isinstance(value, (list, dict, set)) else value
 
@@ -177,8 +180,6 @@ def is_sbuf(buffer):
 
 def par_dim(n):
     """``neuronxcc`` partition-axis marker in a shape, e.g. ``(n_tiles, nl.par_dim(128), 512)``."""
-    from .tensors import ParDim
-
     return ParDim(n)
 
 
@@ -195,34 +196,6 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None, **kwargs):
 
 def empty_like(x, dtype=None, buffer=None, name=""):
     return allocate(x.shape, dtype or x.dtype, buffer or (x.buffer if isinstance(x, NkiTensor) else sbuf), name)
-
-
-def full(shape, fill_value, dtype, buffer=sbuf, name="", **kwargs):
-    from . import isa
-
-    t = allocate(shape, dtype, buffer, name)
-    isa.memset(t, fill_value)
-    return t
-
-
-def zeros(shape, dtype, buffer=sbuf, name="", **kwargs):
-    return full(shape, 0, dtype, buffer, name)
-
-
-def ones(shape, dtype, buffer=sbuf, name="", **kwargs):
-    return full(shape, 1, dtype, buffer, name)
-
-
-def zeros_like(x, dtype=None, buffer=None, name=""):
-    return zeros(x.shape, dtype or x.dtype, buffer or sbuf, name)
-
-
-def shared_identity_matrix(n, dtype=uint8, dst=None):
-    from . import isa
-
-    out = dst if dst is not None else allocate((n, n), dtype, sbuf)
-    isa._write(out, np.eye(n, dtype=np.float32))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- indexing, loops
@@ -260,9 +233,7 @@ def fori_loop(lower, upper, body_fun, step=1):
 
 
 def no_reorder():
-    import contextlib
-
-    return contextlib.nullcontext()
+    return _contextlib.nullcontext()
 
 
 def program_id(axis=0):
@@ -284,7 +255,6 @@ def program_ndim():
 
 def shared_constant(constant, dtype=None, **kwargs):
     """``nl.shared_constant``: a constant array as an HBM tensor visible to every program."""
-    from .tensors import from_array
 
     arr = np.asarray(constant if not hasattr(constant, "numpy") else constant.numpy())
     return from_array(arr.astype(normalize_dtype(dtype)) if dtype is not None else arr, shared_hbm)
@@ -313,10 +283,8 @@ class Op:
 
 
 def _gelu(x):
-    from math import sqrt
-
     erf = np.vectorize(_math.erf, otypes=[np.float64])
-    return 0.5 * x * (1.0 + erf(x / sqrt(2.0)))
+    return 0.5 * x * (1.0 + erf(x / _math.sqrt(2.0)))
 
 
 def _erf(x):
@@ -585,48 +553,6 @@ def transpose(x, dtype=None):
     return out
 
 
-def matmul(x, y, transpose_x=False):
-    """``nl.matmul``: ``x @ y`` (``x.T @ y`` with ``transpose_x``) into a new fp32 PSUM tile, via ``nc_matmul``."""
-    from . import isa
-
-    stationary = x if transpose_x else transpose(x)
-    out = allocate((stationary.shape[1], y.shape[1]), float32, psum)
-    isa.nc_matmul(out, stationary, y)
-    return out
-
-
-def load(src, dtype=None, mask=None, **kwargs):
-    """``nl.load`` (neuronxcc style): DMA an HBM tensor into a new SBUF tile."""
-    from . import isa
-
-    shape = src.shape if len(src.shape) else (1,)
-    if not src.on_chip and len(shape) == 1:
-        shape = (shape[0], 1)
-    out = allocate(shape, dtype or src.dtype, sbuf)
-    isa.dma_copy(out, src)
-    return out
-
-
-def store(dst, value, mask=None, **kwargs):
-    """``nl.store`` (neuronxcc style): DMA a tile into an HBM tensor."""
-    from . import isa
-
-    if not isinstance(value, NkiTensor):
-        tile = allocate(dst.shape, dst.dtype, sbuf)
-        tile.write(np.broadcast_to(np.asarray(value, np.float32), dst.shape))
-        value = tile
-    elif value.buffer is psum:  # the compiler routes PSUM through SBUF for nl.store (DMA cannot read PSUM)
-        tile = allocate(value.cshape, value.dtype, sbuf)
-        isa.tensor_copy(tile, value)
-        value = tile
-    isa.dma_copy(dst, value)
-
-
-def load_transpose2d(src, dtype=None):
-    t = load(src, dtype)
-    return transpose(t)
-
-
 def _binary_dunder(op, reverse=False):
     def method(self, other):
         return op(other, self) if reverse else op(self, other)
@@ -641,3 +567,21 @@ for _name, _op_ in [("add", add), ("sub", subtract), ("mul", multiply), ("truedi
     setattr(NkiTensor, f"__r{_name}__", _binary_dunder(_op_, reverse=True))
 NkiTensor.__neg__ = lambda self: negative(self)
 del _name, _op_
+
+# The old API's conveniences on tensors (x.T, x += y, ...), installed here beside the functions they call (tensors.py,
+# which this module imports, does not import it).
+NkiTensor.T = property(lambda self: transpose(self))
+
+
+def _inplace_dunder(op):
+    def method(self, other):
+        _inplace(self, other, op)
+        return self
+
+    return method
+
+
+NkiTensor.__iadd__ = _inplace_dunder(add)
+NkiTensor.__isub__ = _inplace_dunder(subtract)
+NkiTensor.__imul__ = _inplace_dunder(multiply)
+NkiTensor.__itruediv__ = _inplace_dunder(divide)

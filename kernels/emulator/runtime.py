@@ -12,14 +12,16 @@ import os
 from .rules import MemoryTracker, get_target
 
 
-def _default_target_name() -> str:
+def default_target_name() -> str:
+    """The target launches run on unless one is named: OPTIMUM_QWEN35_NKI_TARGET, else NEURON_PLATFORM_TARGET_OVERRIDE,
+    else trn2."""
     # `NEURON_PLATFORM_TARGET_OVERRIDE` is how the `nki.jit` reference says the target is chosen.
     return os.environ.get("OPTIMUM_QWEN35_NKI_TARGET") or os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE") or "trn2"
 
 
 class Context:
     def __init__(self, target=None, *, uninitialized: str = "error", compute: bool = True, capacity: str = "error"):
-        self.target = get_target(target or _default_target_name())
+        self.target = get_target(target or default_target_name())
         self.memory = MemoryTracker(self.target, capacity)
         self.program_id: tuple[int, ...] = (0,)
         self.grid: tuple[int, ...] = (1,)

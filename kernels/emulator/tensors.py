@@ -572,37 +572,6 @@ class NkiTensor:
                 "out-of-bounds", f"access pattern reaches element {hi} (or {lo}) of {self.name} holding {total}"
             )
 
-    # ------------------------------------------------------------------ old-API conveniences
-    @property
-    def T(self):
-        from . import language
-
-        return language.transpose(self)
-
-    def __iadd__(self, other):
-        from . import language
-
-        language._inplace(self, other, language.add)
-        return self
-
-    def __isub__(self, other):
-        from . import language
-
-        language._inplace(self, other, language.subtract)
-        return self
-
-    def __imul__(self, other):
-        from . import language
-
-        language._inplace(self, other, language.multiply)
-        return self
-
-    def __itruediv__(self, other):
-        from . import language
-
-        language._inplace(self, other, language.divide)
-        return self
-
 
 def _fit(values: np.ndarray, shape) -> np.ndarray:
     """Values for a store into `shape`: broadcast, or reshape when only the element count matches."""

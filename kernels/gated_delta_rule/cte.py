@@ -1,8 +1,8 @@
 """NKI prefill kernel (context encoding, and the chunked-prefill continuation) of the gated delta rule.
 
 All heads of a layer's rank and every batch row in one launch (with LNC=2 on trn2, `kernel[2]`, each of the two
-physical NeuronCores takes half of the heads). Per batch row b (initial state from slot s = initial_slots[b]; -1:
-a zero initial state) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
+physical NeuronCores takes half of the heads). Per batch row b (initial state initial_recurrent[b]: the caller's,
+zeros for a fresh row) and value head h (key head h // (nv / nk)), chunk by chunk of C = 128 tokens:
 
     q, k  <- l2-normalised (q also scaled by dk^-0.5) in the kernel, from the conv output
     g     =  -exp(A_log) softplus(a + dt_bias),  beta = sigmoid(b)   (computed in the kernel from the raw projections)
@@ -15,8 +15,8 @@ a zero initial state) and value head h (key head h // (nv / nk)), chunk by chunk
     S     =  exp(gc_C) S + (k exp(gc_C - gc))^T v'
 
 Every exponent is <= 0: gc_i - gc_j for j <= i (the other triangle gets -3e38 added before exp), gc, and gc_C - gc.
-The initial state is read from recurrent_state[s]; the final state is returned (state_out[b], fp32). The kernel
-writes none of its inputs (the seam puts the returned states into the slots: fused.py).
+The initial state is read from initial_recurrent[b]; the final state is returned (state_out[b], fp32). The kernel
+writes none of its inputs (the caller puts the returned states into its slots).
 
 Chunk size and the triangular solve. C = 128 tokens puts one token per partition (all 128 partitions work, and the
 [C, C] matrices are single TensorE tiles). T is computed by recursive block inversion: starting from the identity
@@ -33,8 +33,8 @@ a round's matmuls stream those C / 2 columns only (a strided view), and T^T (the
 TensorE transpose. Per head and chunk the solve is 6 x (2 matmuls + 1 transpose).
 
 Layouts (HBM): q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU (activation dtype); a, b [B, T, nv]
-raw (activation dtype); A_log, dt_bias [nv] fp32; recurrent_state [slots, nv, dk, dv] fp32 (read only);
-initial_slots, lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
+raw (activation dtype); A_log, dt_bias [nv] fp32; initial_recurrent [B, nv, dk, dv] fp32 (read only);
+lengths [1, B] int32; solve_masks [7, 128, 128] fp32 (the M_s above, `solve_masks()`). Returns
 (o [B, nv, T, dv] fp32, state_out [B, nv, dk, dv] fp32). On chip, tokens are on partitions ([C, dk], [C, dv],
 [C, C]) and the state is [dk, dv].
 
@@ -142,7 +142,7 @@ def _load_chunk(q, k, v, a, b, bi, hs, group, c):
 
 
 @nki.jit
-def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, initial_slots, lengths, solve_masks,
+def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, solve_masks,
                          operands="auto"):
     B, nk, T, dk = q.shape
     nv, dv = v.shape[1], v.shape[3]
@@ -202,13 +202,10 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, initial
     nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
     dtb_bc = nl.ndarray((C, nv), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=dtb_bc, src=dt_bias.ap(pattern=[[0, C], [1, nv]], offset=0))
-    seq = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=seq, src=initial_slots)
     len_bc = nl.ndarray((C, B), dtype=f32, buffer=nl.sbuf)
     nisa.dma_copy(dst=len_bc, src=lengths.ap(pattern=[[0, C], [1, B]], offset=0))
 
     for bi in range(B):
-        slot = seq[0:1, bi:bi + 1]
         for h0 in range(h_begin, h_end, HEADS_INTERLEAVED):
             # The heads advance in lockstep, statement by statement, so that each engine's instruction stream
             # alternates between independent heads and one head's dependency chain does not idle the others.
@@ -216,11 +213,9 @@ def gated_delta_rule_cte(q, k, v, a, b, A_log, dt_bias, recurrent_state, initial
             G = len(hs)
             views, S = [], []
             for h in hs:
-                views.append(recurrent_state.ap(pattern=[[nv * dk * dv, 1], [dv, dk], [1, dv]], offset=h * dk * dv,
-                                                scalar_offset=slot, indirect_dim=0))
+                views.append(initial_recurrent.ap(pattern=[[dv, dk], [1, dv]], offset=(bi * nv + h) * dk * dv))
                 s_tile = nl.ndarray((dk, dv), dtype=f32, buffer=nl.sbuf)
-                nisa.memset(s_tile, 0.0)  # slot -1 (a fresh or inactive row): zero initial state
-                nisa.dma_copy(dst=s_tile, src=views[-1], oob_mode=nisa.oob_mode.skip)
+                nisa.dma_copy(dst=s_tile, src=views[-1])
                 S.append(s_tile)
 
             # Software pipelining over chunks, in three stages per chunk, issued so that each engine's in-order

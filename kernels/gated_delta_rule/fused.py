@@ -1,38 +1,48 @@
-"""The fused DeltaNet seams: raw projections in, the output and the slots' updated conv and recurrent states out.
+"""The fused DeltaNet seams: raw projections and each row's initial states in; the output and each row's final states
+out. Tensors in, tensors out: which slot a row's states live in is the caller's business (the mixer gathers them with
+`Slots.gather_initial`, zeros for a fresh row, and writes the final ones back with `Slots.write`).
 
-    deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots)
-            -> (o, conv_state, recurrent_state)
+    deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *, lnc, donate_initial)
+            -> (o, final_conv, final_recurrent)
         mixed_qkv [B, C] (in_proj_qkv output before the conv), a, b [B, nv] raw, A_log, dt_bias [nv],
-        conv_weight [C, K], conv_state [slots, C, K - 1], recurrent_state [slots, nv, dk, dv] fp32, slots
-        (`modeling.state.Slots`: seq_ids [B], -1 an inactive row; fresh rows start from zero states; in place or
-        functional). Returns o [B, nv, dv] fp32 (before the gated RMSNorm) and the two states, in which the slots of
-        active rows are updated and nothing else.
+        conv_weight [C, K], initial_conv [B, C, K - 1] (activation dtype), initial_recurrent [B, nv, dk, dv] fp32.
+        Returns o [B, nv, dv] fp32 (before the gated RMSNorm), final_conv [B, C, K - 1] and final_recurrent
+        [B, nv, dk, dv] fp32: the states after the row's token.
 
-    deltanet_prefill(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths) -> (o, recurrent_state)
+    deltanet_prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc) -> (o, final_recurrent)
         q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU, before normalisation (activation dtype);
-        a, b [B, T, nv] raw; lengths [B] (tokens past lengths[b] are padding and change no state). The initial state
-        is recurrent_state[seq_ids[b]] (zero for a fresh row), the final one is written to that slot, in fp32.
-        Returns o [B, nv, T, dv] fp32 and the state.
+        a, b [B, T, nv] raw; initial_recurrent [B, nv, dk, dv] fp32; lengths [B] or None (tokens past lengths[b]
+        are padding and change no state). Returns o [B, nv, T, dv] fp32 and final_recurrent [B, nv, dk, dv] fp32,
+        the state after position lengths[b] - 1.
 
-Whether the states come back written in place or as updated copies is `slots.in_place` (the layer factory's choice:
-in place on CPU, functional in the Neuron graphs, whose aliased outputs must be new values; see modeling/state.py).
+`lnc`: the logical NeuronCore degree the graph is compiled for (2 on trn2: the prefill kernel splits the heads over
+the two physical cores of the logical core; 1 on trn1/inf2), which the caller knows (the Neuron layer factory's
+`kernel_lnc`); None only on the CPU emulator, which then takes the degree of the target it emulates. The references
+ignore it.
+
+`donate_initial` (decode): the caller gives up the initial-state tensors (its own copies, as `Slots.gather_initial`
+makes them), so an implementation may compute the final states in their memory. The CPU reference does (the in-place
+decode step: no new state-sized tensor per layer and step, issue 31); the NKI kernels write none of their inputs. The
+custom ops (custom_ops.py) never donate.
+
+What comes next fits these signatures: speculative decoding's verify step (k + 1 tokens per row, the states after each
+position) is a decode seam over mixed_qkv [B, T, C] returning [B, T, ...] states from the same per-row initial
+states; prefix caching's prefill from cached states takes them as `initial_recurrent` (and the conv state as
+`causal_conv1d`'s initial state, as the mixer does) and would return the states at block boundaries next to the final
+one. Neither needs a slot in the seam.
 
 The NKI versions take `operands` (operands.py): "auto" (default) gives bf16 TensorE operands for bf16 activations and
 fp32 ones for fp32 activations (fp32 accumulation and an fp32 state either way); "fp32" (exact) and "tf32" stay
-available for bf16 activations. The prefill kernel is launched with the target's LNC degree (2 on trn2: the heads
-split over the two physical NeuronCores of the logical core).
+available for bf16 activations.
 
-Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, calling the unfused entry
-points through the dispatch so that a backend overriding one of them still takes effect) and an NKI version
-(`*_nki`) that runs the kernels of `tkg.py` / `cte.py`. The kernels write none of their inputs: they read each row's
-initial states from its slot (`initial_slots`: the slot `Slots.gather_initial` reads, -1 for a fresh row's zero
-states) and return the new states per row ([B, ...]), as NxDI's DeltaNet kernels return their final state; the seam
-puts them into the slots with `Slots.write`, as the reference does (in place on CPU, functional in the Neuron graphs,
-where the scatter's result is the output aliased to the state input). With the real NKI (`nki_import.USING_EMULATOR`
-False) the seams launch the `nki.jit` kernels on the torch tensors as they come (torch-xla tensors inside a traced
-Neuron graph: each launch becomes one custom call of the graph, whose outputs are o and the states, compiled with it
-by neuronx-cc); on the emulator they hand them read-only NumPy views of the same memory (a kernel writing an input
-would raise).
+Each seam has a PyTorch reference (`*_reference`, the math of the unfused model, op for op, over the unfused
+functions it is given: the dispatch hands a backend's own unfused entry points to the reference seams it does not
+replace) and an NKI version (`*_nki`) that runs the kernels of `tkg.py` / `cte.py`, which write none of their inputs
+and return the final states per row, as NxDI's DeltaNet kernels return their final state. With the real NKI
+(`nki_import.USING_EMULATOR` False) the seams launch the `nki.jit` kernels on the torch tensors as they come (torch-xla
+tensors inside a traced Neuron graph: each launch becomes one custom call of the graph, whose outputs are o and the
+states, compiled with it by neuronx-cc); on the emulator they hand them read-only NumPy views of the same memory (a
+kernel writing an input would raise).
 """
 
 from __future__ import annotations
@@ -41,6 +51,13 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ..conv1d.reference import causal_conv1d_step
+from .reference import chunk_gated_delta_rule, recurrent_gated_delta_rule_step, recurrent_gated_delta_rule_step_
+
+# The NKI versions import nki_import, the kernel modules and the emulator's target when first called (deferred
+# imports below): importing them imports NKI (the real package where installed, else the emulator), which a model on
+# the torch backend never needs, and `nki_import.use_emulator()` (tests) must be able to run before the kernel modules
+# bind their `nki` names.
 
 
 def _upcast(x):
@@ -74,41 +91,37 @@ def gates(a, b, A_log, dt_bias):
 
 
 # ------------------------------------------------------------------------------------------------------ references
-def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots):
-    from .. import _implementation, causal_conv1d_step  # the dispatched entry points
-    from .reference import recurrent_gated_delta_rule_step as reference_step, recurrent_gated_delta_rule_step_
-
+def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *,
+                              lnc=None, donate_initial=False, conv_step=causal_conv1d_step,
+                              rule_step=recurrent_gated_delta_rule_step):
+    """The decode seam over the unfused `conv_step` / `rule_step` (the dispatch passes its backend's)."""
     B, C = mixed_qkv.shape
-    _, nv, dk, dv = recurrent_state.shape
+    _, nv, dk, dv = initial_recurrent.shape
     nk = (C - nv * dv) // (2 * dk)
-    conv_rows, state_rows = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
-    mixed, new_conv = causal_conv1d_step(mixed_qkv, conv_weight, conv_rows)
+    mixed, final_conv = conv_step(mixed_qkv, conv_weight, initial_conv)
     q, k, v = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
     q = l2norm(_upcast(q.reshape(B, nk, 1, dk))) * dk**-0.5
     k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
     v = _upcast(v.reshape(B, nv, 1, dv))
     g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
-    step = _implementation("recurrent_gated_delta_rule_step", None)
-    if slots.in_place and step is reference_step:
-        # The CPU fast path: state_rows is this call's own copy of the slots' states (`gather_initial`), so the
-        # reference step decays and updates it in place, the same numbers without another state-sized tensor (an
-        # allocation per layer and step, page-faulted afresh: issue 31). The functional (Neuron) path is unchanged.
-        step = recurrent_gated_delta_rule_step_
-    o, new_state = step(q, k, v, g[:, :, None], beta[:, :, None], state_rows)
-    return o[:, :, 0], slots.write(conv_state, new_conv, conv_rows), slots.write(recurrent_state, new_state, state_rows)
+    if donate_initial and rule_step is recurrent_gated_delta_rule_step:
+        # The CPU fast path: initial_recurrent is the caller's own copy (`Slots.gather_initial`), so the reference
+        # step decays and updates it in place, the same numbers without another state-sized tensor (an allocation
+        # per layer and step, page-faulted afresh: issue 31).
+        rule_step = recurrent_gated_delta_rule_step_
+    o, final_recurrent = rule_step(q, k, v, g[:, :, None], beta[:, :, None], initial_recurrent)
+    return o[:, :, 0], final_conv.to(initial_conv.dtype), final_recurrent
 
 
-def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths):
-    from .. import chunk_gated_delta_rule  # the dispatched entry point
-
+def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc=None,
+                               chunk_rule=chunk_gated_delta_rule):
+    """The prefill seam over the unfused `chunk_rule` (the dispatch passes its backend's)."""
     B, nk, T, dk = q.shape
     q = l2norm(_upcast(q)) * dk**-0.5
     k = l2norm(_upcast(k))
     v = _upcast(v)
     g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
-    initial = slots.gather_initial(recurrent_state)
-    o, final = chunk_gated_delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial, lengths)
-    return o, slots.write(recurrent_state, final, initial)
+    return chunk_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial_recurrent, lengths)
 
 
 # ------------------------------------------------------------------------------------------------------ NKI versions
@@ -136,23 +149,14 @@ def _on_emulator() -> bool:
     """True when `nki` is this project's CPU emulator (the seams hand it NumPy views of the tensors); False when it
     is the real NKI, whose `nki.jit` kernels take the torch tensors themselves (torch-xla tensors in a Neuron graph).
     """
-    from ..nki_import import USING_EMULATOR
+    from .. import nki_import  # deferred: see the imports above; read at each call (`use_emulator` switches it)
 
-    return USING_EMULATOR
+    return nki_import.USING_EMULATOR
 
 
 def _int32_row(x: torch.Tensor) -> torch.Tensor:
-    """seq_ids / lengths [B] -> the kernels' [1, B] int32 layout."""
+    """lengths [B] -> the kernels' [1, B] int32 layout."""
     return x.to(torch.int32).reshape(1, -1).contiguous()
-
-
-def _initial_slots(slots) -> torch.Tensor:
-    """[1, B] int32: the slot each row's initial states come from, as `Slots.gather_initial` reads them: the row's
-    slot (slot 0 for an inactive row, whose results no slot keeps), or -1 for zero states (a fresh row)."""
-    ids = slots.read
-    if slots.fresh is not None:
-        ids = torch.where(slots.fresh, torch.full_like(ids, -1), ids)
-    return _int32_row(ids)
 
 
 def _launch(kernel, *args):
@@ -166,37 +170,35 @@ def _launch(kernel, *args):
     return tuple(_torch(o) for o in outputs)
 
 
-def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, slots,
-                        operands="auto"):
-    from .tkg import gated_delta_rule_tkg
+def _lnc(lnc: int | None) -> int:
+    """The LNC degree a launch takes: the caller's (the Neuron layer factory's, from the compiled target: 2 on trn2,
+    1 on trn1/inf2); where none is given, on the emulator only, that of the target the emulator emulates."""
+    if lnc is not None:
+        return lnc
+    if not _on_emulator():
+        raise ValueError("an NKI launch on a device needs the LNC degree its graph is compiled with (`lnc=`)")
+    from ..emulator.rules import get_target  # deferred: see the imports above
+    from ..emulator.runtime import default_target_name  # deferred: see the imports above
 
-    # The kernel reads each row's initial states from its slot and returns the new ones per row [B, ...] (it writes
-    # none of its inputs); they go into the slots as the reference's do (`Slots.write`: in place or functional).
-    o, new_conv, new_state = _launch(
-        gated_delta_rule_tkg, mixed_qkv, a, b, A_log.float(), dt_bias.float(), conv_weight, conv_state,
-        recurrent_state, _initial_slots(slots), operands,
-    )
-    return o, slots.write(conv_state, new_conv), slots.write(recurrent_state, new_state)
-
-
-def _lnc() -> int:
-    """The LNC degree the kernels are launched with: 2 on trn2 (neuronx-cc's default there; the prefill kernel splits
-    the heads over the two physical NeuronCores), 1 on trn1/inf2."""
-    from ..emulator.rules import get_target
-    from ..emulator.runtime import _default_target_name
-
-    return get_target(_default_target_name()).max_lnc
+    return get_target(default_target_name()).max_lnc
 
 
-def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, recurrent_state, slots, lengths, operands="auto"):
-    from .cte import gated_delta_rule_cte, solve_masks
+def deltanet_decode_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *, lnc=None,
+                        donate_initial=False, operands="auto"):
+    from .tkg import gated_delta_rule_tkg  # deferred: see the imports above
+
+    # One launch, one program (the decode kernel has no LNC split); the kernel writes none of its inputs, so
+    # `donate_initial` changes nothing here.
+    return _launch(gated_delta_rule_tkg, mixed_qkv, a, b, A_log.float(), dt_bias.float(), conv_weight, initial_conv,
+                   initial_recurrent, operands)
+
+
+def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc=None, operands="auto"):
+    from .cte import gated_delta_rule_cte, solve_masks  # deferred: see the imports above
 
     if lengths is None:
         lengths = torch.full((q.shape[0],), q.shape[2], dtype=torch.int32, device=q.device)
-    kernel = gated_delta_rule_cte[_lnc()]  # LNC=2 on trn2: half the heads on each physical core
+    kernel = gated_delta_rule_cte[_lnc(lnc)]  # LNC=2 on trn2: half the heads on each physical core
     masks = torch.from_numpy(solve_masks()).to(q.device)  # a constant input
-    o, final = _launch(
-        kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), recurrent_state, _initial_slots(slots),
-        _int32_row(lengths), masks, operands,
-    )
-    return o, slots.write(recurrent_state, final)
+    return _launch(kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), initial_recurrent, _int32_row(lengths),
+                   masks, operands)

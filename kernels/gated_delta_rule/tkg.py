@@ -1,13 +1,13 @@
-"""NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every active slot and head.
+"""NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every row and head.
 
-Per batch row b (initial states from slot s = initial_slots[b]; -1: zero initial states) and per value head h
-(key head kh = h // (nv / nk)), from the raw projections of the token:
+Per batch row b (initial states initial_conv[b], initial_recurrent[b]: the caller's, zeros for a fresh row) and per
+value head h (key head kh = h // (nv / nk)), from the raw projections of the token:
 
-    window = [conv_state[s] | mixed_qkv[b]]                  causal depthwise conv, kernel K
+    window = [initial_conv[b] | mixed_qkv[b]]                causal depthwise conv, kernel K
     x      = silu(sum_t window[:, t] * conv_weight[:, t])    -> q, k (per key head), v (per value head)
     q      = q * rsqrt(|q|^2 + 1e-6) * dk^-0.5,  k = k * rsqrt(|k|^2 + 1e-6)
     beta   = sigmoid(b_raw),  g = -exp(A_log) * softplus(a_raw + dt_bias),  decay = exp(g) (<= 1)
-    mem    = S^T k,  Sq = S^T q                   (S = recurrent_state[s, h], fp32, [dk, dv])
+    mem    = S^T k,  Sq = S^T q                   (S = initial_recurrent[b, h], fp32, [dk, dv])
     delta  = beta * (v - decay * mem)
     S      = decay * S + k delta^T                (returned: state_out[b, h], fp32)
     o      = S^T q = decay * Sq + (k . q) delta
@@ -15,13 +15,12 @@ Per batch row b (initial states from slot s = initial_slots[b]; -1: zero initial
 
 Layouts (HBM): mixed_qkv [B, C] with C = 2 nk dk + nv dv ordered [q | k | v] (the in_proj_qkv output before the
 conv, activation dtype); a, b [B, nv] raw (activation dtype); A_log, dt_bias [nv] fp32; conv_weight [C, K];
-conv_state [slots, C, K - 1] (activation dtype); recurrent_state [slots, nv, dk, dv] fp32; initial_slots [1, B]
-int32. Returns (o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside), conv_out [B, C, K - 1],
+initial_conv [B, C, K - 1] (activation dtype); initial_recurrent [B, nv, dk, dv] fp32. Returns (o [B, nv, dv] fp32 (the gated RMSNorm and out_proj follow outside), conv_out [B, C, K - 1],
 state_out [B, nv, dk, dv] fp32); the kernel writes none of its inputs.
 
 On chip, the state is laid out so that every transfer of it moves long runs: partition (head, block) holds R
 consecutive rows of a head's [dk, dv] state (R dv fp32 contiguous in HBM: R = 8 at dv = 128, 4 KiB per partition;
-nb = dk / R partitions per head), and a slot's state moves in pieces of hp heads (hp nb <= 128 partitions: two
+nb = dk / R partitions per head), and a row's state moves in pieces of hp heads (hp nb <= 128 partitions: two
 512 KiB pieces at the 2B shape). The q/k conv data moves in its HBM order, W = u R consecutive channels per
 partition (Pl = 2 nk dk / W <= 128 partitions: 32 channels at the 2B shape), so every conv transfer (inputs, conv
 state in and out, weights) is one contiguous run of HBM; the conv runs there, and TensorE brings its output to the
@@ -41,8 +40,8 @@ operands the matmul copies of a piece are made row by row, alternately on Scalar
 start on the first rows while the others are copied; decay S follows on ScalarE (GpSimd's next step is delta's). The
 next piece's copies are issued between a piece's short steps and its update, so every engine has queued work; the
 fp32 k . q matmul (only o needs it) follows a row's first state matmuls, and a piece's o transpose the next piece's
-state matmuls, so that neither holds TensorE's in-order stream. The tokens, gate rows and weights load first (no wait
-for the slot ids), then every row's conv states, then every row's state pieces, all before any state store (the DMA
+state matmuls, so that neither holds TensorE's in-order stream. The tokens, gate rows and weights load first, then
+every row's conv states, then every row's state pieces, all before any state store (the DMA
 queue is in order). The first rows' q/k conv, then the gates, then row 0's norms (their copies on ScalarE, their
 squares on GpSimd, the v conv on VectorE while the sums go through TensorE and ScalarE, issued after rsqrt), keeping
 VectorE's stream for the way to the first delta; each row's conv state is stored as soon as it is computed.
@@ -53,19 +52,14 @@ Limits: dk, dv <= 128; nv <= 128; nv a multiple of nk; a piece holds whole GQA g
 
 Cost report (emulator cost model at the middle of its parameter ranges, trn2, the 2B layer on one rank: 16 heads,
 dk = dv = 128; `benchmarks/deltanet_kernels.py`, docs/kernels.md, whose sensitivity table gives the ranges). The
-floor is the slots' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
-    bf16 activations, default (bf16) operands: batch 1 11.1 us (1.64x), batch 8 59.3 us (1.09x, DMA 100% busy)
-    fp32 activations and operands:             batch 1 14.9 us (2.19x), batch 8 61.2 us (1.12x, DMA 100% busy)
-Every slot-indexed transfer waits for the slot ids, which land 1.3 us (the model's DMA latency) after their load.
-Batch 8 is at the model's limit for its traffic: the ids at 1.30 us, then 56.6 us of slot-indexed loads and stores
-on the queue, then the last store's 1.3 us latency (59.2 us). Batch 1 cannot reach 1.15x in this model: the same
-sum is 1.30 + 7.08 + 1.30 = 9.68 us = 1.42x. A kernel that moves the state in two pieces of 4 KiB runs cannot store
-before a piece has landed and been through its chain, at least 1.86 us with this kernel's steps: bf16 copies (0.43 us
-on two engines), the last matmuls, delta (0.26 us) and the update (8 VectorE instructions on the fp32 [128, 8, 128]
-piece, 1.07 us); the first piece lands at 4.49 us, so the first store starts at 6.35 us at best, then two 1.7 us
-stores and 1.3 us of latency: 11.05 us (1.62x). This kernel's first store starts at 6.41 us (its 8 matmuls run back to
-back from the q selector, at 4.69 us): 11.14 us. The q/k selection runs once per group of rows (every row up to batch
-16), which keeps an fp32 model's TensorE (its selection matmuls at the 4x rate) under the DMA time at batch 8.
+floor is the rows' fp32 states read and written once at the model's DMA rate (0.85 x 362.5 GB/s): 6.81 us per row.
+    bf16 activations, default (bf16) operands: batch 1 10.3 us (1.51x), batch 8 58.4 us (1.07x, DMA 100% busy)
+    fp32 activations and operands:             batch 1 14.0 us (2.05x), batch 8 60.8 us (1.12x, DMA 100% busy)
+The initial states are read from per-row tensors (the caller gathers them from its slots): no transfer waits for
+slot ids any more (the slot-indexed version: 11.1 / 59.3 us and 14.9 / 61.2 us, the ids landing 1.3 us after their
+load; docs/kernels.md keeps its analysis). The gather before the launch is the graph's, outside this figure. The q/k
+selection runs once per group of rows (every row up to batch 16), which keeps an fp32 model's TensorE (its selection
+matmuls at the 4x rate) under the DMA time at batch 8.
 """
 
 from __future__ import annotations
@@ -108,11 +102,11 @@ def _load_blocks(nk, nb):
 
 
 @nki.jit
-def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_state, recurrent_state, initial_slots,
+def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent,
                          operands="auto", heads_per_piece=None):
     B, C = mixed_qkv.shape
     nv = a.shape[1]
-    n_slots, _, dk, dv = recurrent_state.shape
+    _, _, dk, dv = initial_recurrent.shape
     K = conv_weight.shape[1]
     nk = (C - nv * dv) // (2 * dk)
     group = nv // nk
@@ -130,7 +124,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # v conv on Pv = nv vb partitions (head, block of jl channels)
     vb = max(d for d in range(1, min(dv, 128 // nv) + 1) if dv % d == 0)
     jl, Pv = dv // vb, nv * vb
-    NP = nv // hp  # pieces per slot
+    NP = nv // hp  # pieces per row's state
     Pn = hp * nb  # partitions of a piece: (head, block of R state rows)
     # TensorE operands (operands.py): by default bf16 for bf16 activations, fp32 for fp32 ones.
     mm = matmul_dtype(operands, act)
@@ -141,17 +135,12 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     DECAY_ENGINES = COPY_ENGINES if mm == f32 else (nisa.engine.scalar, nisa.engine.scalar)
 
     o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
-    conv_out = nl.ndarray((B, C, K - 1), dtype=conv_state.dtype, buffer=nl.shared_hbm)
+    conv_out = nl.ndarray((B, C, K - 1), dtype=initial_conv.dtype, buffer=nl.shared_hbm)
     state_out = nl.ndarray((B, nv, dk, dv), dtype=f32, buffer=nl.shared_hbm)
 
-    # ---------------------------------------------------------------- loads: slots, gates, conv inputs, states
-    # Initial states: row b starts from slot initial_slots[b], or from zero states where that is -1 (a fresh row).
-    # Every row reads slot max(id, 0) (in range) and scales what it read by keep = (id >= 0): the recurrent state
-    # enters every formula through decay * S (keep is folded into decay), the conv state through the window.
-    ids = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids, src=initial_slots)
-    seq_read = nl.ndarray((1, B), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=seq_read, data=ids, op0=nl.maximum, operand0=0)
+    # ---------------------------------------------------------------- loads: gates, conv inputs, states
+    # Initial states: row b starts from initial_conv[b], initial_recurrent[b] (the caller gathers them, zeros for a
+    # fresh row): direct transfers, no index to wait for.
     # The gates, loaded once as one contiguous row each (fp32) and repeated on every partition by TensorE (exact).
     gate_rows = []
     for src, n in ((a, B * nv), (b, B * nv), (A_log, nv), (dt_bias, nv)):
@@ -161,26 +150,19 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
 
     # q/k conv inputs and outputs move in their HBM order, W consecutive channels per partition (one contiguous run
     # of HBM per transfer: Pl partitions [W, row_elems]); TensorE brings them to the state layout (`to_state`).
-    def qk_view(src, row_elems, base, slot=None):
-        pattern = [[W * row_elems, Pl], [1, W * row_elems]]
-        if slot is None:
-            return src.ap(pattern=pattern, offset=base)
-        return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base, scalar_offset=slot, indirect_dim=0)
+    def qk_view(src, row_elems, base):
+        return src.ap(pattern=[[W * row_elems, Pl], [1, W * row_elems]], offset=base)
 
-    def v_view(src, row_elems, base, slot=None):
+    def v_view(src, row_elems, base):
         """The v channels of a [.., C, row_elems] tensor as [Pv partitions (head, block of jl channels),
         jl row_elems]."""
-        pattern = [[jl * row_elems, Pv], [1, jl * row_elems]]
-        if slot is None:
-            return src.ap(pattern=pattern, offset=base + qk_ch * row_elems)
-        return src.ap(pattern=[[C * row_elems, 1]] + pattern, offset=base + qk_ch * row_elems, scalar_offset=slot,
-                      indirect_dim=0)
+        return src.ap(pattern=[[jl * row_elems, Pv], [1, jl * row_elems]], offset=base + qk_ch * row_elems)
 
     w_qk = nl.ndarray((Pl, W, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_qk, src=qk_view(conv_weight, K, 0))
     w_v = nl.ndarray((Pv, jl, K), dtype=conv_weight.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=w_v, src=v_view(conv_weight, K, 0))
-    # the tokens first: they do not wait for the slot ids (which land one DMA latency after their load)
+    # the tokens first, then the conv states, then the recurrent states
     tokens = []
     for bi in range(B):
         x_in_qk = nl.ndarray((Pl, W), dtype=act, buffer=nl.sbuf)
@@ -190,11 +172,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         tokens.append((x_in_qk, x_in_v))
     conv_inputs = []
     for bi in range(B):
-        slot_read = seq_read[0:1, bi:bi + 1]
         st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_qk, src=qk_view(conv_state, K - 1, 0, slot_read))
+        nisa.dma_copy(dst=st_qk, src=qk_view(initial_conv, K - 1, bi * C * (K - 1)))
         st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_v, src=v_view(conv_state, K - 1, 0, slot_read))
+        nisa.dma_copy(dst=st_v, src=v_view(initial_conv, K - 1, bi * C * (K - 1)))
         conv_inputs.append((st_qk, tokens[bi][0], st_v, tokens[bi][1]))
     # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition.
     states = []
@@ -202,9 +183,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
         row = []
         for pi in range(NP):
             tile = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=tile, src=recurrent_state.ap(
-                pattern=[[nv * dk * dv, 1], [R * dv, Pn], [dv, R], [1, dv]], offset=pi * hp * dk * dv,
-                scalar_offset=seq_read[0:1, bi:bi + 1], indirect_dim=0))
+            nisa.dma_copy(dst=tile, src=initial_recurrent.ap(
+                pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + pi * hp) * dk * dv))
             row.append(tile)
         states.append(row)
 
@@ -213,8 +193,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     # that head's first partition; same_head = head_of head_of^T (sums over each head's partitions).
     ones = nl.ndarray((P, P), dtype=f32, buffer=nl.sbuf)
     nisa.memset(ones, 1.0)
-    keep_row = nl.ndarray((1, B), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=keep_row, data=ids, op0=nl.greater_equal, operand0=0)
     ones_row = ones[0:1, 0:P]
 
     def on_partitions(row):
@@ -228,7 +206,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             nisa.tensor_copy(dst=out[:, c0:c1], src=ps, engine=nisa.engine.scalar)
         return out
 
-    keep = on_partitions(keep_row)
     a_bc, b_bc, alog_bc, dtb_bc = (on_partitions(row) for row in gate_rows)
     a_bc, b_bc = a_bc.reshape((P, B, nv)), b_bc.reshape((P, B, nv))
     head_of = nl.ndarray((Pn, hp), dtype=f32, buffer=nl.sbuf)
@@ -293,7 +270,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
 
     # ---------------------------------------------------------------- gates of every row and head: [P, B, nv]
     def gates():
-        """decay = exp(g) * keep, beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
+        """decay = exp(g), beta, -beta decay ([P, B, nv]) and the decay of each state partition's head
         ([Pn, B, NP]); issued after the first rows' q/k conv (most elementwise steps on GpSimd, short here)."""
         rate = nl.ndarray((P, nv), dtype=f32, buffer=nl.sbuf)  # exp(A_log)
         nisa.activation(dst=rate, op=nl.exp, data=alog_bc)
@@ -306,8 +283,6 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
                            engine=nisa.engine.gpsimd)
         decay = nl.ndarray((P, B, nv), dtype=f32, buffer=nl.sbuf)  # exp(g) = exp(-(-g)), exponent <= 0
         nisa.activation(dst=decay, op=nl.exp, data=neg_g, scale=-1.0)
-        nisa.tensor_tensor(dst=decay, data1=decay, data2=keep.expand_dim(2).broadcast(2, nv), op=nl.multiply,
-                           engine=nisa.engine.gpsimd)
         # beta = sigmoid(b) rounded to the activation dtype, as the unfused model computes it (then used in fp32)
         beta_act = nl.ndarray((P, B, nv), dtype=a.dtype, buffer=nl.sbuf)
         nisa.activation(dst=beta_act, op=nl.sigmoid, data=b_bc)
@@ -345,11 +320,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
             qk_rows[bi] = (x_ps[:, :, :, i, :], wins[i])
 
     def causal_conv(bi, P, width, st, x_in, w, out):
-        """Row bi's depthwise causal conv and SiLU over P partitions x width channels: the window [state * keep | x]
+        """Row bi's depthwise causal conv and SiLU over P partitions x width channels: the window [state | x]
         (returned: its last K - 1 columns are the new conv state) times the weights, summed, into `out`."""
         win = nl.ndarray((P, width, K), dtype=act, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=win[:, :, 0:K - 1], data=st, op0=nl.multiply, operand0=keep[0:P, bi:bi + 1],
-                           engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=win[:, :, 0:K - 1], src=st, engine=nisa.engine.gpsimd)
         nisa.tensor_copy(dst=win[:, :, K - 1], src=x_in, engine=nisa.engine.gpsimd)
         prod = nl.ndarray((P, width, K), dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=prod, data1=win, data2=w, op=nl.multiply)
@@ -548,7 +522,7 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, conv_stat
     def after_first_norms():
         started[units[0]] = start(*units[0], with_decay=False)
 
-    conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows and the ids)
+    conv_group(0)  # the first rows' q/k conv, then the gates (which wait for nothing but their rows)
     decay, beta, neg_beta_decay, decay_part = gates()
     rows = {0: row_inputs(0, after_norms=after_first_norms)}
     # the first piece's decay S, after the row's norm steps in ScalarE's stream (its copies were issued among them)

@@ -4,7 +4,9 @@ x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = s
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
 delta rule -> per-head gated RMSNorm with z = in_proj_z x -> out_proj. The gates, the normalisation and the rule
 (and, in decode, the conv step) run behind the fused kernel seams `kernels.deltanet_prefill` /
-`kernels.deltanet_decode`, which take the raw projections and give back the output and the updated slot states.
+`kernels.deltanet_decode`, which take the raw projections and each row's initial states and give back the output and
+each row's final states; this mixer reads the rows from the slots (`Slots.gather_initial`: zeros for a fresh row) and
+writes the final ones back (`Slots.write`).
 
 Its state per sequence slot: the conv state [slots, conv_channels, kernel - 1] (model dtype) and the
 recurrent state [slots, value_heads, dk, dv] (fp32).
@@ -22,7 +24,6 @@ from .. import kernels
 from ..config import Qwen35Config
 from .layers import GatedRMSNorm
 from .parallel import ShardedDims
-from .state import Slots
 
 
 class GatedDeltaNet(nn.Module):
@@ -45,6 +46,9 @@ class GatedDeltaNet(nn.Module):
         # Which kernel backend answers this mixer's kernel calls: the factory's choice (the Neuron builder names
         # "nki" there), or None for the process-wide one (`kernels.set_backend`).
         self.kernel_backend = layers.kernel_backend
+        # The LNC degree the kernels are launched with: the factory's (the Neuron one knows the compiled target: 2 on
+        # trn2, 1 on trn1/inf2), None on CPU (the NKI emulator takes the target it emulates).
+        self.kernel_lnc = layers.kernel_lnc
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o [B, nv, T, dv] -> gated norm with z -> out_proj."""
@@ -71,42 +75,46 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_qkv(x).transpose(1, 2), self.conv_weight, initial_conv, lengths, backend=self.kernel_backend
         )
         q, k, v = self._raw_heads(mixed.transpose(1, 2))
-        o, recurrent_state = kernels.deltanet_prefill(
+        initial_recurrent = slots.gather_initial(recurrent_state)
+        o, final_recurrent = kernels.deltanet_prefill(
             q, k, v, self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(), self.A_log, self.dt_bias,
-            recurrent_state, slots, lengths, backend=self.kernel_backend,
+            initial_recurrent, lengths, backend=self.kernel_backend, lnc=self.kernel_lnc,
         )
-        return self._output(o, x), slots.write(conv_state, new_conv, initial_conv), recurrent_state
+        conv_state = slots.write(conv_state, new_conv, initial_conv)
+        return self._output(o, x), conv_state, slots.write(recurrent_state, final_recurrent, initial_recurrent)
 
     def token_generation(self, x, slots, conv_state, recurrent_state):
         """x [B, 1, hidden]: one step from each slot's states (zero states for a fresh row) -> the output and the
         updated states."""
-        o, conv_state, recurrent_state = kernels.deltanet_decode(
+        initial_conv, initial_recurrent = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
+        o, final_conv, final_recurrent = kernels.deltanet_decode(
             self.in_proj_qkv(x)[:, 0].contiguous(), self.in_proj_a(x)[:, 0].contiguous(),
-            self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, conv_state,
-            recurrent_state, slots, backend=self.kernel_backend,
+            self.in_proj_b(x)[:, 0].contiguous(), self.A_log, self.dt_bias, self.conv_weight, initial_conv,
+            initial_recurrent, backend=self.kernel_backend, lnc=self.kernel_lnc,
+            # The gathered rows are this call's own copies: on CPU (in-place slots) the kernel may reuse them for
+            # the final states (the reference's in-place step, issue 31); the Neuron graphs keep every value new.
+            donate_initial=slots.in_place,
         )
-        return self._output(o[:, :, None], x), conv_state, recurrent_state
+        conv_state = slots.write(conv_state, final_conv, initial_conv)
+        return self._output(o[:, :, None], x), conv_state, slots.write(recurrent_state, final_recurrent, initial_recurrent)
 
     def verify(self, x, slots, conv_state, recurrent_state):
         """x [B, T, hidden]: T consecutive decode steps per row from its slot's states (speculative verification),
-        the projections of all T tokens at once, then the decode seam once per position on this call's own copy of
-        the rows' states (`kernels.deltanet_decode` as it is: each position runs exactly a decode step's numbers).
-        The slot states are left as they are. Returns the output [B, T, hidden] and the states after each position:
+        the projections of all T tokens at once, then the decode seam once per position on the rows' own states
+        (`kernels.deltanet_decode` as it is: each position runs exactly a decode step's numbers). The slot states
+        are left as they are. Returns the output [B, T, hidden] and the states after each position:
         conv [B, T, conv_dim, kernel - 1], recurrent [B, T, nv, dk, dv] (`Qwen35Decoder.commit` keeps one)."""
         B, T, _ = x.shape
         qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
-        # Row b of the copies is batch row b's; inactive rows stay inactive (they write nothing).
-        rows = torch.arange(B, device=x.device, dtype=slots.seq_ids.dtype)
-        own = Slots(torch.where(slots.seq_ids >= 0, rows, -1), in_place=slots.in_place)
         conv, recurrent = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
         outputs, convs, recurrents = [], [], []
         for t in range(T):
+            # Each position's states are new tensors (no donation): the next position reads them, the caller keeps them.
             o, conv, recurrent = kernels.deltanet_decode(
                 qkv[:, t].contiguous(), a[:, t].contiguous(), b[:, t].contiguous(), self.A_log, self.dt_bias,
-                self.conv_weight, conv, recurrent, own, backend=self.kernel_backend,
+                self.conv_weight, conv, recurrent, backend=self.kernel_backend, lnc=self.kernel_lnc, donate_initial=False,
             )
             outputs.append(o)
-            # In place, the seam writes the same copies again at the next position: keep this one's values.
-            convs.append(conv.clone() if own.in_place else conv)
-            recurrents.append(recurrent.clone() if own.in_place else recurrent)
+            convs.append(conv)
+            recurrents.append(recurrent)
         return self._output(torch.stack(outputs, dim=2), x), torch.stack(convs, 1), torch.stack(recurrents, 1)

@@ -68,6 +68,10 @@ class TorchLayers:
         # process-wide one.
         self.kernel_backend = kernel_backend
 
+    # The LNC degree the DeltaNet kernels are launched with (`kernels.deltanet_prefill(lnc=)`): on CPU none (the NKI
+    # emulator takes that of the target it emulates); the Neuron factory passes its compiled target's.
+    kernel_lnc = None
+
     def column_linear(self, in_features: int, out_features_per_rank: int, bias: bool = False) -> nn.Module:
         # Column-parallel output stays sharded: the next row-parallel layer consumes it as is.
         return Linear(in_features, out_features_per_rank, bias)

@@ -158,7 +158,7 @@ def test_war_dependency_waits_for_readers():
 
 
 def test_compute_false_gives_the_same_report():
-    from optimum_qwen35.kernels.emulator import examples as ex
+    from tests.kit import nki_examples as ex
 
     a, b = np.ones((256, 256), np.float32), np.ones((256, 1024), np.float32)
     _, r1 = estimate(ex.matmul_tiled, a, b, target="trn2")

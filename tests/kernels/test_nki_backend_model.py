@@ -28,7 +28,7 @@ def nki_backend():
     })
     yield
     kernels.set_backend("torch")
-    kernels._BACKENDS.pop(FP32_OPERANDS)
+    kernels.unregister_backend(FP32_OPERANDS)
 
 
 def prompts_of(layout):

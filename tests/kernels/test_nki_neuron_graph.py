@@ -3,7 +3,8 @@
 The traced forward's body (`neuron.adapter.step`) is run with the CPU layer factory naming the "nki" kernel backend,
 as `Qwen35NxDDecoderModel` names it through `NxDLayers` (there the kernels are `nki.jit` launches on torch-xla
 tensors; here they run on the emulator). It must give the torch references' logits and held state, through the
-dispatch's NKI entry points (counted), without touching the process-wide backend.
+dispatch's NKI entry points (counted by the test kit's wrappers in the registry), without touching the process-wide
+backend.
 """
 
 import pytest
@@ -16,11 +17,8 @@ from optimum_qwen35.backends.nxd import adapter
 from optimum_qwen35.runtime.eager import load_decoder
 
 from ..conftest import FIXTURES
+from ..kit.kernel_calls import count_kernel_calls
 from ..test_neuron_backend import allocate, context_batch, run, tokens
-
-
-def nki_calls() -> dict[str, int]:
-    return {entry: kernels.calls[("nki", entry)] for entry in ("deltanet_prefill", "deltanet_decode")}
 
 
 class FunctionalLayers(TorchLayers):
@@ -48,19 +46,17 @@ def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_n
         for got, want, spec in zip(held_nki, held_torch, layout.held_specs):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=spec.name)
 
-    before = nki_calls()
-    # Context encoding of right-padded prompts (lengths 9 and 4) into slots 0 and 1.
-    ids, positions = context_batch([list(range(3, 12)), [7, 8, 9, 10]], 16)
-    both(ids, positions, [0, 1])
-    after_prefill = nki_calls()
-    assert after_prefill["deltanet_prefill"] - before["deltanet_prefill"] == deltanet_layers
-    # Token generation, then with row 1 inactive (seq_id -1: writes nothing).
-    both(tokens([12, 11]), tokens([9, 4]), [0, 1])
-    slot1 = [h[1].clone() for h in held_nki]
-    both(tokens([13, 5]), tokens([10, 7]), [0, -1])
-    assert all(torch.equal(h[1], s) for h, s in zip(held_nki, slot1))
-    after = nki_calls()
-    assert after["deltanet_decode"] - after_prefill["deltanet_decode"] == 2 * deltanet_layers
+    with count_kernel_calls("nki", "torch") as calls:
+        # Context encoding of right-padded prompts (lengths 9 and 4) into slots 0 and 1.
+        ids, positions = context_batch([list(range(3, 12)), [7, 8, 9, 10]], 16)
+        both(ids, positions, [0, 1])
+        assert calls["nki", "deltanet_prefill"] == calls["torch", "deltanet_prefill"] == deltanet_layers
+        # Token generation, then with row 1 inactive (seq_id -1: writes nothing).
+        both(tokens([12, 11]), tokens([9, 4]), [0, 1])
+        slot1 = [h[1].clone() for h in held_nki]
+        both(tokens([13, 5]), tokens([10, 7]), [0, -1])
+        assert all(torch.equal(h[1], s) for h, s in zip(held_nki, slot1))
+        assert calls["nki", "deltanet_decode"] == calls["torch", "deltanet_decode"] == 2 * deltanet_layers
     # The choice was this model's: the process-wide backend is still the reference.
     assert kernels.get_backend() == "torch"
 
@@ -68,10 +64,10 @@ def test_traced_forward_runs_the_nki_kernels_named_by_its_layer_factory(layout_n
 def test_a_model_naming_no_backend_follows_the_process_wide_one():
     decoder = load_decoder(FIXTURES / "tiny-2b")
     layout = adapter.StateLayout(decoder.state_specs(1, 16))
-    before = kernels.calls[("torch", "deltanet_prefill")], nki_calls()
-    ids, positions = context_batch([[3, 4, 5]], 8)
-    run(decoder, layout, allocate(layout), ids, positions, [0])
-    assert kernels.calls[("torch", "deltanet_prefill")] > before[0] and nki_calls() == before[1]
+    with count_kernel_calls("nki", "torch") as calls:
+        ids, positions = context_batch([[3, 4, 5]], 8)
+        run(decoder, layout, allocate(layout), ids, positions, [0])
+    assert calls["torch", "deltanet_prefill"] > 0 and calls["nki", "deltanet_prefill"] == 0
 
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "trn1", "inf2", None])
@@ -99,3 +95,10 @@ def test_kernel_backend_of_the_neuron_graphs(monkeypatch, target):
         adapter.kernel_backend("nki", target)
     monkeypatch.setattr(nki_import, "USING_EMULATOR", False)
     assert adapter.kernel_backend("nki", target) == "nki"
+
+
+def test_kernel_lnc_of_the_neuron_graphs():
+    """The LNC degree the graphs launch the kernels with: the neuron config's (what the graphs compile with) where
+    set, else the target's default: 2 on trn2 / trn3, 1 on trn1 / inf2."""
+    assert [adapter.kernel_lnc(t) for t in ("trn2", "trn3", "trn1", "inf2", None)] == [2, 2, 1, 1, 1]
+    assert adapter.kernel_lnc("trn2", 1) == 1 and adapter.kernel_lnc("trn1", 2) == 2

@@ -3,11 +3,12 @@
 The model math is `optimum_qwen35.modeling` (the one definition); this package only supplies what a Neuron
 graph needs around it:
 
-    glue.py        (no Neuron SDK) the traced forward's body, the state order and aliasing, the fp32 re-cast
-                   of the recurrent state, the padding/position conventions, the compiler flags
+    adapter.py     (no Neuron SDK) the traced forward's body, the state order and aliasing, the fp32 re-cast
+                   of the recurrent state, the padding/position conventions, the compiler flags, the kernels' LNC
     state_dict.py  (no Neuron SDK) checkpoint -> the TP layout of `checkpoint/shard.py` -> each rank's tensors;
                    a vision export's mark in its config and its tower's tensors per rank
-    image_runtime.py  (no Neuron SDK) the host loop of prompts holding images over the traced model's graphs
+    runner.py      (optimum-neuron) the graph runner of the host loop (runtime/host_loop.py) over the traced model,
+                   for prompts holding images
     layers.py      (SDK) the layer factory over neuronx-distributed's parallel layers
     model.py       (SDK) the traced module, the graph builders, the NxDModelForCausalLM subclass
 

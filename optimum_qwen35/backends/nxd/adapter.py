@@ -238,6 +238,19 @@ def kernel_backend(requested: str | None = None, target: str | None = None, real
     return "nki"
 
 
+# The logical NeuronCore degree each target's graphs compile with by default (neuronx-cc's --lnc): 2 on trn2 and trn3
+# (a logical core of two physical ones), 1 on trn1 / inf2.
+DEFAULT_LNC = {"trn2": 2, "trn3": 2}
+
+
+def kernel_lnc(target: str | None, logical_nc_config: int | None = None) -> int:
+    """The LNC degree the DeltaNet kernels are launched with in the graphs of `target`: the one the graphs compile
+    with (the neuron config's `logical_nc_config`, `compiler_args`'s --lnc) where set, else the target's default."""
+    if logical_nc_config:
+        return int(logical_nc_config)
+    return DEFAULT_LNC.get(target, 1)
+
+
 def check_neuron_config(neuron_config) -> None:
     """What this backend supports of an NxDNeuronConfig: no speculation (a DeltaNet state cannot be rolled back
     after rejected draft tokens), logits out (tokens are chosen on the host from fp32 logits), no extra outputs."""

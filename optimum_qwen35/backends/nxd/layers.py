@@ -103,10 +103,11 @@ class NxDLayers:
     # Functional state updates: each state output must be a new value aliased to its input (modeling/state.py).
     state_in_place = False
 
-    def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch"):
+    def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch", kernel_lnc: int = 1):
         # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches
-        # the `nki.jit` kernels inside the graph, "torch" traces the PyTorch references.
-        self.tp_degree, self.dtype, self.kernel_backend = tp_degree, dtype, kernel_backend
+        # the `nki.jit` kernels inside the graph, "torch" traces the PyTorch references. kernel_lnc: the LNC degree
+        # of the compiled target the kernels are launched with (`adapter.kernel_lnc`: 2 on trn2, 1 on trn1/inf2).
+        self.tp_degree, self.dtype, self.kernel_backend, self.kernel_lnc = tp_degree, dtype, kernel_backend, kernel_lnc
 
     def column_linear(self, in_features: int, out_features_per_rank: int, bias: bool = False):
         return ColumnParallelLinear(

@@ -71,7 +71,8 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
         adapter.check_neuron_config(neuron_config)
         qwen_config = weights.qwen_config(config)
         backend = adapter.kernel_backend(self.kernel_backend, neuron_config.target)
-        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, backend)
+        layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, backend,
+                           adapter.kernel_lnc(neuron_config.target, getattr(neuron_config, "logical_nc_config", None)))
         super().__init__(qwen_config, neuron_config.tp_degree, layers)
         if qwen_config.tie_word_embeddings:
             # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as

@@ -35,7 +35,7 @@ def _real_nki():
 
 
 def _emulated():
-    from .emulator import nki as emulated
+    from ..emulator import nki as emulated  # only where the real NKI package is absent
 
     return emulated, emulated.language, emulated.isa
 

@@ -16,7 +16,7 @@ workloads); on a Neuron host the undecorated function, ``kernel.__wrapped__``, c
 
 from __future__ import annotations
 
-from . import nki
+from optimum_qwen35.kernels.emulator import nki
 
 nl, nisa = nki.language, nki.isa
 
