@@ -20,10 +20,11 @@ from .. import validation
 from ..config import Qwen35Config
 from ..errors import IncompatibleExportError, UsageError
 from ..export import layout
+from ..export.layout import rank_file
 from ..export.writer import copy_side_files, output_folder
 from .convert import CheckpointError, check_checkpoint, check_finite, convert_checkpoint, decoder_name, expected_shapes, stored_dtype
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
-from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, rank_file, sharded_shapes, tp_layout
+from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, sharded_shapes, tp_layout
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
