@@ -86,26 +86,6 @@ def reference(session):
     _pytest(session)
 
 
-def _install_startup_file(session):
-    """The start-up file a regular install places in site-packages (an editable one does not): child interpreters
-    (optimum-cli's export, `optimum-cli neuron cache lookup`) register Qwen3.5 through it, as on a user's machine
-    after the documented `pip install ".[optimum]"`; and the optimum-cli command file it places there (`optimum-cli
-    export neuron --instance_type cpu`, optimum_qwen35/optimum_neuron/optimum_cli.py), both as setup.py writes them."""
-    session.run("python", "-c", INSTALL_STARTUP_FILES)
-
-
-INSTALL_STARTUP_FILES = """
-import os, runpy, shutil, sysconfig, setuptools
-site = sysconfig.get_paths()["purelib"]
-shutil.copy("optimum_qwen35.pth", site)
-setuptools.setup = lambda **kwargs: None  # read setup.py's names without building
-setup = runpy.run_path("setup.py")
-target = os.path.join(site, setup["OPTIMUM_CLI_FILE"])
-os.makedirs(os.path.dirname(target), exist_ok=True)
-open(target, "w").write(setup["OPTIMUM_CLI_SOURCE"])
-"""
-
-
 # Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):
 # the same torch and the same code in both environments, so the reference session alone runs them.
 ENVIRONMENT_FREE_TESTS = [
@@ -125,7 +105,6 @@ def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
     _install(session, TORCH, "-e", ".[tests,optimum,vision,eval]", "pytest-xdist>=3.5")
     _freeze_pins(session)
-    _install_startup_file(session)
     _pytest(session, "-m", "not reference", *(f"--ignore={path}" for path in ENVIRONMENT_FREE_TESTS), parallel=True)
 
 
@@ -202,7 +181,6 @@ def _neuron_environment(session, *extra):
              # neuronx-distributed's own imports (its setup.py names the closed SDK instead; --no-deps below)
              "boto3", "scipy", "tenacity", *extra)
     _freeze_pins(session)
-    _install_startup_file(session)
     session.install("--no-deps", "tests/neuron_sdk_standin")
     # Built from a writable copy (the source folder is read-only); the version optimum-neuron 0.4.5 pins.
     with tempfile.TemporaryDirectory() as build:

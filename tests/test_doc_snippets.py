@@ -8,7 +8,9 @@ block says None, and a new document fails `test_every_document_names_its_environ
 document runs in its own empty folder: its ```bash blocks line by line through bash (`python` and the
 `optimum-qwen35` command are this environment's), its ```python blocks in one Python process that keeps its names
 from block to block, as a session pasting them would. `pip install` lines are checked with pip itself
-(`--dry-run --no-deps --no-index` on this checkout, after checking the torch pin), not run. Diagrams and other
+(`--dry-run --no-deps --no-index` on this checkout, after checking the torch pin and that only torch comes from
+PyTorch's CPU index), not run; nor are `python -m venv DIR && source DIR/bin/activate` lines (the session's
+environment stands in for the venv). Diagrams and other
 text use plain ``` fences. A few substitutions keep the run small; each is listed below with the reason, and a block
 that is neither run nor listed as not run fails the test. Hub commands talk to the loopback stand-in Hub through
 HF_ENDPOINT (never huggingface.co).
@@ -28,6 +30,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_PIN = "torch==2.13.0"  # the noxfile's pin: a looser one pulls a CUDA build
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where a user's pip finds its CPU build
+# `python -m venv DIR && source DIR/bin/activate`: checked (the same folder), not run: the snippets run in the nox
+# session's environment, which is what such a venv holds after the documented installs.
+VENV = re.compile(r"python -m venv (\S+)")
+ACTIVATE = re.compile(r"source (\S+)/bin/activate")
 HUB_TOKEN = "hf_doc_write"
 HUB_USER = "my-org"  # the docs' namespace; the token may write there
 
@@ -70,8 +77,6 @@ RUN_BY_OTHER_TESTS = {
 # Blocks not run, by their first line, and why.
 NOT_RUN = {
     "pip install nox && nox": "it is the CI command itself (.ci/run runs it; tests/test_readme.py checks that)",
-    "python -m venv ~/venvs/qwen35-optimum && source ~/venvs/qwen35-optimum/bin/activate":
-        "it makes a virtual environment; the test runs in the nox session's (its pip line is docs/optimum_neuron.md's, checked there)",
 }
 # (document, text in a block, replacement, why). Every substitution must apply, so a stale one fails too.
 SUBSTITUTIONS = [
@@ -147,6 +152,9 @@ def check_pip_line(line: str) -> None:
     if any(a.startswith("torch") for a in args):
         assert TORCH_PIN in args, f"{line}: torch must be pinned as {TORCH_PIN}"
         args = [a for a in args if a != TORCH_PIN]
+    if "--index-url" in args:  # torch alone, from PyTorch's CPU index; the rest comes from PyPI in the next line
+        assert args == ["--index-url", TORCH_CPU_INDEX], f"{line}: only torch comes from {TORCH_CPU_INDEX}"
+        return
     if args in (["nox"],):
         return
     result = subprocess.run(
@@ -303,6 +311,7 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
     used: set[int] = set()
     met: set[int] = set()
     python = None
+    venv = None  # the folder of the last `python -m venv` line
     ran = 0
     try:
         for language, code in blocks(document):
@@ -320,6 +329,12 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
                     for part in line.split(" && "):
                         if part.strip().startswith("pip install"):
                             check_pip_line(part.strip())
+                            continue
+                        if VENV.fullmatch(part.strip()):
+                            venv = VENV.fullmatch(part.strip()).group(1)
+                            continue
+                        if ACTIVATE.fullmatch(part.strip()):
+                            assert ACTIVATE.fullmatch(part.strip()).group(1) == venv, f"{document}: `{line}`"
                             continue
                         result = subprocess.run(["bash", "-c", part], cwd=work, env=env, capture_output=True, text=True, timeout=900)
                         assert result.returncode == 0, f"{document}: `{part}` fails:\n{result.stderr[-3000:]}"

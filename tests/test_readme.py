@@ -41,8 +41,29 @@ def test_readme_python_example_runs(tmp_path, capsys):
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_second():
+    """The first: a virtual environment, torch's CPU build from PyTorch's CPU index (PyPI's Linux torch is the CUDA
+    build), this package and the rest from PyPI, the demo. The second needs PyPI alone (nox installs torch)."""
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-    assert blocks[0].strip() == "pip install torch==2.13.0 -e . && python -m optimum_qwen35 demo"
+    assert blocks[0].strip().splitlines() == [
+        "python -m venv ~/venvs/qwen35 && source ~/venvs/qwen35/bin/activate",
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && pip install -e . "
+        "&& python -m optimum_qwen35 demo",
+    ]
     assert blocks[1].strip() == "pip install nox && nox"
     ci = (README.parent / ".ci" / "run").read_text()
     assert "n==2" in ci  # .ci/run executes the README's second bash block
+
+
+def test_readme_sections_in_order_and_the_docs_index_lists_every_page():
+    """intro -> the two commands -> requirements -> support table -> install -> quick start -> docs index -> numbers,
+    errors, tests, layout (optimum-neuron's README's order); one index line per docs/*.md page."""
+    text = README.read_text()
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections == ["What works where", "Install", "Quick start: use it as optimum-neuron models are used",
+                        "Documentation", "Numbers", "Errors", "Tests", "Layout"]
+    assert text.index("```bash") < text.index("**Requirements**") < text.index("## What works where")
+    index = text[text.index("## Documentation"):text.index("## Numbers")]
+    listed = re.findall(r"^- `(docs/[^`]+\.md)`: \S", index, re.M)
+    pages = sorted(str(p.relative_to(README.parent)) for p in (README.parent / "docs").glob("*.md"))
+    assert sorted(listed) == pages and len(listed) == len(set(listed))
+    assert "huggingface-cli" not in text  # deprecated: `hf download`

@@ -133,7 +133,7 @@ def test_a_synced_configuration_loads_by_model_id_without_compiling(hub_server, 
         run_python(LOAD_MODEL_ID_WITHOUT_COMPILING, SOURCE, "4", prompt, env=user)
 
     cli = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
-    shim = tmp_path / "shim"  # an editable install has no .pth start-up file: register in the child explicitly
+    shim = tmp_path / "shim"  # register in the child explicitly, whatever start-up file the environment has
     shim.mkdir()
     (shim / "sitecustomize.py").write_text("import optimum_qwen35\n")
     listed = subprocess.run(

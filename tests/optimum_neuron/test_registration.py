@@ -1,6 +1,6 @@
 """Registration in every process that needs it: optimum-neuron's registry, transformers 4.57, vLLM's plugin,
-and the start-up file an installed wheel puts in site-packages (editable installs do not carry it, so the
-tests build the wheel and process its .pth the way site.py does)."""
+and the start-up file an installed wheel puts in site-packages (the tests build the wheel and process its .pth the
+way site.py does; test_editable_install.py checks the editable install's)."""
 
 from __future__ import annotations
 
