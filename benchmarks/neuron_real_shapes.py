@@ -344,7 +344,7 @@ def step_traffic(s: RankShapes, graph: str, dtype_bytes: int = 2) -> dict[str, i
 
 def collectives_per_step(s: RankShapes, graph: str) -> list[tuple[str, str, int]]:
     """The collectives a graph's HLO holds (checked against the lowered HLO): one all-reduce per row-parallel
-    layer call (fp32: neuronx-distributed's default reduce_dtype) -- each DeltaNet mixer's and MLP's output
+    layer call (in the model dtype, bf16 here: `NxDLayers.row_linear`'s reduce_dtype) -- each DeltaNet mixer's and MLP's output
     projection, and each attention layer's o_proj once per query block of `QUERY_BLOCK` tokens (context encoding
     attends block by block, o_proj included) -- one for the vocabulary-split embedding (model dtype), and the
     lm_head's fp32 logits gathered along the vocabulary (the last token of the one row in context encoding, one
@@ -356,8 +356,8 @@ def collectives_per_step(s: RankShapes, graph: str) -> list[tuple[str, str, int]
     length = 1 if graph == TOKENS else s.sequence
     blocks = [min(QUERY_BLOCK, length - start) for start in range(0, length, QUERY_BLOCK)]
     out = [("all-reduce", "bf16", tokens * s.hidden * 2)]
-    out += [("all-reduce", "f32", tokens * s.hidden * 4)] * (2 * s.layers - s.attention_layers)
-    out += [("all-reduce", "f32", rows * block * s.hidden * 4) for block in blocks] * s.attention_layers
+    out += [("all-reduce", "bf16", tokens * s.hidden * 2)] * (2 * s.layers - s.attention_layers)
+    out += [("all-reduce", "bf16", rows * block * s.hidden * 2) for block in blocks] * s.attention_layers
     out += [("all-gather", "f32", rows * s.vocab_padded_per_rank * s.tp * 4)]
     return out
 

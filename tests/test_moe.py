@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from optimum_qwen35 import Qwen35Config, UnsupportedModelError
 from optimum_qwen35.checkpoint import CheckpointError, CheckpointReader, convert_checkpoint
 from optimum_qwen35.errors import UsageError
-from optimum_qwen35.modeling.moe import SparseMoeBlock, route
+from optimum_qwen35.modeling.moe import SparseMoeBlock, block_count, route, routed_blocks
 from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionConfig
 from tests.kit import build_tiny_checkpoint
@@ -142,6 +142,65 @@ def test_the_three_forms_agree(dtype):
     expected = block.experts.dense(x, dense)
     torch.testing.assert_close(block.experts.looped(x, weights, ids), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(block.experts.gathered(x, weights, ids), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 128])
+def test_routed_blocks_give_every_pair_its_own_row_in_its_experts_blocks(block_size):
+    """The blocked layout (`routed_blocks`) on random, skewed (every token to experts 0 and 1) and partly foreign
+    routings (id E_r: another rank's expert): each served pair its own row, in a block of its expert, that row
+    reading its token; padding rows read token N; foreign pairs the extra row nb B; never more blocks than the bound."""
+    torch.manual_seed(0)
+    E, N, k = 6, 7, 2
+    random = torch.stack([torch.randperm(E)[:k] for _ in range(N)]).to(torch.int32)
+    skewed = torch.tensor([[0, 1]] * N, dtype=torch.int32)
+    foreign = torch.where(torch.arange(N * k).view(N, k) % 3 == 0, torch.full_like(random, E), random)
+    for ids in (random, skewed, foreign):
+        token, block_expert, pair_row, nb = routed_blocks(ids, E, block_size)
+        assert nb == block_count(N * k, E, block_size) and token.shape == (nb * block_size,)
+        served = (ids < E).reshape(-1)
+        rows = pair_row[served]
+        assert len(set(rows.tolist())) == len(rows)  # no two pairs share a row: nothing dropped, nothing overwritten
+        assert (pair_row[~served] == nb * block_size).all()
+        pairs_token = torch.arange(N * k) // k
+        assert (token[rows.long()] == pairs_token[served]).all()
+        assert (block_expert[(rows // block_size).long()] == ids.reshape(-1)[served]).all()
+        unused = torch.ones(nb * block_size, dtype=torch.bool)
+        unused[rows.long()] = False
+        assert (token[unused] == N).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_form_equals_the_dense_form(dtype):
+    """The blocked prompt form (routed work only) gives the dense (all-experts) form's output, through the block on a
+    prompt, and for the experts alone with pairs weighted 0; the block picks it only when it has fewer rows."""
+    config = Qwen35Config.from_pretrained(build_tiny_checkpoint_config("tiny-moe"))
+    torch.manual_seed(0)
+    block = SparseMoeBlock(config, TorchLayers())
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block.to(dtype)
+    block.gate.weight.data = block.gate.weight.data.float()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    x = torch.randn(1, 40, config.hidden_size).to(dtype)  # 80 pairs over 6 experts
+    block.block_size = 4  # 80 / 4 + 6 blocks x 4 rows = 104 rows < 40 x 6 dense rows: the blocked form
+    calls = []
+    original = block.experts.blocks
+    block.experts.blocks = lambda *a: calls.append(1) or original(*a)
+    blocked = block(x, static=True)
+    assert calls, "the blocked form was not used"
+    block.block_size = 64  # 2 + 6 blocks x 64 rows > 240: the dense form
+    calls.clear()
+    dense = block(x, static=True)
+    assert not calls
+    torch.testing.assert_close(blocked, dense, atol=tol, rtol=tol)
+    # Experts alone, one pair in three weighted 0 and served elsewhere (what expert parallelism leaves).
+    flat = x.reshape(-1, config.hidden_size)
+    weights, ids = route(block.gate(flat), config.num_experts_per_tok, dtype)
+    weights = weights * (torch.arange(weights.numel()).view(weights.shape) % 3 != 0).to(dtype)
+    dense_weights = torch.zeros(40, config.num_experts, dtype=dtype).scatter(1, ids, weights)
+    block.block_size = 4
+    got = block._blocked(flat, weights, ids.to(torch.int32), False, config.num_experts)
+    torch.testing.assert_close(got, block.experts.dense(flat, dense_weights), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,6 +20,16 @@ trace them:
 - gathered: the weights of each chosen (token, expert) pair are gathered and applied with a batched matmul. For
   decode, where the pairs are fewer than the local experts (reads k experts' weights per token, not all, but
   copies them first).
+- blocks (`routed_blocks`): the routed work only, for prompts. The (token, expert) pairs are sorted by expert and laid
+  out in blocks of `block_size` rows, each block one expert's (its last block padded with a zero row), and each block
+  runs through its expert's gathered weights in one batched matmul. The number of blocks is static and
+  dropless: sum over experts of ceil(pairs_e / B) <= (P + m (B - 1)) / B for P pairs over m <= min(E_r, P) used
+  experts, whatever the routing; no token is ever dropped, so no fallback is needed. The layout is
+  neuronx-distributed's blockwise one (`expert_mlps_v2.py`, `get_blockwise_expert_and_token_mapping`: blocks of
+  tokens per expert, num_blocks bounded the same way), whose own matmul is a closed NKI kernel; here the matmul is
+  the gathered form's (`Experts(expert_indices=...)`, NxD's selective loading, which its decode graphs compile), and
+  the positions come from a sort (the router's top-k is one already) and int32 sums, not a cumsum. Used when its
+  rows (blocks x B) are fewer than the dense form's (tokens x E_r).
 
 Tensor parallelism (`Qwen35Config.expert_parallel_mode`): the router and `shared_expert_gate` are replicated,
 the shared expert is split like the dense MLP (intermediate rows, zero-padded), and the routed experts are split
@@ -42,6 +52,9 @@ from ..config import Qwen35Config
 from ..errors import UsageError
 from .parallel import Linear
 from .precision import accumulation_dtype, upcast
+
+
+ROUTED_BLOCK = 128  # rows per block of the blocked prompt form (SparseMoeBlock.block_size)
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,13 @@ class Experts(nn.Module):
             y.index_add_(0, r, upcast(out) * upcast(weights[r, slots[pick]])[:, None])
         return y
 
+    def blocks(self, x: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
+        """x [nb, B, H] (rows grouped by expert), block_expert [nb] int32 -> [nb, B, H] in x's dtype: each block through
+        its expert's gathered weights, one batched matmul per projection."""
+        h = torch.bmm(x, self.gate_up_proj.index_select(0, block_expert).transpose(1, 2))  # [nb, B, 2 I_r]
+        gate, up = h.split(self.intermediate, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj.index_select(0, block_expert).transpose(1, 2))
+
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] (weight 0 for a pair another rank serves) -> [N, H] fp32:
         each pair's expert weights gathered, one batched matmul per projection."""
@@ -164,6 +184,52 @@ class Experts(nn.Module):
         gate, up = h.split(self.intermediate, dim=-1)
         out = torch.bmm(self.down_proj.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
         return weighted_sum(weights, out.view(N, k, -1))
+
+
+def routed_blocks(ids: torch.Tensor, experts: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The blocked layout of the pairs: ids [N, k] int32 local expert ids, `experts` (E_r) for a pair no local expert
+    serves. Returns (token of each block row [nb B] int32, N for a padding row; expert of each block [nb] int32; the
+    block row of each pair [N k] int32, nb B for a pair served elsewhere; nb). Static shapes: nb is the dropless
+    bound `block_count`. Computed with a stable sort by expert and int32 sums (no cumsum, no float)."""
+    N, k = ids.shape
+    P = N * k
+    nb = block_count(P, experts, block_size)
+    device = ids.device
+    flat = ids.reshape(-1)
+    expert_range = torch.arange(experts, dtype=torch.int32, device=device)
+    counts = (flat[:, None] == expert_range).to(torch.int32).sum(0, dtype=torch.int32)  # [E_r] pairs per local expert
+    # ceil(counts / B) [E_r] as a count of block starts below it (no integer division: it lowers to floor ops); an
+    # expert has at most N pairs (a token's k choices are distinct).
+    starts = torch.arange(0, N, block_size, dtype=torch.int32, device=device)
+    blocks = (counts[:, None] > starts[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
+    # Inclusive prefix sums over the experts as an int32 triangular sum (E_r x E_r: small).
+    lower = (expert_range[:, None] >= expert_range[None, :]).to(torch.int32)
+    block_end = (lower * blocks[None, :]).sum(1, dtype=torch.int32)  # [E_r] first block after expert e's
+    pair_end = (lower * counts[None, :]).sum(1, dtype=torch.int32)  # [E_r] first sorted pair after expert e's
+    sorted_ids, order = torch.sort(flat, stable=True)  # by expert, tokens in order within one
+    order = order.to(torch.int32)
+    served = sorted_ids < experts
+    e = torch.clamp(sorted_ids, max=experts - 1)
+    rank_in_expert = torch.arange(P, dtype=torch.int32, device=device) - (pair_end - counts).index_select(0, e)
+    row = (block_end - blocks).index_select(0, e) * block_size + rank_in_expert
+    row = torch.where(served, row, torch.full_like(row, nb * block_size))
+    # Each block row's token (N: the zero padding row); the one extra row takes the pairs served elsewhere.
+    token = torch.full((nb * block_size + 1,), N, dtype=torch.int32, device=device)
+    # index_put with int32 indices (point scatters that assign; no s64 index in the graph).
+    # The token of pair p is p // k, read from a static table (an integer division lowers to floor / sign ops).
+    pair_token = torch.arange(N, dtype=torch.int32, device=device)[:, None].expand(N, k).reshape(-1)
+    token = token.index_put((row,), pair_token.index_select(0, order))[: nb * block_size]
+    pair_row = torch.zeros(P, dtype=torch.int32, device=device).index_put((order,), row)
+    block_ids = torch.arange(nb, dtype=torch.int32, device=device)
+    block_expert = (block_ids[:, None] >= block_end[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
+    return token, torch.clamp(block_expert, max=experts - 1), pair_row, nb
+
+
+def block_count(pairs: int, experts: int, block_size: int) -> int:
+    """Blocks enough for any routing of `pairs` pairs over `experts` local experts: sum_e ceil(n_e / B) with
+    sum_e n_e = pairs and at most min(experts, pairs) experts used."""
+    used = min(experts, pairs)
+    return max(1, (pairs + used * (block_size - 1)) // block_size)
 
 
 def weighted_sum(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
@@ -209,6 +275,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = layers.shared_expert(config.hidden_size, s.shared_per_rank)
         self.shared_expert_gate = Linear(config.hidden_size, 1)
         self._rank_source: list[nn.Module] = []  # the module holding the rank tensor (not a submodule)
+        # Rows per block of the blocked prompt form (`routed_blocks`): TensorE's 128 partitions.
+        self.block_size = ROUTED_BLOCK
 
     def bind_rank(self, module: nn.Module) -> None:
         """Read the rank from `module.rank` (the vocabulary-parallel embedding's, a weight input of the graphs, so
@@ -237,7 +305,11 @@ class SparseMoeBlock(nn.Module):
         if static and getattr(self.experts, "packed_for", None) is not None:
             raise UsageError("the MoE experts are packed for eager CPU inference (pack_weights=True): graphs cannot be "
                              "traced from them; load the model again without packing to trace it")
-        if not static or N * k < E_r:
+        use_blocks = (static and N * k >= E_r and hasattr(self.experts, "blocks")
+                      and block_count(N * k, E_r, self.block_size) * self.block_size < N * E_r)
+        if use_blocks:
+            y = self._blocked(x, weights, ids, ep, E_r)
+        elif not static or N * k < E_r:
             if ep:
                 local = ids - self._rank() * E_r
                 mine = (local >= 0) & (local < E_r)
@@ -256,5 +328,22 @@ class SparseMoeBlock(nn.Module):
         gate = torch.sigmoid(upcast(self.shared_expert_gate(x)))
         y = y + gate * upcast(self.shared_expert(x))
         if self.tp_degree > 1:
-            y = self.layers.reduce(y)
+            # Summed in the model dtype (bf16: half the bytes of the fp32 partial sums), as the dense layers'
+            # row-parallel reduces; fp32 / float64 models are unchanged.
+            y = upcast(self.layers.reduce(y.to(x.dtype)))
         return y.view(*shape[:-1], -1)
+
+    def _blocked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: bool, E_r: int) -> torch.Tensor:
+        """The blocks form (`routed_blocks`): [N, H] fp32, the pairs of another rank's experts left out."""
+        N, H = x.shape
+        if ep:
+            local = ids - self._rank() * E_r
+            mine = (local >= 0) & (local < E_r)
+            ids = torch.where(mine, local, torch.full_like(local, E_r)).to(torch.int32)
+            weights = weights * mine.to(weights.dtype)
+        token, block_expert, pair_row, nb = routed_blocks(ids, E_r, self.block_size)
+        padded = torch.cat([x, x.new_zeros(1, H)])
+        rows = padded.index_select(0, token).view(nb, self.block_size, H)
+        out = self.experts.blocks(rows, block_expert).reshape(nb * self.block_size, H)
+        out = torch.cat([out, out.new_zeros(1, H)])  # the row of the pairs served elsewhere
+        return weighted_sum(weights, out.index_select(0, pair_row).view(N, -1, H))

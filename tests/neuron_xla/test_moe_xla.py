@@ -128,3 +128,33 @@ def test_optimum_neurons_generate_drives_the_moe_graphs():
         model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
         out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
     assert out[:, width:].tolist() == expected
+
+
+def test_blocked_prompt_form_on_xla_matches_transformers(monkeypatch):
+    """Context encoding in the blocked form (the routed work only: `modeling.moe.routed_blocks`, 16-row blocks so
+    that the tiny experts take it: 160 pairs -> 15 blocks, 240 rows < 480 dense rows), fp32 at TP 1 on the XLA CPU
+    device: the prompt's logits within 1e-4 of transformers' (the dense form's tolerance), for two prompt lengths
+    and in two slots; the graph calls neuronx-distributed's Experts once per block set."""
+    from optimum_qwen35.backends.nxd.layers import RoutedExperts
+    from optimum_qwen35.modeling import moe
+
+    monkeypatch.setattr(moe, "ROUTED_BLOCK", 16)
+    calls = []
+    original = RoutedExperts.blocks
+    monkeypatch.setattr(RoutedExperts, "blocks", lambda self, *a: calls.append(a[0].shape) or original(self, *a))
+    layout = "tiny-moe"
+    ref = load_reference(layout)
+    cases = {len(p): (p, torch.from_numpy(l)) for p, l in reference_prompts(ref)}
+    nc = neuron_config(FIXTURES / layout, "trn2")
+    worst = 0.0
+    with traced_parallel_state(1, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES / layout, nc, load_weights=True)
+        assert all(layer.mlp.block_size == 16 for layer in graphs[CONTEXT].module.layers)
+        run = XlaGraphs(graphs)
+        for slot, (length, prompt_length) in enumerate(((130, 80), (63, 40))):
+            seq, hf = cases[length]
+            got = run(CONTEXT, *context_inputs(seq[:prompt_length]), [slot])[0]
+            torch.testing.assert_close(got, hf[prompt_length - 1], rtol=0, atol=LOGIT_ATOL)
+            worst = max(worst, (got - hf[prompt_length - 1]).abs().max().item())
+    assert calls and all(shape[1] == 16 for shape in calls), calls
+    print(f"\n{layout} blocked prompt form on XLA: {calls[0][0]} blocks of 16 rows, max |logit - transformers| {worst:.2e}")

@@ -5,7 +5,8 @@ layers take global sizes and divide by the tensor-parallel degree themselves, so
 back by t: per-rank x t is exactly the size of the tensor's TP layout (`checkpoint/shard.py`: MLP and vocabulary
 padded, KV heads repeated when t > KV heads), whose contiguous block r is rank r's shard -- neuronx-distributed's
 split contract. Weights are created in the model dtype. Outputs of column-parallel layers stay sharded (the next
-row-parallel layer takes them as they are); row-parallel layers all-reduce (in fp32, neuronx-distributed's default).
+row-parallel layer takes them as they are); row-parallel layers all-reduce in the model dtype (`reduce_dtype`: neuronx-distributed's default is fp32, twice the
+bytes of a bf16 activation; the cpu target's RowParallelLinear reduces its bf16 matmul result in bf16 too).
 
 - embedding: ParallelEmbedding split by vocabulary, its rank read from a tensor (`use_spmd_rank`: the
   `embed_tokens.rank_util.rank` weight, arange(t) split by rank), so that one traced graph serves every rank;
@@ -15,11 +16,13 @@ row-parallel layer takes them as they are); row-parallel layers all-reduce (in f
 - the MoE block's routed experts: neuronx-distributed's `Experts` (modules/moe/experts.py: the fused
   `gate_up_proj` [E_r, H, 2 I_r] an ExpertFusedColumnParallelLinear split with stride 2, i.e. each rank its block of
   gate rows and the same block of up rows, `down_proj` [E_r, I_r, H] an ExpertFusedRowParallelLinear without its
-  reduce), the mlp_op of its ExpertMLPs, run in the block's two forms: every token through every local expert (NxD's
-  all-experts path) or the chosen experts' weights gathered (NxD's selective loading, `expert_indices`);
+  reduce), the mlp_op of its ExpertMLPs, run in the block's three forms: every token through every local expert (NxD's
+  all-experts path), the chosen experts' weights gathered (NxD's selective loading, `expert_indices`), or blocks of
+  tokens grouped by expert, each through its expert's gathered weights (prompts: `modeling.moe.routed_blocks`);
 - the shared expert: neuronx-distributed's `SharedExperts` (one expert, separate gate/up/down projections, no
   reduce); its sigmoid gate is a replicated linear of the block beside it (NxD's module has none);
-- `reduce`: the block's one all-reduce (routed + gated shared), `reduce_from_tensor_model_parallel_region`.
+- `reduce`: the block's one all-reduce (routed + gated shared), `reduce_from_tensor_model_parallel_region`, in the
+  dtype the block hands it (the model dtype: `modeling.moe.SparseMoeBlock`).
 
 The precision policy's Neuron form (`modeling.precision.NeuronPrecision`, SDK-free and tested on CPU) gives the
 attention core, the lm_head's matmul and the operand casts.
@@ -74,6 +77,11 @@ class RoutedExperts(Experts):
         out = self(x[None])  # [E_r, N, H]
         return weighted_sum(weights, out.transpose(0, 1))
 
+    def blocks(self, x: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
+        """x [nb, B, H] (rows grouped by expert), block_expert [nb] int32 -> [nb, B, H]: each block through its
+        expert's weights, gathered (NxD's selective loading with one expert per block: hidden_states [E', C, H])."""
+        return self(x, expert_indices=block_expert)
+
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] int32 -> [N, H] fp32: each (token, expert) pair's
         weights gathered (NxD's selective loading, `expert_indices`), one batched matmul per projection."""
@@ -115,8 +123,11 @@ class NxDLayers:
         )
 
     def row_linear(self, in_features_per_rank: int, out_features: int, bias: bool = False):
+        # reduce_dtype: the sum in the activation dtype (NxD's default, fp32, doubles every all-reduce's bytes; the
+        # accuracy cost is measured by the bf16 tests, docs/neuron_backend.md "Collectives in the activation dtype").
         return RowParallelLinear(
-            in_features_per_rank * self.tp_degree, out_features, bias=bias, input_is_parallel=True, dtype=self.dtype
+            in_features_per_rank * self.tp_degree, out_features, bias=bias, input_is_parallel=True, dtype=self.dtype,
+            reduce_dtype=self.dtype,
         )
 
     def embedding(self, vocab_per_rank: int, hidden_size: int):
