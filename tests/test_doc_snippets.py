@@ -68,6 +68,7 @@ DOCUMENTS = {
     "docs/testing.md": None,
     "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
     "docs/prefix_caching.md": "reference",
+    "docs/speculative_decoding.md": "reference",
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
@@ -87,12 +88,14 @@ SUBSTITUTIONS = [
     ("docs/tensor_parallel.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
     ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
     ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
+    ("docs/speculative_decoding.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
 ]
 BUILD_TINY = f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"
 # Set up before a document runs, in its folder: shell commands, and what the stand-in Hub must hold.
 SETUP = {
     "docs/tensor_parallel.md": [BUILD_TINY],
     "docs/prefix_caching.md": [BUILD_TINY],
+    "docs/speculative_decoding.md": [BUILD_TINY],
     # `out/`: an export of a local copy of "Qwen/Qwen3.5-2B" (here the tiny checkpoint, also on the stand-in Hub).
     "docs/hub.md": [
         BUILD_TINY,
@@ -303,6 +306,8 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
         "HF_TOKEN": HUB_TOKEN,
         "HF_HOME": str(tmp_path / "hf-home"),
         "HF_HUB_DISABLE_XET": "1",
+        # The test kit (tests/kit: the stand-in Hub, the TP harness) is imported from a checkout, as the pages say.
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
     }
     env.pop("CUSTOM_CACHE_REPO", None)
     work = tmp_path / "work"

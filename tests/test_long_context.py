@@ -128,7 +128,7 @@ def test_model_long_adversarial_prefill_and_decode_against_float64_recurrence():
     for min_beta, max_abs_g, min_key_cosine in regime:
         assert min_beta > 0.99 and max_abs_g < 1e-9 and min_key_cosine > 0.99, regime
     assert torch.isfinite(got).all()
-    for spec, tensor in zip(fp32.state_specs, fp32.state):
+    for spec, tensor in zip(fp32.graphs.state_specs, fp32.state):
         assert torch.isfinite(tensor).all(), spec.name
 
     kernels.register_backend("recurrent", {"chunk_gated_delta_rule": recurrent_gated_delta_rule})

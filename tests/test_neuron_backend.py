@@ -485,8 +485,8 @@ def test_nxd_layers_define_everything_the_model_reads_from_its_layer_factory():
     read = set()
     for file in (package / "modeling").glob("*.py"):
         source = file.read_text()
-        read |= set(re.findall(r"\blayers\.([a-z_]+)\b", source)) | set(re.findall(r'getattr\(layers, "([a-z_]+)"', source))
-    tree = ast.parse((package / "neuron" / "layers.py").read_text())
+        read |= set(re.findall(r"\blayers\.(?!py\b)([a-z_]+)\b", source)) | set(re.findall(r'getattr\(layers, "([a-z_]+)"', source))
+    tree = ast.parse((package / "backends" / "nxd" / "layers.py").read_text())
     (nxd,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "NxDLayers"]
     defined = set()
     for node in ast.walk(nxd):
@@ -504,21 +504,21 @@ def test_nxd_layers_define_everything_the_model_reads_from_its_layer_factory():
 
 
 def test_the_neuron_package_does_not_import_the_optimum_model_module():
-    """One import direction: `optimum/modeling.py` hands the Neuron targets to `neuron/model.py` (lazily); nothing in
-    `neuron/` imports `optimum/modeling.py` or `optimum/registration.py` back (it takes the neuron config builder
-    from `optimum/neuron_config.py`, which imports neither)."""
+    """One import direction: `optimum_neuron/modeling.py` hands the Neuron targets to `backends/nxd/model.py` (lazily);
+    nothing in `backends/nxd/` imports `optimum_neuron/modeling.py` or `optimum_neuron/registration.py` back (it takes
+    the neuron config builder from `optimum_neuron/neuron_config.py`, which imports neither)."""
     import ast
     from pathlib import Path
 
     import optimum_qwen35
 
     package = Path(optimum_qwen35.__file__).parent
-    for path in [*sorted((package / "neuron").glob("*.py")), package / "optimum" / "neuron_config.py"]:
+    for path in [*sorted((package / "backends" / "nxd").glob("*.py")), package / "optimum_neuron" / "neuron_config.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
             module = node.module or ""
-            if node.level == 1 and path.parent.name == "optimum":
-                module = f"optimum.{module}"  # a sibling of neuron_config.py
+            if node.level == 1 and path.parent.name == "optimum_neuron":
+                module = f"optimum_neuron.{module}"  # a sibling of neuron_config.py
             imported = [module] + [f"{module}.{alias.name}" for alias in node.names]
-            assert not [m for m in imported if m.endswith(("optimum.modeling", "optimum.registration"))], (path.name, imported)
+            assert not [m for m in imported if m.endswith(("optimum_neuron.modeling", "optimum_neuron.registration"))], (path.name, imported)

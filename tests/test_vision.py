@@ -91,7 +91,7 @@ def test_image_features_match_transformers(layout, ours, reference):
     pixels = _pixels()
     with torch.no_grad():
         expected = reference.model.get_image_features(pixels, GRIDS).pooler_output
-    got = ours.image_features(pixels, GRIDS)
+    got = ours.images.image_features(pixels, GRIDS)
     for e, g in zip(expected, got, strict=True):
         assert g.shape == e.shape
         diff = (g - e).abs().max().item()

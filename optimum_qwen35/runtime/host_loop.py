@@ -484,9 +484,10 @@ class Qwen35Runtime:
         the slots they borrow get their state back: running sequences go on as if nothing had run. More prompts than
         the batch size run in waves."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        for p in prompts:
-            self._check_length(len(p))  # every prompt is checked before the first graph runs
-        if getattr(self.graphs, "logits_buckets", None) is not None:
+        if getattr(self.graphs, "logits_buckets", None) is None:
+            for p in prompts:
+                self._check_length(len(p))  # every prompt is checked before the first graph runs
+        else:  # the per-position logits programs check against their own largest bucket (`_scores`)
             if pixel_values is not None or image_grid_thw is not None:
                 raise IncompatibleExportError(
                     "per-position logits of prompts holding images need the eager runtime (Qwen35Runtime.from_pretrained"

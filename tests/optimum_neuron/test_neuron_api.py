@@ -19,7 +19,7 @@ try:
 except metadata.PackageNotFoundError:
     pytest.skip(NEEDS_OPTIMUM_NEURON, allow_module_level=True)
 
-OURS = Path(__file__).parents[2] / "optimum_qwen35" / "neuron" / "model.py"
+OURS = Path(__file__).parents[2] / "optimum_qwen35" / "backends" / "nxd" / "model.py"
 BACKEND = "optimum/neuron/models/inference/backend/"
 # Our class -> the optimum-neuron classes it derives from, nearest first, (file, class).
 BASES = {
