@@ -211,3 +211,24 @@ def test_a_runner_without_continuing_context_graphs_is_refused(decoder):
     model = Qwen35Runtime(Programs(), decoder.config, max_length=MAX_LENGTH)
     with pytest.raises(IncompatibleExportError, match="continue a sequence"):
         model.set_prefix_cache(fresh_cache())
+
+
+def test_the_continuing_programs_an_export_compiles_for_its_block_size():
+    """What a cpu export adds for its prefix cache (export/compile.py): one program per (context bucket, key length)
+    of a resumed piece whose key length exceeds its bucket; the export's buckets (from 128) and block sizes."""
+    from optimum_qwen35.runtime.buckets import default_buckets
+
+    def programs(max_length):
+        buckets = default_buckets(max_length, smallest=128)
+        block = prefix_cache.export_block_size(max_length)
+        return block, prefix_cache.continuing_graphs(buckets, buckets, max_length, block)
+
+    assert programs(128) == (64, [])  # [64, 128) runs the 128-token program over 128 positions: the fresh one
+    assert programs(256) == (64, [(128, 256)])
+    block, pairs = programs(4096)
+    assert block == 256 and len(pairs) == 8 and {T for T, _ in pairs} == {128, 256}
+    assert prefix_cache.export_block_size(64) is None
+    # A piece's graph depends on the piece alone: the first piece is fresh, a continuing one reads its end's bucket.
+    assert prefix_cache.piece_graph(0, 64, [128, 256], [128, 256]) == (128, None)
+    assert prefix_cache.piece_graph(128, 150, [128, 256], [128, 256]) == (128, 256)
+    assert prefix_cache.piece_graph(64, 128, [128, 256], [128, 256]) == (128, 128)

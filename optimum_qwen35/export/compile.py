@@ -33,6 +33,7 @@ from optimum_qwen35.export.layout import (
     GRAPHS_VERSION,
     VISION_WEIGHTS_FILE,
     context_graph_name,
+    continuing_context_graph_name,
     image_context_graph_name,
     image_token_graph_name,
     logits_graph_name,
@@ -51,6 +52,7 @@ from optimum_qwen35.modeling.state import StateSpec
 from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
 from optimum_qwen35.runtime.images import load_vision_encoder
+from optimum_qwen35.runtime.prefix_cache import continuing_graphs
 
 # The process group the programs' collectives name: the default (world) group of the worker processes.
 GROUP_NAME = "0"
@@ -115,12 +117,16 @@ def compile_graphs(
     logits_buckets: list[int] | None = None,
     vision=None,
     image_buckets: list[int] | None = None,
+    prefix_block_size: int | None = None,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
     `logits_buckets`, by default the context buckets: what `forward()` runs) to `out_dir`. With `vision` (a
     `modeling.vision.VisionConfig`; tp_degree 1), also the vision tower's programs (one per image bucket of
     `image_buckets` patch rows) and the image context-encoding and token-generation programs (same buckets).
+    With `prefix_block_size` (a multiple of 64, below max_length), also the context-encoding programs that continue a
+    sequence which a prefix cache of that block size runs (runtime/prefix_cache.py `continuing_graphs`: one per
+    context bucket and key length of a resumed piece, where the key length is longer than the bucket).
 
     Returns the content of `graphs.json`, written last.
     """
@@ -138,6 +144,15 @@ def compile_graphs(
     plan += [(token_graph_name(L), "token", L) for L in token_buckets]
     logits_buckets = sorted(set(buckets if logits_buckets is None else logits_buckets))
     plan += [(logits_graph_name(T), "logits", T) for T in logits_buckets]
+    continuing = []
+    if prefix_block_size is not None:
+        if prefix_block_size % 64 or not 0 < prefix_block_size < max_length or prefix_block_size > buckets[-1]:
+            raise UsageError(
+                f"prefix_block_size must be a multiple of 64 below max_length ({max_length}) and at most the largest "
+                f"context bucket ({buckets[-1]}), got {prefix_block_size}"
+            )
+        continuing = continuing_graphs(sorted(buckets), token_buckets, max_length, prefix_block_size)
+        plan += [(continuing_context_graph_name(T, L), "context", (T, L)) for T, L in continuing]
     vision_manifest = None
     if vision is not None:
         if tp_degree != 1:
@@ -156,6 +171,7 @@ def compile_graphs(
     bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
     for name, kind, length in bar:
         bar.set_postfix_str(name)  # the graph being compiled now
+        length, key_length = length if isinstance(length, tuple) else (length, None)
         image_embeds = (config.hidden_size, dtype)
         if kind == "vision":
             # Any grid of the bucket's size: the program's shapes are the bucket's, the grid is in the inputs' values.
@@ -165,7 +181,7 @@ def compile_graphs(
                 program = torch.export.export(WeightsAsInputs(encoder, vision_names, prefix=""), (vision_weights, *example))
         else:
             if kind in ("context", "logits"):
-                graph = ContextEncodingGraph(decoder, all_logits=kind == "logits")
+                graph = ContextEncodingGraph(decoder, all_logits=kind == "logits", key_length=key_length)
                 inputs = example_inputs("context", batch_size, length, specs)
             elif kind == "image_context":
                 graph = ImageContextEncodingGraph(decoder)
@@ -181,6 +197,8 @@ def compile_graphs(
         torch.export.save(program, tmp)
         os.replace(tmp, file)
         graphs[name] = {"kind": kind, "length": length, "file": file.name}
+        if key_length is not None:
+            graphs[name]["key_length"] = key_length
     manifest = {
         "format": GRAPHS_FORMAT,
         "version": GRAPHS_VERSION,
@@ -197,6 +215,9 @@ def compile_graphs(
         "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in specs],
         "graphs": graphs,
     }
+    if prefix_block_size is not None:
+        # What a prefix cache of this export uses (runtime/exported.py `prefix_cache_owner`); absent in older exports.
+        manifest["prefix_cache"] = {"block_size": prefix_block_size, "graphs": [list(pair) for pair in continuing]}
     if vision_manifest is not None:
         manifest["vision"] = vision_manifest
     tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"

@@ -34,6 +34,7 @@ from optimum_qwen35.processing import copy_processor_files
 from optimum_qwen35.runtime.buckets import default_buckets
 from optimum_qwen35.runtime.exported import read_graphs_manifest
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
+from optimum_qwen35.runtime.prefix_cache import export_block_size
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             compile_graphs(
                 qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
+                prefix_block_size=export_block_size(neuron_config.sequence_length),
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

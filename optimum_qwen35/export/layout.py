@@ -90,6 +90,12 @@ def context_graph_name(length: int) -> str:
     return f"context_encoding_{length}"
 
 
+def continuing_context_graph_name(length: int, key_length: int) -> str:
+    """A context-encoding program of bucket `length` attending over `key_length` cache positions: it continues a
+    sequence (what a prefix cache's resumed prompts run)."""
+    return f"context_encoding_{length}_keys_{key_length}"
+
+
 def logits_graph_name(length: int) -> str:
     return f"context_logits_{length}"
 

@@ -351,10 +351,11 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         docs/prefix_caching.md): a prompt starting with the tokens of an earlier one resumes context encoding from
         its cached block states, with the same logits as without a hit.
 
-        "auto" (the default): on, with a default `PrefixCache`, where the export's graphs resume a sequence exactly;
-        off where they cannot, which is every cpu export today (its context programs start fresh sequences only).
-        A `PrefixCache`: on with that cache, refused (IncompatibleExportError) where the graphs cannot resume.
-        None: off."""
+        "auto" (the default): on, with a `PrefixCache` of the export's block size (4 GiB budget), where the export
+        holds context programs that continue a sequence (cpu exports made by this version); off, with one log line,
+        for older exports, whose context programs start fresh sequences only.
+        A `PrefixCache`: on with that cache (its block size must be the export's), refused (IncompatibleExportError)
+        where the graphs cannot resume. None: off."""
         if not (cache is None or cache == "auto" or isinstance(cache, PrefixCache)):
             raise UsageError(f'prefix_cache must be "auto", a PrefixCache or None, got {cache!r}')
         self._prefix_cache = cache
@@ -364,10 +365,13 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def _apply_prefix_cache(self) -> None:
         cache = self._prefix_cache
         if cache == "auto":
-            if getattr(self._runtime.graphs, "prefix_cache_owner", None) is None:
+            graphs = self._runtime.graphs
+            if getattr(graphs, "prefix_cache_owner", None) is None:
+                logger.info("prefix caching off: %s's context programs start fresh sequences only (an export made "
+                            "before continuing programs existed); export it again to turn it on", self.folder)
                 self._runtime.set_prefix_cache(None)
                 return
-            cache = PrefixCache()
+            cache = PrefixCache(block_size=graphs.prefix_block_size)
         self._runtime.set_prefix_cache(cache)
 
     def can_generate(self) -> bool:

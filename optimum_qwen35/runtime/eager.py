@@ -28,6 +28,7 @@ from optimum_qwen35.modeling.decoder import (
 )
 from optimum_qwen35.modeling.state import allocate_state
 from optimum_qwen35.modeling.torch_layers import TorchLayers, pack_linears
+from optimum_qwen35.runtime.prefix_cache import StateInProcess
 
 DEFAULT_BUCKET_MIN = 64
 
@@ -99,10 +100,13 @@ def rank_tensors(rank: int) -> dict[str, torch.Tensor]:
     return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int64)}
 
 
-class EagerGraphs:
+class EagerGraphs(StateInProcess):
     """The graph runner of the decoder's own modules in this process: context encoding, token generation and their
     image forms (modeling/decoder.py), built per bucket on first use (traced with `torch.jit.trace` when `trace`),
-    over the state list this runner holds and the graphs update in place; the vision tower's module when given."""
+    over the state list this runner holds and the graphs update in place; the vision tower's module when given.
+    Any context graph continues a sequence (a key length per call), so a prefix cache of any block size fits it."""
+
+    prefix_block_size = None  # (a compiled runner names the block size its continuing programs were built for)
 
     def __init__(self, decoder: Qwen35Decoder, batch_size: int, max_length: int, trace: bool = False,
                  pack_weights: bool = False, vision_encoder=None):

@@ -6,6 +6,10 @@ export/compile.py):
     compiled/graphs.json                 what was compiled (sizes, buckets, dtype, weight and state order)
     compiled/context_encoding_<T>.pt2    one program per context-encoding bucket T
     compiled/context_logits_<T>.pt2      the same, returning the logits of every position (for `forward`)
+    compiled/context_encoding_<T>_keys_<L>.pt2
+                                         context encoding continuing a sequence, attending over L cache positions:
+                                         the (T, L) pairs a prefix cache's resumed pieces run (graphs.json
+                                         "prefix_cache": its block size and pairs; absent in older exports)
     compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.sharded_files.save_sharded`)
 
@@ -23,6 +27,7 @@ host loop's calls (runtime/host_loop.py) through `ProgramRunner`, by program nam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -41,6 +46,7 @@ from optimum_qwen35.export.layout import (
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
     context_graph_name,
+    continuing_context_graph_name,
     image_context_graph_name,
     image_token_graph_name,
     logits_graph_name,
@@ -49,6 +55,7 @@ from optimum_qwen35.export.layout import (
 )
 from optimum_qwen35.modeling.state import StateSpec, allocate_state
 from optimum_qwen35.runtime.eager import rank_tensors
+from optimum_qwen35.runtime.prefix_cache import StateInProcess
 
 
 def read_graphs_manifest(folder: str | os.PathLike) -> dict:
@@ -107,18 +114,40 @@ class ProgramRunner:
     def logits_buckets(self) -> list[int]:
         return self.manifest.get("logits_buckets", [])  # none in exports made before forward() existed
 
+    @property
+    def prefix_block_size(self) -> int | None:
+        """The block size this export's continuing context programs were compiled for (None: it has none)."""
+        return self.manifest.get("prefix_cache", {}).get("block_size")
+
+    @property
+    def prefix_cache_owner(self):
+        """What a prefix cache's snapshots of this runner's state belong to (runtime/prefix_cache.py `bind`): the
+        export (its folder and manifest: weights, state layout, TP degree); None for an export without continuing
+        context programs, which cannot resume a sequence."""
+        if self.prefix_block_size is None:
+            return None
+        digest = hashlib.sha256(json.dumps(self.manifest, sort_keys=True).encode()).hexdigest()
+        return "cpu export", os.path.realpath(self.folder), digest
+
     def context(self, length: int, all_logits: bool, key_length: int | None, *inputs: torch.Tensor):
-        if key_length is not None:
-            raise IncompatibleExportError(
-                "compiled context-encoding graphs start fresh sequences only (their buckets reach max_length); "
-                "continuing a sequence's prompt needs the eager runtime (optimum_qwen35.runtime.Qwen35Runtime.from_pretrained)"
-            )
         if all_logits:
             raise IncompatibleExportError(
                 "compiled context-encoding graphs return the last token's logits only; per-position logits "
                 "need the eager runtime (optimum_qwen35.runtime.Qwen35Runtime.from_pretrained)"
             )
-        return self.run(context_graph_name(length), *inputs)
+        if key_length is None or key_length == length:  # (a row continues its slot when its first position is > 0)
+            return self.run(context_graph_name(length), *inputs)
+        name = continuing_context_graph_name(length, key_length)
+        if name not in self.manifest["graphs"]:
+            raise IncompatibleExportError(
+                f"this export has no context-encoding program of {length} tokens continuing a sequence over "
+                f"{key_length} cache positions ({name}): its context programs "
+                + ("start fresh sequences only; " if self.prefix_block_size is None else
+                   f"continue prefix-cache blocks of {self.prefix_block_size} tokens only; ")
+                + "continuing a sequence's prompt otherwise needs the eager runtime "
+                "(optimum_qwen35.runtime.Qwen35Runtime.from_pretrained)"
+            )
+        return self.run(name, *inputs)
 
     def token(self, key_length: int, *inputs: torch.Tensor) -> torch.Tensor:
         return self.run(token_graph_name(key_length), *inputs)
@@ -143,7 +172,7 @@ class ProgramRunner:
         return Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
 
 
-class ExportedGraphs(ProgramRunner):
+class ExportedGraphs(StateInProcess, ProgramRunner):
     """One rank's compiled programs, its weights and its state; programs are loaded on first use."""
 
     def __init__(self, folder: str | os.PathLike, rank: int = 0, manifest: dict | None = None):

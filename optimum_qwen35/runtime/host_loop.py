@@ -42,7 +42,7 @@ from optimum_qwen35.runtime.eager import EagerGraphs, load_decoder
 from optimum_qwen35.runtime.exported import ExportedGraphs, read_graphs_manifest
 from optimum_qwen35.runtime.speculative import SpeculationStats, check_runner, generate_wave
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS, ImageInputs, load_vision_encoder
-from optimum_qwen35.runtime.prefix_cache import PrefixCache, restore, take_block
+from optimum_qwen35.runtime.prefix_cache import PrefixCache, piece_graph
 from optimum_qwen35.runtime.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -189,9 +189,9 @@ class Qwen35Runtime:
         With a cache, `prefill` of fresh text prompts (start 0, no images) runs context encoding in blocks of the
         cache's block size at block-aligned positions, stores the slot's state after each full block, and resumes a
         prompt whose first blocks are cached from the last of them: the same operations on the same inputs as a cold
-        run with the cache on, so a hit gives the same logits, bit for bit. It needs a runner that holds its state
-        in this process and whose context graphs continue a sequence (`EagerGraphs`); a cpu export's programs
-        start fresh sequences only (docs/prefix_caching.md)."""
+        run with the cache on, so a hit gives the same logits, bit for bit. It needs a runner
+        whose context graphs continue a sequence: `EagerGraphs` (any block size), or a cpu export compiled with
+        continuing context programs (`ExportedGraphs`, `WorkerPool`: the export's block size; docs/prefix_caching.md)."""
         if cache is None:
             self.prefix_cache = None
             return
@@ -200,9 +200,15 @@ class Qwen35Runtime:
         owner = getattr(self.graphs, "prefix_cache_owner", None)
         if owner is None:
             raise IncompatibleExportError(
-                f"prefix caching needs a runner whose context graphs continue a sequence from states it holds in this "
-                f"process (the eager runtime, Qwen35Runtime.from_pretrained); {type(self.graphs).__name__} has none "
-                "(docs/prefix_caching.md)"
+                f"prefix caching needs a runner whose context graphs continue a sequence (the eager runtime, "
+                f"Qwen35Runtime.from_pretrained, or a cpu export made with continuing context programs); this "
+                f"{type(self.graphs).__name__} has none: export the model again (docs/prefix_caching.md)"
+            )
+        block = getattr(self.graphs, "prefix_block_size", None)
+        if block is not None and cache.block_size != block:
+            raise UsageError(
+                f"this export's continuing context programs were compiled for blocks of {block} tokens, the prefix "
+                f"cache's are {cache.block_size}: use PrefixCache(block_size={block}, ...)"
             )
         if cache.block_size > self.buckets[-1]:
             raise UsageError(
@@ -374,15 +380,13 @@ class Qwen35Runtime:
         the other rows or on where the hit ended. A call runs every row whose next piece has the graph of the row
         furthest behind. After a full block the slot's state is stored (`take_block`), unless the cache has it."""
         cache, bs = self.prefix_cache, self.prefix_cache.block_size
-        names = [s.name for s in self.graphs.state_specs]
-        state = self.graphs.state
         B, n = self.batch_size, len(prompts)
         keys = [cache.keys(p) for p in prompts]
         done = []
         for p, slot, chain in zip(prompts, slots, keys):
             entries = cache.lookup(p, chain)[: (len(p) - 1) // bs]
             if entries:
-                restore(state, names, slot, entries, bs)
+                self.graphs.restore_blocks(slot, [e.snapshot for e in entries], bs)
             done.append(len(entries) * bs)
         self.last_prefix_hits = list(done)
         results: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -391,9 +395,7 @@ class Qwen35Runtime:
             return done[i], min(len(prompts[i]), (done[i] // bs + 1) * bs)
 
         def graph(i):
-            start, end = piece(i)
-            T = self.bucket_for(end - start)
-            return T, (max(T, self.key_bucket_for(end)) if start else None)
+            return piece_graph(*piece(i), self.buckets, self.key_buckets)
 
         while any(d < len(p) for d, p in zip(done, prompts)):
             rows = [i for i in range(n) if done[i] < len(prompts[i])]
@@ -417,7 +419,7 @@ class Qwen35Runtime:
                 if end - start == bs:  # a full block (pieces start at block boundaries)
                     prefix, key = prompts[i][:end], keys[i][end // bs - 1]
                     if not cache.contains(prefix, key):
-                        cache.insert(prefix, key, take_block(state, names, slots[i], start, end), keys[i][: end // bs - 1])
+                        cache.insert(prefix, key, self.graphs.take_block(slots[i], start, end), keys[i][: end // bs - 1])
         for p, slot, chain in zip(prompts, slots, keys):
             cache.touch(chain)
             self.encoded[slot] = len(p)

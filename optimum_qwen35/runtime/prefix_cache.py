@@ -28,6 +28,7 @@ and refuses another's.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
 from collections import OrderedDict
@@ -203,15 +204,65 @@ def take_block(state: list[torch.Tensor], names: list[str], slot: int, start: in
     return out
 
 
-def restore(state: list[torch.Tensor], names: list[str], slot: int, entries: list[Entry], block_size: int) -> None:
-    """Write a run of cached blocks (block 0 .. len(entries) - 1) into `slot`: every block's K/V at its positions,
-    the last block's DeltaNet states."""
+def restore_blocks(state: list[torch.Tensor], names: list[str], slot: int, snapshots: list[list[torch.Tensor]],
+                   block_size: int) -> None:
+    """Write a run of cached blocks' snapshots (block 0 .. len(snapshots) - 1) into `slot`: every block's K/V at its
+    positions, the last block's DeltaNet states."""
     for i, (tensor, name) in enumerate(zip(state, names)):
         if _kind(name) in KV_NAMES:
-            for k, entry in enumerate(entries):
-                tensor[slot, :, k * block_size : (k + 1) * block_size].copy_(entry.snapshot[i])
+            for k, snapshot in enumerate(snapshots):
+                tensor[slot, :, k * block_size : (k + 1) * block_size].copy_(snapshot[i])
         else:
-            tensor[slot].copy_(entries[-1].snapshot[i])
+            tensor[slot].copy_(snapshots[-1][i])
+
+
+class StateInProcess:
+    """A runner's snapshot and restore of one slot when its state list (`state`, named by `state_specs`) lives in
+    this process: the eager runner and one rank of a cpu export. A runner whose state lives elsewhere (the
+    tensor-parallel `WorkerPool`: in its worker processes) answers the same two calls its own way."""
+
+    state: list[torch.Tensor]
+    state_specs: list
+
+    def take_block(self, slot: int, start: int, end: int) -> list[torch.Tensor]:
+        return take_block(self.state, [s.name for s in self.state_specs], slot, start, end)
+
+    def restore_blocks(self, slot: int, snapshots: list[list[torch.Tensor]], block_size: int) -> None:
+        restore_blocks(self.state, [s.name for s in self.state_specs], slot, snapshots, block_size)
+
+
+# ---------------------------------------------------------------------------- the graphs of a cached prefill
+def piece_graph(start: int, end: int, buckets: Sequence[int], key_buckets: Sequence[int]) -> tuple[int, int | None]:
+    """The graph a piece [start, end) of a cached prefill runs in: the context bucket of its length and, when it
+    continues its slot (start > 0), its key length, the cache bucket of its end (at least the context bucket); None
+    for a prompt's first, fresh piece. It depends on the piece alone: a cold and a warm run pick the same graphs."""
+    length = buckets[bisect.bisect_left(buckets, min(end - start, buckets[-1]))]
+    if not start:
+        return length, None
+    return length, max(length, key_buckets[bisect.bisect_left(key_buckets, end)])
+
+
+def continuing_graphs(buckets: Sequence[int], key_buckets: Sequence[int], max_length: int,
+                      block_size: int) -> list[tuple[int, int]]:
+    """Every (context bucket, key length) the continuing pieces of a cached prefill can run in, with blocks of
+    `block_size` tokens up to `max_length`; pairs whose key length is the context bucket are left out (the
+    fresh-prompt context graph of that bucket is the same computation: fresh or continuing is decided per row
+    from its positions)."""
+    pairs = set()
+    for start in range(block_size, max_length, block_size):
+        for end in range(start + 1, min(start + block_size, max_length) + 1):
+            length, key_length = piece_graph(start, end, buckets, key_buckets)
+            if key_length > length:
+                pairs.add((length, key_length))
+    return sorted(pairs)
+
+
+def export_block_size(max_length: int) -> int | None:
+    """The block size an export's continuing context programs are compiled for: 256 tokens (`DEFAULT_BLOCK_SIZE`),
+    or a quarter of a shorter max_length rounded down to the delta rule's chunk (at least one chunk); None when no
+    block would leave a token after it (max_length of one chunk)."""
+    block = min(DEFAULT_BLOCK_SIZE, max(CHUNK_SIZE, max_length // 4 // CHUNK_SIZE * CHUNK_SIZE))
+    return block if block < max_length else None
 
 
 def block_bytes_per_layer(config, block_size: int, dtype_bytes: int, tp_degree: int = 1) -> dict[str, int]:

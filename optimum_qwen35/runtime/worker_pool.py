@@ -3,7 +3,9 @@
 The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each holding an `ExportedGraphs`
 (its weights and its state, as the state stays on the device on Neuron) and joined by a gloo process group over a file
 store; each talks to this process over its own socket pair. `WorkerPool.run` sends every rank the same inputs and
-returns rank 0's logits.
+returns rank 0's logits. For a prefix cache (runtime/prefix_cache.py), `take_block` brings one slot's block snapshot
+of every rank to this process (rank 0's tensors, then rank 1's, ...: one cache entry holds the whole model's) and
+`restore_blocks` sends each rank its share back.
 """
 
 from __future__ import annotations
@@ -65,10 +67,19 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
                 break
             if message is None:
                 break
-            name, inputs, restore = message
+            op, args = message
             try:
-                logits = graphs.run(name, *inputs, restore=restore)
-                _send(conn, ("ok", logits if rank == 0 else None))
+                if op == "run":  # (name, inputs, restore): a graph call; rank 0 returns the logits
+                    name, inputs, restore = args
+                    logits = graphs.run(name, *inputs, restore=restore)
+                    _send(conn, ("ok", logits if rank == 0 else None))
+                elif op == "take_block":  # (slot, start, end): this rank's share of the snapshot
+                    _send(conn, ("ok", graphs.take_block(*args)))
+                elif op == "restore_blocks":  # (slot, this rank's share of each snapshot, block size)
+                    graphs.restore_blocks(*args)
+                    _send(conn, ("ok", None))
+                else:
+                    raise RuntimeError(f"unknown message {op!r}")
             except BaseException as error:  # noqa: BLE001
                 _send(conn, ("error", _portable(error)))
     finally:
@@ -85,6 +96,7 @@ class WorkerPool(ProgramRunner):
 
     def __init__(self, folder: str | os.PathLike, tp_degree: int, manifest: dict | None = None):
         self.manifest = manifest or read_graphs_manifest(folder)
+        self.folder = folder  # (names the export a prefix cache belongs to: ProgramRunner.prefix_cache_owner)
         self.tp_degree = tp_degree
         self._tmp = tempfile.TemporaryDirectory(prefix="qwen35-tp-")
         threads = max(1, (os.cpu_count() or 1) // tp_degree)
@@ -126,8 +138,23 @@ class WorkerPool(ProgramRunner):
     def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
         with self._lock:
             for conn in self._conns:
-                _send(conn, (name, inputs, restore))
+                _send(conn, ("run", (name, inputs, restore)))
             return self._collect()[0]
+
+    # A prefix cache's snapshots of a slot (runtime/prefix_cache.py): every rank's share, rank after rank.
+    def take_block(self, slot: int, start: int, end: int) -> list[torch.Tensor]:
+        with self._lock:
+            for conn in self._conns:
+                _send(conn, ("take_block", (slot, start, end)))
+            return [tensor for share in self._collect() for tensor in share]
+
+    def restore_blocks(self, slot: int, snapshots: list[list[torch.Tensor]], block_size: int) -> None:
+        n = len(self.manifest["state"])  # state tensors per rank
+        with self._lock:
+            for rank, conn in enumerate(self._conns):
+                shares = [snapshot[rank * n : (rank + 1) * n] for snapshot in snapshots]
+                _send(conn, ("restore_blocks", (slot, shares, block_size)))
+            self._collect()
 
     def close(self) -> None:
         for conn in self._conns:
