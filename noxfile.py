@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
+nox.options.sessions = ["reference", "optimum", "neuron", "vllm", "torchneuron"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -228,6 +228,21 @@ def vllm(session):
     the Neuron graphs on the XLA CPU device driven by optimum-neuron's vLLM model wrapper."""
     _neuron_environment(session, VLLM)
     _pytest(session, "tests/vllm")
+
+
+# upstream torch-mlir from PyPI (its fx importer and the torch -> StableHLO pipeline): what TorchNeuron's compile
+# pipeline does up to its closed torch-mlir fork and Neuron passes (docs/torchneuron.md).
+TORCH_MLIR = "torch-mlir==20261001"
+
+
+@nox.session
+def torchneuron(session):
+    """The model's graphs through a torch.compile check backend that follows TorchNeuron's pipeline (Dynamo ->
+    AOT Autograd -> torch-mlir -> StableHLO) on CPU, checked against the compiler contract and run against eager and
+    transformers' recorded outputs (tests/torchneuron, docs/torchneuron.md)."""
+    _install(session, TORCH, TORCH_MLIR, "-e", ".[tests,reference]")
+    _freeze_pins(session)
+    session.run("pytest", "-q", "-rs", "--durations=15", "tests/torchneuron", *session.posargs, env=ONE_THREAD)
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing
