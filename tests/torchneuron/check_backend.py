@@ -313,7 +313,7 @@ class CheckBackend:
         graph = LoweredGraph(
             name=f"{self.name}_{len(self.graphs)}", aten=gm, aliases=aliases, user_outputs=n_user,
             input_shapes=[(tuple(x.shape), x.dtype) for x in example_inputs],
-            stablehlo=module.operation.get_asm(large_elements_limit=16), seconds=seconds,
+            stablehlo=module.operation.get_asm(large_elements_limit=16, enable_debug_info=True), seconds=seconds,
         )
         self.graphs.append(graph)
 
