@@ -191,6 +191,8 @@ FORM_EXCEPTIONS: dict[str, str] = {
         "selects (value, index); outside the list's Min/Max/Add/Mul; the reference census's own top-k / argmax "
         "forms are absent here because its decoders sample nothing; open until a neuronx-cc run"
     ),
+    r"op tanh": "the vision tower's GELU (tanh form, `gelu_pytorch_tanh`): Tanh is in the neuron-cc XLA list",
+    r"op sqrt": "the vision tower's LayerNorm (decomposed: the standard deviation): Sqrt is in the neuron-cc XLA list",
     r"op pad": "the causal conv1d's left padding of the DeltaNet mixer (kernels/causal_conv1d_reference.py): Pad is "
                "in the neuron-cc XLA list",
     r"op log_plus_one": (
@@ -245,6 +247,17 @@ KNOWN_FINDINGS: dict[str, str] = {
         "TP > 1 with expert parallelism: the MoE block selects this rank's experts with `index_select(1, "
         "self._rank())`, the embedding's int64 rank tensor (the same cause as parallel.py's)"
     ),
+    "f64 @ vision.py": (
+        "the vision tower's LayerNorm (`vision.LayerNorm`, F.layer_norm in fp32): the StableHLO computes its variance "
+        "in f64 (the [N, hidden] activations converted to f64, reduced, divided, converted back), from the "
+        "decomposition of the layer norm on this pipeline; no fp64 on the device. A norm written out in fp32 (as the "
+        "decoder's RMSNorm is) would not"
+    ),
+    "f64 @ loc(unknown)": "the same variance's f64 scalar constant, which carries no source location",
+    "i64 index @ vision.py": (
+        "the vision graph's index inputs are int64 (`image_bucket_inputs`: pos_index, rotary_pos, segment), so the "
+        "position-table gather indexes in i64; int32 inputs would not"
+    ),
     "rank 5 @ reference.py": (
         "the chunked delta rule's `expand_key_heads` (kernels/gated_delta_rule/reference.py) repeats the key heads "
         "per value head (nv = 2 or 3 nk: tiny-nv3x, tiny-moe) with repeat_interleave, a rank-5 broadcast "
@@ -259,6 +272,12 @@ KNOWN_FINDINGS: dict[str, str] = {
         "(its index_copy_ into [B, KV, S, hd])"
     ),
 }
+
+
+# Findings only a TP > 1 graph has (found by test_tensor_parallel.py; test_graphs.py checks the others are found).
+TP_ONLY_FINDINGS = frozenset({"i64 index @ parallel.py", "i64 index @ moe.py"})
+# Findings only the vision tower has (found by test_vision.py).
+VISION_ONLY_FINDINGS = frozenset({"f64 @ vision.py", "f64 @ loc(unknown)", "i64 index @ vision.py"})
 
 
 def finding(line: str) -> str:
