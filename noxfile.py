@@ -24,7 +24,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron", "vllm"]
+nox.options.sessions = ["reference", "optimum", "neuron", "vllm", "torchneuron"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -212,6 +212,26 @@ def vllm(session):
     the Neuron graphs on the XLA CPU device driven by optimum-neuron's vLLM model wrapper."""
     _neuron_environment(session, VLLM)
     _pytest(session, "tests/vllm")
+
+
+# upstream torch-mlir from PyPI (its fx importer and the torch -> StableHLO pipeline): what TorchNeuron's compile
+# pipeline does up to its closed torch-mlir fork and Neuron passes (docs/torchneuron.md).
+TORCH_MLIR = "torch-mlir==20261001"
+# transformers 5.25 requires Hugging Face's `kernels` package, which this checkout's top-level `kernels/` folder shadows
+# when pytest runs from it (transformers then imports ours and fails): held below, at the reference session's 5.24.
+TORCHNEURON_TRANSFORMERS = "transformers<5.25"
+
+
+@nox.session
+def torchneuron(session):
+    """The model's graphs through a torch.compile check backend that follows TorchNeuron's pipeline (Dynamo ->
+    AOT Autograd -> torch-mlir -> StableHLO) on CPU, checked against the compiler contract and run against eager and
+    transformers' recorded outputs (tests/torchneuron, docs/torchneuron.md)."""
+    _install(session, TORCH, TORCH_MLIR, TORCHNEURON_TRANSFORMERS, "-e", ".[tests,reference]", "pytest-xdist>=3.5")
+    _freeze_pins(session)
+    # Two workers, one test file each (test_graphs.py, test_tensor_parallel.py: each compiles its graphs once).
+    session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, "tests/torchneuron", *session.posargs,
+                env=ONE_THREAD)
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing

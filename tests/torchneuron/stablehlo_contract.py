@@ -1,0 +1,329 @@
+"""The compiler contract of the HLO check (`optimum_qwen35/testing/hlo_contract.py`), applied to the StableHLO the check
+backend gives (one module as text, `LoweredGraph.stablehlo`):
+
+1. no tensor of rank >= 5 (neuronx-cc, NCC_INLA001);
+2. no f64 value, after the conversion the check backend applies (`check_backend.fold_f64_constants`);
+3. integer indices int32: every index operand of a gather, scatter, dynamic-slice and dynamic-update-slice is i32
+   (or a constant), and no other i64 value is computed with, except where `I64_ALLOWED` names the use with its reason;
+4. every op and every form of the ops whose compiler support depends on more than the name (gather / scatter
+   dimension numbers, reduce combiners, collectives) is in `reference`, the census of upstream transformers' Llama and
+   Qwen3 (and Qwen3-MoE) tiny models lowered by the same check backend (`reference_census`), unless `FORM_EXCEPTIONS`
+   names it with a sourced reason.
+
+The module is read through torch-mlir's MLIR bindings (`parse`), not as text: every op, nested regions included."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+RANK_LIMIT = 5
+
+
+@dataclasses.dataclass
+class Op:
+    name: str
+    operands: list[str]  # operand types, as text
+    results: list[str]  # result types, as text
+    operand_owners: list[str]  # the op name that defines each operand ("arg" for a block argument)
+    attributes: dict[str, str]
+    location: str
+    combiner: str | None  # the root op of the first region (reduce, scatter, all_reduce, sort...)
+
+
+def parse(text: str) -> list[Op]:
+    """Every op of a StableHLO module (nested ones too), in order."""
+    from torch_mlir import ir
+
+    from .check_backend import loaded_context
+
+    with loaded_context():
+        module = ir.Module.parse(text)
+        out = []
+
+        def walk(operation):
+            for region in operation.regions:
+                for block in region.blocks:
+                    for inner in block.operations:
+                        inner = inner.operation
+                        combiner = None
+                        if inner.regions and len(inner.regions[0].blocks):
+                            ops = list(inner.regions[0].blocks[0].operations)
+                            if ops:
+                                ret = ops[-1].operation
+                                root = ret.operands[0].owner if len(ret.operands) else None
+                                combiner = "parameter" if root is None or isinstance(root, ir.Block) else \
+                                    root.operation.name
+                        owners = []
+                        for v in inner.operands:
+                            owner = v.owner
+                            owners.append("arg" if isinstance(owner, ir.Block) else owner.operation.name)
+                        out.append(Op(
+                            name=inner.name, operands=[str(v.type) for v in inner.operands],
+                            results=[str(r.type) for r in inner.results], operand_owners=owners,
+                            attributes={name: str(inner.attributes[name]) for name in inner.attributes},
+                            location=str(inner.location), combiner=combiner,
+                        ))
+                        walk(inner)
+
+        walk(module.operation)
+    return out
+
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]\w*)>")
+
+
+def tensor_types(text: str) -> list[tuple[int, str]]:
+    """(rank, element type) of every tensor type in a type's text."""
+    return [(m.group(1).count("x"), m.group(2)) for m in _TENSOR.finditer(text)]
+
+
+def _dims(attr: str, key: str) -> list[int]:
+    m = re.search(rf"{key} = \[([0-9, ]*)\]", attr)
+    return [int(x) for x in m.group(1).split(",") if x.strip()] if m else []
+
+
+def _leading(dims: list[int]) -> str:
+    return "leading" if dims == list(range(len(dims))) else "inner"
+
+
+def form(op: Op) -> str | None:
+    """The form of an op whose compiler support depends on more than its name (rank-independent), as
+    `hlo_contract.form` names the same HLO forms; None for the others."""
+    short = op.name.removeprefix("stablehlo.")
+    if short == "gather":
+        d = op.attributes.get("dimension_numbers", "")
+        index_map = _dims(d, "start_index_map")
+        collapsed = _dims(d, "collapsed_slice_dims")
+        operand = [int(x) for x in re.match(r"tensor<((?:\d+x)*)", op.operands[0]).group(1).split("x") if x]
+        sizes = [int(x) for x in re.search(r"array<i64: ([0-9, ]*)>", op.attributes["slice_sizes"]).group(1).split(",")]
+        whole = all(s == o for k, (s, o) in enumerate(zip(sizes, operand)) if k not in index_map)
+        kind = "rows" if len(index_map) == 1 else "points"
+        return (f"gather {kind} index_map={_leading(index_map)} collapsed={'yes' if sorted(collapsed) == sorted(index_map) else 'no'} "
+                f"windows={'whole' if whole else 'partial'}")
+    if short == "scatter":
+        d = op.attributes.get("scatter_dimension_numbers", "")
+        index_map = _dims(d, "scatter_dims_to_operand_dims")
+        inserted = _dims(d, "inserted_window_dims")
+        window = _dims(d, "update_window_dims")
+        operand_rank = tensor_types(op.operands[0])[0][0]
+        kind = "rows" if len(index_map) == 1 else "points"
+        whole = len(window) == operand_rank - len(index_map)
+        return (f"scatter {kind} index_map={_leading(index_map)} inserted={'yes' if sorted(inserted) == sorted(index_map) else 'no'} "
+                f"windows={'whole' if whole else 'partial'} combiner={(op.combiner or '').removeprefix('stablehlo.')}")
+    if short in ("dynamic_slice", "dynamic_update_slice"):
+        first = 1 if short == "dynamic_slice" else 2
+        constant = all(o in ("stablehlo.constant", "arith.constant") for o in op.operand_owners[first:])
+        return f"{short} indices={'constant' if constant else 'computed'}"
+    if short in ("reduce", "reduce_window", "all_reduce", "reduce_scatter", "select_and_scatter", "sort"):
+        n = len(op.operands)
+        inits = op.operand_owners[n // 2:] if short in ("reduce", "reduce_window") else []
+        init = "" if not inits else " init=" + ("constant" if all(o in ("stablehlo.constant", "arith.constant")
+                                                                   for o in inits) else "computed")
+        return f"{short} combiner={(op.combiner or '').removeprefix('stablehlo.')}{init}"
+    if short == "custom_call":
+        return f"custom_call {op.attributes.get('call_target_name')}"
+    return None
+
+
+def census(ops: list[Op]) -> dict[str, int]:
+    """{"op <name>": count, "<form>": count} of one module."""
+    out = collections.Counter()
+    for op in ops:
+        out[f"op {op.name.removeprefix('stablehlo.')}"] += 1
+        f = form(op)
+        if f is not None:
+            out[f] += 1
+    return dict(out)
+
+
+def dtype_census(ops: list[Op]) -> dict[str, int]:
+    """Max rank, and the number of f64 and i64 values (op results) of one module."""
+    max_rank = f64 = i64 = 0
+    for op in ops:
+        for t in op.results + op.operands:
+            for rank, element in tensor_types(t):
+                max_rank = max(max_rank, rank)
+        for t in op.results:
+            for _, element in tensor_types(t):
+                f64 += element == "f64"
+                i64 += element == "i64"
+    return {"max_rank": max_rank, "f64": f64, "i64": i64}
+
+
+# Index operands: (op, first index operand, how many).
+_INDEX_OPERANDS = {
+    "stablehlo.gather": (1, 1),
+    "stablehlo.scatter": (1, 1),
+    "stablehlo.dynamic_slice": (1, None),
+    "stablehlo.dynamic_update_slice": (2, None),
+}
+
+# Sources of the reasons below: the neuron-cc operator list for XLA ("neuron-cc list-operators --framework XLA", Neuron
+# docs, release-notes/archive/neuron-cc/neuron-cc-ops/neuron-cc-ops-xla; the older compiler's list, the one published:
+# it names Clamp, LogicalAnd, LogicalNot, Min, Pad, Scatter, Gather "only disjoint start_index_map and
+# remapped_offset_dims", Reduce "Min, Max, Add and Mul are the only supported computations. Init_values must be
+# constant"), and the HLO check's census of optimum-neuron's own NxD graphs (`hlo_contract.FORM_EXCEPTIONS`, the
+# same ops met there).
+# Ops and forms outside the reference census, each with why it is accepted (a pattern matches a whole entry).
+FORM_EXCEPTIONS: dict[str, str] = {
+    r"op all_reduce|all_reduce combiner=add": (
+        "the sum over ranks of the row-parallel layers, the vocabulary-parallel embedding and the MoE block "
+        "(`_c10d_functional.all_reduce`, lowered by collectives.py): Allreduce is in the neuron-cc XLA list, and "
+        "TorchNeuron documents `_c10d_functional` collectives for TP; the reference census is TP 1 (transformers' "
+        "models build no TP graph)"
+    ),
+    r"op all_gather": (
+        "the lm_head's vocabulary blocks gathered (`_c10d_functional.all_gather_into_tensor`, dimension 0): Allgather "
+        "is in the neuron-cc XLA list (the reference census is TP 1, as above)"
+    ),
+    r"op clamp": "index and length clamps (`seq_ids.clamp(min=0)`, lengths): Clamp is in the neuron-cc XLA list",
+    r"op minimum": "elementwise min of indices and lengths: Min is in the neuron-cc XLA list",
+    r"op not": "`~mask` of the attention and write masks: LogicalNot is in the neuron-cc XLA list",
+    r"op or|reduce combiner=or init=constant": (
+        "predicate logic on masks (`active.any()`, valid | fresh): LogicalAnd / LogicalNot are in the neuron-cc XLA "
+        "list; Or is the same elementwise class, and a reduce with Or is outside the list's Min/Max/Add/Mul (the HLO "
+        "check met the same `any()` as a reduce with a select combiner); open until a neuronx-cc run"
+    ),
+    r"reduce combiner=select init=constant": (
+        "the in-place slot writer's `argmax` over active rows (`Slots`, state.py): a variadic reduce whose combiner "
+        "selects (value, index); outside the list's Min/Max/Add/Mul; the reference census's own top-k / argmax "
+        "forms are absent here because its decoders sample nothing; open until a neuronx-cc run"
+    ),
+    r"op tanh": "the vision tower's GELU (tanh form, `gelu_pytorch_tanh`): Tanh is in the neuron-cc XLA list",
+    r"op sqrt": "the vision tower's LayerNorm (decomposed: the standard deviation): Sqrt is in the neuron-cc XLA list",
+    r"op pad": "the causal conv1d's left padding of the DeltaNet mixer (kernels/causal_conv1d_reference.py): Pad is "
+               "in the neuron-cc XLA list",
+    r"op log_plus_one": (
+        "softplus of the DeltaNet gate (lowered to log1p(exp)): an elementwise transcendental like exp / log in the "
+        "census; not in the old neuron-cc XLA list (the HLO check has the same, open until a neuronx-cc run)"
+    ),
+    r"op reduce_window|reduce_window combiner=add init=constant": (
+        "torch.cumsum of the gates inside a 64-token chunk (the chunked delta rule's PyTorch form): not in the census "
+        "nor the neuron-cc XLA list (the HLO check has the same, open until a neuronx-cc run; nki-library's gdn_cte "
+        "computes it as a matmul with a triangular ones matrix)"
+    ),
+    r"gather rows index_map=inner collapsed=yes windows=whole": (
+        "index_select along an inner axis (one indexed dimension, collapsed, whole rows; the MoE block at TP 4, where "
+        "experts are gathered per rank): the census's row gathers on another axis; start_index_map and offset dims "
+        "disjoint, as the neuron-cc note requires (the HLO check accepts the same form)"
+    ),
+    r"gather points index_map=leading collapsed=yes windows=whole": (
+        "advanced indexing cache[slot, head, position] (the K/V window read before its write): a point gather with "
+        "disjoint start_index_map and offset dims, as the neuron-cc note requires"
+    ),
+    r"scatter rows index_map=leading inserted=yes windows=whole combiner=parameter": (
+        "index_copy_ of whole slot rows (the DeltaNet states): Scatter is in the neuron-cc XLA list; the census's "
+        "scatters (StaticCache's index_copy_) are point scatters with the same whole trailing window"
+    ),
+}
+
+# What the contract finds in this model's graphs today, by rule and source file (`finding`), each with its cause. The
+# tests require the findings of every graph to be among these, and every one of these to be found in some graph
+# (a fixed one must leave this table): they are reported, not accepted. docs/torchneuron.md, "What the check finds".
+KNOWN_FINDINGS: dict[str, str] = {
+    "i64 index @ state.py": (
+        "`Slots(in_place=True)` (the in-place state writes TorchNeuron aliases) indexes in int64 (`index_copy_` takes "
+        "int64 indices only) and picks the first active row with argmax; the functional form the NxD graphs use "
+        "indexes in int32. A TorchNeuron backend needs the in-place writes with int32 indices (index_put_ takes "
+        "int32) or an int64 -> int32 conversion (neuronx-cc downcasts int64 by default: --native-int64 / "
+        "--implicit-integer-downcast, Neuron 2.32 compiler release notes)"
+    ),
+    "i64 index @ causal_conv1d_reference.py": (
+        "the conv's final-state rows are indexed in the dtype of `lengths`, which is the slots' index dtype: int64 in "
+        "place (the same cause as state.py's)"
+    ),
+    "i64 index @ decoder.py": (
+        "the rows of each prompt's last token (`Qwen35Decoder.context_encoding`, `last`) in the dtype of `lengths`: "
+        "int64 in place (the same cause)"
+    ),
+    "i64 index @ parallel.py": (
+        "TP > 1: the vocabulary-parallel embedding's rank tensor is int64 (`VocabParallelEmbedding.rank`, "
+        "modeling/parallel.py), so `ids - rank * vocab_per_rank` promotes the int32 token ids to int64 and the "
+        "embedding gather indexes in i64 (an int32 rank tensor would keep them int32)"
+    ),
+    "i64 index @ moe.py": (
+        "TP > 1 with expert parallelism: the MoE block selects this rank's experts with `index_select(1, "
+        "self._rank())`, the embedding's int64 rank tensor (the same cause as parallel.py's)"
+    ),
+    "f64 @ vision.py": (
+        "the vision tower's LayerNorm (`vision.LayerNorm`, F.layer_norm in fp32): the StableHLO computes its variance "
+        "in f64 (the [N, hidden] activations converted to f64, reduced, divided, converted back), from the "
+        "decomposition of the layer norm on this pipeline; no fp64 on the device. A norm written out in fp32 (as the "
+        "decoder's RMSNorm is) would not"
+    ),
+    "f64 @ loc(unknown)": "the same variance's f64 scalar constant, which carries no source location",
+    "i64 index @ vision.py": (
+        "the vision graph's index inputs are int64 (`image_bucket_inputs`: pos_index, rotary_pos, segment), so the "
+        "position-table gather indexes in i64; int32 inputs would not"
+    ),
+    "rank 5 @ reference.py": (
+        "the chunked delta rule's `expand_key_heads` (kernels/gated_delta_rule/reference.py) repeats the key heads "
+        "per value head (nv = 2 or 3 nk: tiny-nv3x, tiny-moe) with repeat_interleave, a rank-5 broadcast "
+        "[B, nk, g, T, d], except on an `xla` device, where it merges the trailing dims to stay rank 4. TorchNeuron's "
+        "device is `neuron`, not `xla`: it takes the rank-5 form (and so does this CPU check)"
+    ),
+    "rank 5 @ state.py": (
+        "the in-place window write (`Slots.write_window`, CPU branch) gathers the block's tokens along T with "
+        "torch.gather on the rank-4 [B, H, T, D] tensor, which upstream torch-mlir lowers to a stablehlo.gather with a "
+        "[B, H, T, D, 4] index tensor (rank 5); the functional branch reads the same rows with an index_select on "
+        "[B * H * T, D] (rank 2). Upstream transformers' StaticCache graphs have rank-5 index tensors the same way "
+        "(its index_copy_ into [B, KV, S, hd])"
+    ),
+}
+
+
+# Findings only a TP > 1 graph has (found by test_tensor_parallel.py; test_graphs.py checks the others are found).
+TP_ONLY_FINDINGS = frozenset({"i64 index @ parallel.py", "i64 index @ moe.py"})
+# Findings only the vision tower has (found by test_vision.py).
+VISION_ONLY_FINDINGS = frozenset({"f64 @ vision.py", "f64 @ loc(unknown)", "i64 index @ vision.py"})
+
+
+def finding(line: str) -> str:
+    """The finding a violation line belongs to: "<rule> @ <file of the innermost frame>"."""
+    rule = line.split(":", 1)[0]
+    where = line.rsplit(" at ", 1)[-1].split(" <- ", 1)[0]
+    return f"{rule} @ {where.split(':', 1)[0]}"
+
+
+def index_violations(ops: list[Op], allowed: dict | None = None) -> list[str]:
+    """Rule 3: an i64 index operand of a gather / scatter / dynamic slice that is not a constant."""
+    out = []
+    for op in ops:
+        if op.name not in _INDEX_OPERANDS:
+            continue
+        first, count = _INDEX_OPERANDS[op.name]
+        stop = len(op.operands) if count is None else first + count
+        for k in range(first, stop):
+            if op.operand_owners[k] in ("stablehlo.constant", "arith.constant"):
+                continue
+            if any(element == "i64" for _, element in tensor_types(op.operands[k])):
+                out.append(f"i64 index: {op.name.removeprefix('stablehlo.')} operand {k} {op.operands[k]} "
+                           f"(from {op.operand_owners[k]}) at {_where(op.location)}")
+    return out
+
+
+def _where(location: str) -> str:
+    files = re.findall(r'"([^"]+\.py)":(\d+)', location)
+    return " <- ".join(f"{f.rsplit('/', 1)[-1]}:{line}" for f, line in files[:3]) or location[:80]
+
+
+def violations(ops: list[Op], reference: set[str], exceptions: dict[str, str] | None = None,
+               index_rule: bool = True) -> list[str]:
+    """One line per breach of the contract in one module; [] when it holds."""
+    exceptions = FORM_EXCEPTIONS if exceptions is None else exceptions
+    out = []
+    for op in ops:
+        for t in op.results:
+            for rank, element in tensor_types(t):
+                if rank >= RANK_LIMIT:
+                    out.append(f"rank {rank}: {op.name} {t} at {_where(op.location)}")
+                if element == "f64":
+                    out.append(f"f64: {op.name} {t} at {_where(op.location)}")
+    if index_rule:
+        out += index_violations(ops)
+    for entry in sorted(census(ops)):
+        if entry not in reference and not any(re.fullmatch(p, entry) for p in exceptions):
+            out.append(f"outside the census: {entry}")
+    return out
