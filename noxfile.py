@@ -217,9 +217,6 @@ def vllm(session):
 # upstream torch-mlir from PyPI (its fx importer and the torch -> StableHLO pipeline): what TorchNeuron's compile
 # pipeline does up to its closed torch-mlir fork and Neuron passes (docs/torchneuron.md).
 TORCH_MLIR = "torch-mlir==20261001"
-# transformers 5.25 requires Hugging Face's `kernels` package, which this checkout's top-level `kernels/` folder shadows
-# when pytest runs from it (transformers then imports ours and fails): held below, at the reference session's 5.24.
-TORCHNEURON_TRANSFORMERS = "transformers<5.25"
 
 
 @nox.session
@@ -227,7 +224,7 @@ def torchneuron(session):
     """The model's graphs through a torch.compile check backend that follows TorchNeuron's pipeline (Dynamo ->
     AOT Autograd -> torch-mlir -> StableHLO) on CPU, checked against the compiler contract and run against eager and
     transformers' recorded outputs (tests/torchneuron, docs/torchneuron.md)."""
-    _install(session, TORCH, TORCH_MLIR, TORCHNEURON_TRANSFORMERS, "-e", ".[tests,reference]", "pytest-xdist>=3.5")
+    _install(session, TORCH, TORCH_MLIR, "-e", ".[tests,reference]", HF_KERNELS, "pytest-xdist>=3.5")
     _freeze_pins(session)
     # Two workers, one test file each (test_graphs.py, test_tensor_parallel.py: each compiles its graphs once).
     session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, "tests/torchneuron", *session.posargs,

@@ -42,12 +42,33 @@ from .collectives import hide_collectives, lower_collectives
 EXTRA_DECOMPOSITIONS: list = []
 
 
+def kernel_seam_decompositions() -> dict:
+    """The DeltaNet kernel seams (`torch.library` custom ops, one node each in the Dynamo graph) lowered as the torch
+    backend's implementation of the same seam, traced into ATen: what this check can lower. On TorchNeuron the NKI
+    kernels would enter the graph as custom calls instead (`nki_op` / `wrap_nki`; docs/torchneuron.md)."""
+    from optimum_qwen35.kernels import backends
+
+    def decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
+        out = backends.implementation("deltanet_decode", "torch")(
+            mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, lnc=lnc, donate_initial=False
+        )
+        return tuple(t.contiguous() for t in out)
+
+    def prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, backend, lnc):
+        out = backends.implementation("deltanet_prefill", "torch")(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, lnc=lnc)
+        return tuple(t.contiguous() for t in out)
+
+    ops = torch.ops.optimum_qwen35
+    return {ops.deltanet_decode.default: decode, ops.deltanet_prefill.default: prefill}
+
+
 def decomposition_table(extra: dict | None = None) -> dict:
     from torch._decomp import get_decompositions
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
     table = dict(get_decomposition_table())
     table.update(get_decompositions(EXTRA_DECOMPOSITIONS))
+    table.update(kernel_seam_decompositions())
     table.update(extra or {})
     return table
 

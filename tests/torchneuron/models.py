@@ -10,7 +10,6 @@ tensor<2x2x4x16x32xf32>), which the contract refuses; docs/torchneuron.md."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from optimum_qwen35.checkpoint.convert import convert_checkpoint
 from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.parallel import TorchLayers
+from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.precision import NeuronPrecision
 from optimum_qwen35.modeling.state import allocate_state
 
@@ -72,33 +71,3 @@ def meta_decoder(layout: str, dtype: torch.dtype, tp_degree: int, rank: int = 0,
 
 def state(decoder: Qwen35Decoder, batch: int, max_length: int) -> list[torch.Tensor]:
     return allocate_state(decoder.state_specs(batch, max_length))
-
-
-@contextlib.contextmanager
-def uncounted_kernel_calls():
-    """Kernel dispatch without `kernels.calls`, the per-call counter tests read to know which implementation ran.
-
-    Inside a compiled graph that count is a traced side effect: Dynamo guards the graph on the Counter's length and
-    values, so with `dynamic=False` a graph recompiles whenever another call changed the count (every call, once the
-    values are guarded: measured on the bf16 decode graph, a recompilation per step). The check compiles the graphs
-    with the count switched off (the same lookup of the same implementations, `kernels._implementation` without its
-    `calls[...] += 1`); `test_graphs.py::test_kernel_call_counter_recompiles` keeps the counted path's failure in
-    view. Where the kernel package has no `_implementation` (the seams as torch.library custom ops) nothing is changed."""
-    from optimum_qwen35 import kernels
-
-    original = getattr(kernels, "_implementation", None)
-    if original is None:
-        yield
-        return
-
-    def _implementation(entry, backend):
-        name = kernels._active if backend is None else backend
-        if name not in kernels._BACKENDS:
-            raise ValueError(f"unknown kernel backend {name!r}; registered: {sorted(kernels._BACKENDS)}")
-        return kernels._BACKENDS[name][entry]
-
-    kernels._implementation = _implementation
-    try:
-        yield
-    finally:
-        kernels._implementation = original

@@ -1,7 +1,7 @@
 """Upstream transformers' own decoders through the same check backend: the reference the op census is taken against.
 
 Tiny Llama, Qwen3 and Qwen3-MoE configs (2 layers, GQA 4/2; MoE: 6 experts, top 2; the same sizes as the HLO
-check's reference models, `optimum_qwen35/testing/hlo_contract.py`), in transformers' StaticCache form (the KV cache
+check's reference models, `tests/kit/hlo_contract.py`), in transformers' StaticCache form (the KV cache
 written in place, as a static-shape graph on a device has it): a prefill of `prompt` tokens and one decode step, each
 compiled with `fullgraph=True, dynamic=False`."""
 

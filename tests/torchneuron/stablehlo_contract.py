@@ -1,4 +1,4 @@
-"""The compiler contract of the HLO check (`optimum_qwen35/testing/hlo_contract.py`), applied to the StableHLO the check
+"""The compiler contract of the HLO check (`tests/kit/hlo_contract.py`), applied to the StableHLO the check
 backend gives (one module as text, `LoweredGraph.stablehlo`):
 
 1. no tensor of rank >= 5 (neuronx-cc, NCC_INLA001);

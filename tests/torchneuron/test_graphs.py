@@ -9,7 +9,6 @@ generation 96 (bf16). Each is compiled once per test module (`COMPILED`)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -18,14 +17,13 @@ import torch
 
 pytest.importorskip("torch_mlir", reason="torch-mlir is installed by the torchneuron nox session")
 
-from optimum_qwen35 import kernels as _kernels
 from optimum_qwen35.modeling.decoder import ContextEncodingGraph, TokenGenerationGraph
 
 from ..conftest import load_reference
 from . import stablehlo_contract as contract
 from .check_backend import CheckBackend
 from .conftest import check_lowered
-from .models import EAGER_TOLERANCE, load_decoder, state, uncounted_kernel_calls
+from .models import EAGER_TOLERANCE, load_decoder, state
 
 LAYOUTS = ("tiny-2b", "tiny-nv3x", "tiny-moe")
 BATCH, MAX_LENGTH = 2, 96
@@ -53,13 +51,6 @@ class Compiled:
 
 COMPILED: dict = {}
 FINDINGS: dict = {}
-_ORIGINAL_IMPLEMENTATION = getattr(_kernels, "_implementation", None)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _uncounted():
-    with uncounted_kernel_calls():
-        yield
 
 
 def _compile(module, name):
@@ -151,47 +142,21 @@ def _close(actual, expected, tol, what):
 ERRORS: dict = {}
 
 
-COUNTER_RECOMPILES = (
-    "optimum_qwen35/kernels/__init__.py counts every dispatched kernel call in a module-level Counter "
-    "(`kernels.calls`); Dynamo traces that side effect and guards each graph on the Counter's length and values "
-    "(measured: `len(G['__import_optimum_qwen35_dot_kernels'].calls) != 3`, then `calls[...] == 6`), so a graph "
-    "recompiles when another graph's kernels, or eager code, changed the count: after warm-up, and with "
-    "dynamic=False at every later call once a value is guarded. On TorchNeuron each recompilation is a neuronx-cc "
-    "compile. The kernel seams as torch.library custom ops (issue 38 item 2) take the count out of the traced path"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=COUNTER_RECOMPILES)
-def test_kernel_call_counter_recompiles():
-    """The kernel dispatch as it is (counted): context encoding and token generation warmed up once each, then
-    context encoding called again under `fail_on_recompile`. Expected to fail until the count leaves the traced
-    path; strict, so that it fails the day it passes (then drop the marker and `uncounted_kernel_calls`)."""
-    with _counted():
-        decoder = load_decoder("tiny-2b")
-        context = torch.compile(ContextEncodingGraph(decoder), backend=CheckBackend(), fullgraph=True, dynamic=False)
-        decode = torch.compile(TokenGenerationGraph(decoder), backend=CheckBackend(), fullgraph=True, dynamic=False)
-        with torch.no_grad():
-            scratch = state(decoder, BATCH, MAX_LENGTH)
-            context(*_context_inputs([[1, 2, 3]], 16, [0, -1]), *scratch)
-            decode(torch.tensor([[4], [5]], dtype=torch.int32), torch.tensor([[3], [0]], dtype=torch.int32),
-                   torch.tensor([0, -1], dtype=torch.int32), *scratch)
-            with torch.compiler.set_stance("fail_on_recompile"):
-                context(*_context_inputs([[7, 8], [9]], 16, [1, 0]), *scratch)
-
-
-@contextlib.contextmanager
-def _counted():
-    """The kernel package's own dispatch, counted (undoing the module's `uncounted_kernel_calls` for a block)."""
-    from optimum_qwen35 import kernels
-
-    patched = getattr(kernels, "_implementation", None)
-    if _ORIGINAL_IMPLEMENTATION is not None:
-        kernels._implementation = _ORIGINAL_IMPLEMENTATION
-    try:
-        yield
-    finally:
-        if patched is not None:
-            kernels._implementation = patched
+def test_the_kernel_dispatch_recompiles_nothing():
+    """Context encoding and token generation warmed up once each, then context encoding called again under
+    `fail_on_recompile`, with the package's own kernel dispatch. Before issue 37 the dispatch counted every call in a
+    module-level Counter, a traced side effect Dynamo guarded each graph on (a recompilation per bf16 decode step,
+    each a neuronx-cc compile on TorchNeuron); the seams are now torch.library custom ops, one node each."""
+    decoder = load_decoder("tiny-2b")
+    context = torch.compile(ContextEncodingGraph(decoder), backend=CheckBackend(), fullgraph=True, dynamic=False)
+    decode = torch.compile(TokenGenerationGraph(decoder), backend=CheckBackend(), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        scratch = state(decoder, BATCH, MAX_LENGTH)
+        context(*_context_inputs([[1, 2, 3]], 16, [0, -1]), *scratch)
+        decode(torch.tensor([[4], [5]], dtype=torch.int32), torch.tensor([[3], [0]], dtype=torch.int32),
+               torch.tensor([0, -1], dtype=torch.int32), *scratch)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            context(*_context_inputs([[7, 8], [9]], 16, [1, 0]), *scratch)
 
 
 def test_no_recompilation_across_buckets_after_warm_up():
