@@ -61,6 +61,15 @@ def _sample(probs: torch.Tensor, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def reject(p: torch.Tensor, q: torch.Tensor, draft: int, generator) -> int | None:
+    """The rejection rule for one draft drawn from q: None when it is kept (with probability min(1, p(d) / q(d))),
+    else the replacement token, drawn from normalise(max(p - q, 0)). p, q: float64 probabilities [vocab]."""
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) * q[draft] < p[draft]:
+        return None
+    residual = (p - q).clamp(min=0)
+    return _sample(residual / residual.sum(), generator)
+
+
 class _Picker:
     """Greedy (distribution None) or sampled tokens from logits [vocab]."""
 
@@ -169,10 +178,8 @@ def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=
                     if drafts[i][j] != int(target.argmax()):
                         break
                 else:
-                    pt, qt, d = picker.probs(target), q[i][j], drafts[i][j]
-                    if float(torch.rand((), generator=generator, dtype=torch.float64)) * qt[d] >= pt[d]:
-                        residual = (pt - qt).clamp(min=0)
-                        token = _sample(residual / residual.sum(), generator)
+                    token = reject(picker.probs(target), q[i][j], drafts[i][j], generator)
+                    if token is not None:
                         break
                 j += 1
             if token is None:
