@@ -69,6 +69,7 @@ DOCUMENTS = {
     "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
     "docs/prefix_caching.md": "reference",
     "docs/speculative_decoding.md": "reference",
+    "docs/torchneuron.md": None,
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
