@@ -48,10 +48,24 @@ def kernel_seam_decompositions() -> dict:
     kernels would enter the graph as custom calls instead (`nki_op` / `wrap_nki`; docs/torchneuron.md)."""
     from optimum_qwen35.kernels import backends
 
+    # The decode reference updates its own new state tensor in place (the rank-1 update: one state-sized tensor fewer
+    # on CPU); a decomposition must be functional, so decode runs the reference seam over the same step written
+    # out of place (the same operations). The prefill reference (the chunked rule) is functional as it is.
+    from optimum_qwen35.kernels.gated_delta_rule import fused
+    from optimum_qwen35.kernels.gated_delta_rule.reference import _compute_dtype, expand_key_heads
+
+    def functional_step(q, k, v, g, beta, state):
+        dtype = _compute_dtype(q, k, v, g, beta, state)
+        nv = v.shape[1]
+        S = state.to(dtype) * g.to(dtype).exp()[..., None]
+        q, k = expand_key_heads(q, nv).to(dtype), expand_key_heads(k, nv).to(dtype)
+        delta = (v.to(dtype) - k @ S) * beta.to(dtype)[..., None]  # [B, nv, 1, dv]
+        S = S + k.transpose(-1, -2) @ delta  # S += k delta^T
+        return (q @ S).to(v.dtype), S
+
     def decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
-        out = backends.implementation("deltanet_decode", "torch")(
-            mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, lnc=lnc, donate_initial=False
-        )
+        out = fused.deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv,
+                                              initial_recurrent, lnc=lnc, rule_step=functional_step)
         return tuple(t.contiguous() for t in out)
 
     def prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, backend, lnc):
