@@ -12,6 +12,9 @@ a placeholder), and import stand-ins for the SDK's closed modules (tests/neuron_
 The fourth, `vllm`, is that environment plus vLLM 0.11.0 (optimum-neuron 0.4.5's `vllm` extra): `vllm serve` and
 `vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md). On 2 cores shared with other jobs
 its tests took 17 minutes of wall time (3.8 minutes of CPU: vLLM's start-ups wait on imports and processes).
+
+The fifth, `torchneuron`, is torch 2.13 (CPU) with upstream torch-mlir from PyPI: the model's graphs through a
+torch.compile check backend that follows TorchNeuron's pipeline down to StableHLO (tests/torchneuron, docs/torchneuron.md).
 """
 
 import hashlib
