@@ -17,30 +17,6 @@ because neuronx-cc fails on rank-5 tensors):
 
 Math runs in fp32 (float64 when given float64, for references); outputs come back in v's dtype and
 states in fp32 (or float64).
-
-bf16 products (`chunk_gated_delta_rule(matmul_dtype=torch.bfloat16)`, which the prefill seam passes for a bf16 model):
-the chunked rule's products in `BF16_PRODUCTS` take bf16 operands and accumulate and return fp32, as TensorE does
-(bf16 x bf16 -> fp32 PSUM; on XLA one `dot` with bf16 operands and an f32 result). Chosen from
-benchmarks/deltanet_bf16_products.py (1024 tokens, chunk 64, dk = dv = 128, each product alone in bf16 against the
-float64 recurrent rule; max abs error / max abs value of the output o and the final state S; fp32 everywhere:
-2.6e-6 / 3.4e-6; bf16's unit roundoff 2.0e-3):
-    K K^T (the A matrix)                   5.6e-5 / 2.3e-5   bf16
-    the triangular solve's products        3.7e-5 / 7.8e-6   bf16
-    w S                                    1.1e-5 / 3.4e-6   bf16
-    (Q e^g) S                              2.0e-4 / 3.4e-6   bf16
-    Q K^T                                  2.1e-3 / 3.4e-6   bf16: about one bf16 rounding of o, never reaches S
-    (Q K^T decay) v'                       4.5e-3 / 3.4e-6   fp32: twice that, and with it tiny-nv3x's bf16 top-1
-                                                                   agreement falls below transformers' bf16 (below)
-    u, w = T (beta V), T (beta K e^g)      2.9e-3 / 2.4e-3   fp32: its error reaches the carried state
-    state update (K e^{gC - g})^T v'       1.7e-4 / 4.1e-3   fp32: one bf16 rounding of S per chunk, accumulated
-tests/test_parity.py's bf16 budget (mean |dlogit| and top-1 agreement against the fp32 logits, no worse than
-transformers' bf16; 848 positions per layout), fp32 products -> these five (transformers' bf16 in brackets):
-tiny-2b 0.0273, 0.9493 -> 0.0277, 0.9528 (0.0321, 0.9387); tiny-nv2x 0.0224, 0.9469 -> 0.0227, 0.9564 (0.0256,
-0.9422); tiny-nv3x 0.0207, 0.9575 -> 0.0212, 0.9552 (0.0237, 0.9540: one position of margin). The mean error moves
-by 1-2% and stays 10-14% under transformers'; top-1 on these random tiny checkpoints is near ties, so it moves both
-ways (the four products alone give tiny-nv3x 0.9517, all six 0.9481: both fail that bound by 2-5 positions).
-The recurrent state, the gates and their cumulative sums, the decay factors, beta and the norms stay fp32 whatever the
-products. An fp32 model (matmul_dtype None) runs exactly the fp32 operations, no rounding anywhere.
 """
 
 from __future__ import annotations
@@ -49,29 +25,9 @@ import torch
 
 CHUNK_SIZE = 64
 
-# The chunked rule's products that take bf16 operands in a bf16 model (numbers in the module docstring).
-BF16_PRODUCTS = frozenset({"KKt", "solve", "wS", "QS", "QKt"})
-
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def low_matmul(a: torch.Tensor, b: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
-    """a @ b over trailing matrix dims (equal leading batch dims). With `low` (e.g. bf16) the operands are rounded to
-    it and the products accumulated and returned in a's dtype: TensorE's bf16 x bf16 -> fp32 PSUM. On CPU the rounded
-    operands go through an fp32 matmul (each bf16 x bf16 product is exact in fp32, so this is that accumulation); on
-    XLA one dot with bf16 operands and an f32 result (`preferred_element_type`), which the lowered graph shows as a
-    bf16 matmul. `low` None or a's own dtype: a plain matmul, bit for bit the fp32 one."""
-    if low is None or low == a.dtype:
-        return torch.matmul(a, b)
-    if a.device.type == "xla":
-        import torch_xla  # optional dependency: only the XLA graphs (neuron session) reach this line
-
-        batch = list(range(a.dim() - 2))
-        dims = (([a.dim() - 1], [b.dim() - 2]), (batch, batch))
-        return torch_xla._XLAC._xla_dot_general(a.to(low), b.to(low), dims, preferred_element_type=a.dtype)
-    return torch.matmul(a.to(low).to(a.dtype), b.to(low).to(a.dtype))
 
 
 def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
@@ -108,12 +64,8 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
-    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule (WY / UT form). Returns (o [B, nv, T, dv], final_state [B, nv, dk, dv]).
-
-    `matmul_dtype` (bf16 for a bf16 model, from the prefill seam): the operand dtype of the products in
-    `BF16_PRODUCTS` (fp32 accumulation); None: every product in the compute dtype.
 
     Within a chunk of C tokens (gc = cumulative g inside the chunk; every exponent below is <= 0):
         A = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))
@@ -154,22 +106,16 @@ def chunk_gated_delta_rule(
     log_decay = gc[:, :, None] - gc[:, None, :]
     decay = torch.where(causal, log_decay, torch.full((), float("-inf"), dtype=dtype, device=q.device)).exp()
 
-    def low(name):  # the operand dtype of product `name`: None = the compute dtype
-        return matmul_dtype if matmul_dtype is not None and name in BF16_PRODUCTS and matmul_dtype != dtype else None
-
     k_beta = k * beta[:, :, None]
-    kkt = torch.bmm(k_beta, k.transpose(1, 2)) if low("KKt") is None else low_matmul(k_beta, k.transpose(1, 2), low("KKt"))
-    A = kkt * decay  # lower triangle with diagonal; invert_unit_lower reads below it
+    A = torch.bmm(k_beta, k.transpose(1, 2)) * decay  # lower triangle with diagonal; invert_unit_lower reads below it
     # u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(gc)), in one matmul with the inverse.
-    uw = torch.bmm(invert_unit_lower(A, matmul_dtype=low("solve")),
-                   torch.cat([v * beta[:, :, None], k_beta * gc.exp()[:, :, None]], dim=-1))
+    uw = torch.bmm(invert_unit_lower(A), torch.cat([v * beta[:, :, None], k_beta * gc.exp()[:, :, None]], dim=-1))
     u, w = uw[:, :, :dv], uw[:, :, dv:]
 
     q_decayed = q * gc.exp()[:, :, None]
     k_to_end = (k * (gc[:, -1:] - gc).exp()[:, :, None]).transpose(1, 2)  # [M, dk, C]
     chunk_decay = gc[:, -1].exp()[:, None, None]  # [M, 1, 1]
-    qkt = torch.bmm(q, k.transpose(1, 2)) if low("QKt") is None else low_matmul(q, k.transpose(1, 2), low("QKt"))
-    intra = qkt * decay  # causal (decay is 0 above the diagonal)
+    intra = torch.bmm(q, k.transpose(1, 2)) * decay  # causal (decay is 0 above the diagonal)
 
     if initial_state is None:
         S = torch.zeros(BH, dk, dv, dtype=dtype, device=q.device)
@@ -179,23 +125,19 @@ def chunk_gated_delta_rule(
     chunks = zip(*(x.reshape(BH, N, *x.shape[1:]).unbind(1) for x in (u, w, q_decayed, k_to_end, chunk_decay)))
     v_new, q_state = [], []
     for u_n, w_n, q_n, k_n, decay_n in chunks:
-        if low("wS") is None:
-            v_n = torch.baddbmm(u_n, w_n, S, alpha=-1)  # u - w S
-        else:
-            v_n = u_n - low_matmul(w_n, S, low("wS"))
-        q_state.append(torch.bmm(q_n, S) if low("QS") is None else low_matmul(q_n, S, low("QS")))
-        S = torch.baddbmm(S * decay_n, k_n, v_n)  # the state update: always the compute dtype
+        v_n = torch.baddbmm(u_n, w_n, S, alpha=-1)  # u - w S
+        q_state.append(torch.bmm(q_n, S))
+        S = torch.baddbmm(S * decay_n, k_n, v_n)
         v_new.append(v_n)
     v_new = torch.cat(v_new, dim=1).reshape(M, C, dv)  # [BH, N * C, dv] -> [M, C, dv]
-    attn_v = torch.bmm(intra, v_new) if low("attn_v") is None else low_matmul(intra, v_new, low("attn_v"))
-    o = torch.cat(q_state, dim=1) + attn_v.reshape(BH, N * C, dv)
+    o = torch.cat(q_state, dim=1) + torch.bmm(intra, v_new).reshape(BH, N * C, dv)
     return o.reshape(B, nv, N * C, dv)[:, :, :T].to(out_dtype), S.reshape(B, nv, dk, dv)
 
 
 SOLVE_BLOCK = 16
 
 
-def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
+def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor:
     """(I + L)^-1 for L the strictly lower triangle of A [M, C, C] (the diagonal and above are ignored).
 
     Blocked: forward substitution inside the diagonal `block` x `block` blocks (all of them at once,
@@ -206,7 +148,6 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: t
     so that the whole solve is about 2 * block + 8 * log2(C / block) batched ops, instead of one
     row at a time over C. Never a Neumann series (which blows up on near-identical keys); as accurate
     as row-by-row substitution on the adversarial inputs (identical keys, beta ~ 1, no decay; tested).
-    `matmul_dtype`: the operand dtype of its products (fp32 accumulation, `low_matmul`); None: A's dtype.
     """
     M, C, _ = A.shape
     b = min(block, C)
@@ -222,10 +163,7 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: t
     eye = torch.eye(b, dtype=A.dtype, device=A.device)
     X = eye.expand(M * nb, b, b)
     for i in range(1, b):
-        if matmul_dtype is None:
-            X = torch.baddbmm(X, diag * eye[:, i : i + 1], X, alpha=-1)
-        else:
-            X = X - low_matmul(diag * eye[:, i : i + 1], X, matmul_dtype)
+        X = torch.baddbmm(X, diag * eye[:, i : i + 1], X, alpha=-1)
     X = X.reshape(M, nb, b, b)
     size = b
     while size < C:  # merge blocks pairwise: [M, n, size, size] -> [M, n / 2, 2 size, 2 size]
@@ -235,10 +173,7 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: t
             [A[:, (2 * p + 1) * size : (2 * p + 2) * size, 2 * p * size : (2 * p + 1) * size][:, None] for p in range(n)],
             dim=1,
         )
-        if matmul_dtype is None:
-            T21 = -torch.matmul(torch.matmul(T22, L21), T11)
-        else:
-            T21 = -low_matmul(low_matmul(T22, L21, matmul_dtype), T11, matmul_dtype)
+        T21 = -torch.matmul(torch.matmul(T22, L21), T11)
         X = torch.cat([torch.cat([T11, torch.zeros_like(T11)], dim=-1), torch.cat([T21, T22], dim=-1)], dim=-2)
         size *= 2
     return X.reshape(M, C, C)

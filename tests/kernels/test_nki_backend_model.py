@@ -1,9 +1,7 @@
 """The whole tiny model on CPU with the DeltaNet layers running the NKI kernels on the emulator (backend "nki").
 
 With exact operands (fp32 TensorE operands: the default of an fp32 model, an option of a bf16 one) it gives the same
-greedy tokens as with the PyTorch references, on every fixture layout, in fp32 and bf16 (a bf16 model's reference
-with its chunked rule's products in fp32 too: `reference.BF16_PRODUCTS` emptied, since by default those products take
-bf16 operands there). With a bf16 model's default
+greedy tokens as with the PyTorch references, on every fixture layout, in fp32 and bf16. With a bf16 model's default
 operands (bf16, fp32 accumulation and state) its teacher-forced logits are no further from the bf16 reference's than
 those are from the fp32 reference's (largest differences over the prompts).
 """
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from optimum_qwen35 import kernels
-from optimum_qwen35.kernels.gated_delta_rule import fused, reference
+from optimum_qwen35.kernels.gated_delta_rule import fused
 from optimum_qwen35.runtime import Qwen35Runtime
 
 from ..conftest import FIXTURES, LAYOUTS, load_reference
@@ -41,11 +39,10 @@ def prompts_of(layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_greedy_tokens_nki_equal_torch(layout, dtype, nki_backend, monkeypatch):
+def test_greedy_tokens_nki_equal_torch(layout, dtype, nki_backend):
     prompts = prompts_of(layout)
     model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=3, max_length=128, dtype=dtype)
     kernels.set_backend("torch")
-    monkeypatch.setattr(reference, "BF16_PRODUCTS", frozenset())  # the reference's products exact, as the kernels'
     expected = model.generate(prompts, max_new_tokens=8)
     # fp32 models: the default operands (fp32); bf16 models: the fp32 option
     kernels.set_backend("nki" if dtype == torch.float32 else FP32_OPERANDS)
