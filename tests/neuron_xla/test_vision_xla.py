@@ -109,7 +109,7 @@ def test_image_prompts_through_the_neuron_class_on_xla_match_the_cpu_model():
         run = XlaGraphs(build_graphs(folder, nc, load_weights=True, image_buckets=IMAGE_BUCKETS))
         model = cls(config, nc, TracedModel(run), cls.create_graph_builders(config, nc))
         runtime = model._runtime_for_images()
-        images = runtime.image_prompts([prompt, text], pixels, grids)
+        images = runtime.images.image_prompts([prompt, text], pixels, grids)
         logits = runtime.prefill([prompt, text], [0, 1], images=images)
         worst = (logits[0] - expected[len(prompt) - 1]).abs().max().item()
         tokens, text_tokens = [int(logits[0].argmax())], [int(logits[1].argmax())]
