@@ -19,7 +19,7 @@ for name in ("neuronxcc", "neuronx_distributed", "torch_neuronx", "libneuronxla"
     sys.modules[name] = None  # absent: importing it raises ModuleNotFoundError
 import torch
 from vllm import SamplingParams
-from optimum_qwen35.optimum_neuron import vllm_worker
+from optimum_qwen35.serving import vllm_worker
 from optimum.neuron.utils import version_utils
 from optimum.neuron.vllm import runner
 
@@ -58,7 +58,7 @@ def test_a_cpu_export_is_served_by_the_worker_without_the_neuron_sdk(work, refer
                             env=environment(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["sampler"] == "optimum_qwen35.serving.vllm_worker._without_neuron_sdk.<locals>.HostSampler"
+    assert out["sampler"] == "optimum_qwen35.patches.vllm_worker_without_neuron_sdk.<locals>.HostSampler"
     assert out["compiler"] is None
     # generate() stops at EOS; the runner steps on (vLLM's scheduler would end the request there).
     for got, prompt in zip(out["tokens"], batch):
