@@ -193,8 +193,12 @@ FORM_EXCEPTIONS: dict[str, str] = {
     ),
     r"op tanh": "the vision tower's GELU (tanh form, `gelu_pytorch_tanh`): Tanh is in the neuron-cc XLA list",
     r"op sqrt": "the vision tower's LayerNorm (decomposed: the standard deviation): Sqrt is in the neuron-cc XLA list",
-    r"op pad": "the causal conv1d's left padding of the DeltaNet mixer (kernels/causal_conv1d_reference.py): Pad is "
+    r"op pad": "the causal conv1d's left padding of the DeltaNet mixer (kernels/conv1d/reference.py): Pad is "
                "in the neuron-cc XLA list",
+    r"op log": (
+        "softplus of the DeltaNet gate as log(1 + exp(x)) with torch's threshold branch (kernels/gated_delta_rule/"
+        "fused.py `softplus`, issue 42): Log is in the neuron-cc XLA list"
+    ),
     r"op log_plus_one": (
         "softplus of the DeltaNet gate (lowered to log1p(exp)): an elementwise transcendental like exp / log in the "
         "census; not in the old neuron-cc XLA list (the HLO check has the same, open until a neuronx-cc run)"
@@ -230,8 +234,8 @@ KNOWN_FINDINGS: dict[str, str] = {
         "int32) or an int64 -> int32 conversion (neuronx-cc downcasts int64 by default: --native-int64 / "
         "--implicit-integer-downcast, Neuron 2.32 compiler release notes)"
     ),
-    "i64 index @ causal_conv1d_reference.py": (
-        "the conv's final-state rows are indexed in the dtype of `lengths`, which is the slots' index dtype: int64 in "
+    "i64 index @ reference.py": (
+        "kernels/conv1d/reference.py: the conv's final-state rows are indexed in the dtype of `lengths`, which is the slots' index dtype: int64 in "
         "place (the same cause as state.py's)"
     ),
     "i64 index @ decoder.py": (
@@ -258,8 +262,10 @@ KNOWN_FINDINGS: dict[str, str] = {
         "the vision graph's index inputs are int64 (`image_bucket_inputs`: pos_index, rotary_pos, segment), so the "
         "position-table gather indexes in i64; int32 inputs would not"
     ),
-    "rank 5 @ reference.py": (
-        "the chunked delta rule's `expand_key_heads` (kernels/gated_delta_rule/reference.py) repeats the key heads "
+    "rank 5 @ __init__.py": (
+        "reported at the prefill seam's call (optimum_qwen35/kernels/__init__.py: the custom op, lowered through the "
+        "torch implementation, carries its call site): the chunked delta rule's `expand_key_heads` "
+        "(kernels/gated_delta_rule/reference.py) repeats the key heads "
         "per value head (nv = 2 or 3 nk: tiny-nv3x, tiny-moe) with repeat_interleave, a rank-5 broadcast "
         "[B, nk, g, T, d], except on an `xla` device, where it merges the trailing dims to stay rank 4. TorchNeuron's "
         "device is `neuron`, not `xla`: it takes the rank-5 form (and so does this CPU check)"
