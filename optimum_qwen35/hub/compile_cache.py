@@ -48,7 +48,7 @@ def default_neff_cache_dir() -> Path:
     return Path(os.environ.get(NEFF_CACHE_ENV) or DEFAULT_NEFF_CACHE_DIR)
 
 
-def installed_version(package: str) -> str | None:
+def _installed_version(package: str) -> str | None:
     try:
         return metadata.version(package).split("+")[0]
     except metadata.PackageNotFoundError:
@@ -75,14 +75,14 @@ class CompileCacheKey:
 
     def __post_init__(self):
         check_repo_id(self.model_id)
-        torch_neuronx = self.torch_neuronx_version or installed_version("torch-neuronx")
+        torch_neuronx = self.torch_neuronx_version or _installed_version("torch-neuronx")
         if torch_neuronx is None:
             raise UsageError(
                 "torch-neuronx is not installed here: give the torch-neuronx version the cache was compiled with"
                 " (torch_neuronx_version=, --torch-neuronx-version)"
             )
         object.__setattr__(self, "torch_neuronx_version", torch_neuronx)
-        object.__setattr__(self, "torch_version", self.torch_version or installed_version("torch"))
+        object.__setattr__(self, "torch_version", self.torch_version or _installed_version("torch"))
         if not self.revision or not self.instance_type or not self.dtype:
             raise UsageError("a compile-cache key needs a revision, an instance type and a dtype")
         if int(self.tp_degree) < 1:
