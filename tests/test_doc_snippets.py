@@ -90,6 +90,15 @@ SUBSTITUTIONS = [
     ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
     ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
     ("docs/speculative_decoding.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
+    ("docs/hub.md", "optimum-qwen35 neff-cache p", "TORCH_NEURONX_NEFF_CACHE_DIR=neff_cache optimum-qwen35 neff-cache p",
+     "TorchNeuron's cache folder in the document's own folder (a stand-in cache, SETUP), not /tmp/neff_cache"),
+    ("docs/hub.md", "--dtype bfloat16 --buckets", "--dtype bfloat16 --torch-neuronx-version 2.14.3.0 --buckets",
+     "torch-neuronx is not installed here: its version is given"),
+    ("docs/hub.md", 'dtype="bfloat16", buckets=', 'dtype="bfloat16", torch_neuronx_version="2.14.3.0", buckets=',
+     "the same, from Python"),
+    ("docs/hub.md", 'push_compile_cache("/tmp/neff_cache"', 'push_compile_cache("neff_cache"', "the stand-in cache"),
+    ("docs/hub.md", "fetch_compile_cache(None,", 'fetch_compile_cache("neff_cache_fetched",',
+     "a folder of the document's own, not /tmp/neff_cache"),
 ]
 BUILD_TINY = f"{sys.executable} -m optimum_qwen35 build-tiny tiny-checkpoint"
 # Set up before a document runs, in its folder: shell commands, and what the stand-in Hub must hold.
@@ -102,6 +111,9 @@ SETUP = {
         BUILD_TINY,
         f"{sys.executable} -m optimum_qwen35 export --model tiny-checkpoint --batch_size 4 --sequence_length 128 "
         "--torch_dtype bfloat16 --target cpu out/",
+        # A TorchNeuron cache folder for the neff-cache commands: one entry in its layout (not a NEFF: no compiler).
+        f"{sys.executable} -c \"import pathlib; p = pathlib.Path('neff_cache/0f0f/0f0f.neff'); "
+        "p.parent.mkdir(parents=True); p.write_bytes(b'a stand-in, not a NEFF')\"",
     ],
 }
 HUB_SETUP = {
@@ -117,6 +129,10 @@ EXPECTED_OUTPUT = [
     ("docs/hub.md", "optimum-qwen35 cache lookup", "cpu  4  128  1  bfloat16", "this package's lookup finds it"),
     ("docs/hub.md", "print(lookup_registry(", "'batch_size': 4", "lookup_registry returns the entry"),
     ("docs/hub.md", "optimum-qwen35 pull", "snapshots", "pull prints the downloaded folder"),
+    ("docs/hub.md", "optimum-qwen35 neff-cache push", "pushed 1 file(s)", "the stand-in cache's entry is pushed"),
+    ("docs/hub.md", "optimum-qwen35 neff-cache list", "trn2.48xlarge  tp 4  bfloat16  context=128,1024;token=1024",
+     "list names the pushed configuration"),
+    ("docs/hub.md", "print(result.hit", "True ['0f0f/0f0f.neff'] []", "fetch writes the entry into a new folder"),
     ("docs/moe.md", "print(config.num_experts", "6 2 ['tp', 'ep', 'ep']", "the tiny MoE layout and the 'auto' rule"),
     ("docs/moe.md", "moe_parallel", "ep\n", "the TP 2 export records its experts split by whole experts"),
 ]

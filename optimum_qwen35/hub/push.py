@@ -48,7 +48,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _same_as_remote(local: Path | bytes, remote) -> bool:
+def same_as_remote(local: Path | bytes, remote) -> bool:
     """True if the local content equals the remote file (by the hash the Hub reports for it)."""
     size = len(local) if isinstance(local, bytes) else local.stat().st_size
     if remote.size != size and remote.lfs is None:
@@ -103,7 +103,7 @@ def push_to_hub(
         sources: dict[str, Path | bytes] = dict(local)
         if card is not None:
             sources["README.md"] = card
-        changed = [p for p, src in sources.items() if p not in remote or not _same_as_remote(src, remote[p])]
+        changed = [p for p, src in sources.items() if p not in remote or not same_as_remote(src, remote[p])]
         stale = sorted(p for p in remote if p not in sources and p != ".gitattributes")
         if not changed and not stale:
             return PushResult(repo_id, branch, head, _commit_url(api, repo_id, head))
