@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         """T consecutive tokens per row continuing its slot (speculative verification, `Qwen35Decoder.verify`).
         Attention writes K/V at the row's valid positions and attends as in context encoding; a DeltaNet layer
         leaves its slot states as they are and returns the states after each position instead. Returns
-        (h, state_a, state_b, per-position states: () or (conv [B, T, C, K - 1], recurrent [B, T, nv, dk, dv]))."""
+        (h, state_a, state_b, per-position states: () or (conv [B, T, C, K - 1], recurrent [B, T * nv, dk, dv]))."""
         x = self._norm(self.input_layernorm, h)
         if self.is_attention:
             mixed, state_a, state_b = self.self_attn.verify(
@@ -206,7 +206,8 @@ class Qwen35Decoder(nn.Module):
         the end of the cache). Attention K/V are written at those positions (positions past what the host accepts are
         stale afterwards, and harmless: every later call writes a position before any query reads it); DeltaNet slot
         states are not changed. Returns (logits [B, T, vocab], final-normed hidden [B, T, H], the per-position
-        DeltaNet states (conv, recurrent) of each DeltaNet layer in layer order, then the state); `commit` writes
+        DeltaNet states (conv [B, T, C, K - 1], recurrent [B, T * nv, dk, dv]) of each DeltaNet layer in layer order,
+        then the state); `commit` writes
         the states after the accepted position."""
         slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
         starts = position_ids[:, 0].to(slots.index_dtype)
@@ -229,14 +230,18 @@ class Qwen35Decoder(nn.Module):
         n = 2 * len(self.config.linear_layers)
         per_position, state = list(tensors[:n]), list(tensors[n:])
         slots = Slots(seq_ids, in_place=self.state_in_place)
-        rows = torch.arange(accepted.shape[0], device=accepted.device)
+        B, T = per_position[0].shape[:2]  # conv [B, T, C, K - 1]
+        # Row b's accepted position is row b * T + accepted[b] of the states viewed as [B * T, ...] (an index_select
+        # of rank-4 rows: the recurrent states come as [B, T * nv, dk, dv], never rank 5).
+        picks = torch.arange(B, device=accepted.device, dtype=slots.index_dtype) * T + accepted.to(slots.index_dtype)
         j = 0
         for i, layer in enumerate(self.layers):
             if layer.is_attention:
                 continue
             for which in (0, 1):
-                picked = per_position[j + which][rows, accepted.to(rows.dtype)]
-                state[2 * i + which] = slots.write(state[2 * i + which], picked)
+                flat = per_position[j + which]
+                flat = flat.reshape(B * T, -1, *flat.shape[2:]) if which else flat.reshape(B * T, *flat.shape[2:])
+                state[2 * i + which] = slots.write(state[2 * i + which], flat.index_select(0, picks))
             j += 2
         return tuple(state)
 

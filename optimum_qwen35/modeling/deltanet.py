@@ -102,8 +102,9 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, hidden]: T consecutive decode steps per row from its slot's states (speculative verification),
         the projections of all T tokens at once, then the decode seam once per position on the rows' own states
         (`kernels.deltanet_decode` as it is: each position runs exactly a decode step's numbers). The slot states
-        are left as they are. Returns the output [B, T, hidden] and the states after each position:
-        conv [B, T, conv_dim, kernel - 1], recurrent [B, T, nv, dk, dv] (`Qwen35Decoder.commit` keeps one)."""
+        are left as they are. Returns the output [B, T, hidden] and the states after each position, rank 4 (the
+        Neuron compiler takes no rank-5 tensor): conv [B, T, conv_dim, kernel - 1], recurrent [B, T * nv, dk, dv]
+        (position-major within a row; `Qwen35Decoder.commit` keeps one position's nv heads)."""
         B, T, _ = x.shape
         qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
         conv, recurrent = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
@@ -117,4 +118,4 @@ class GatedDeltaNet(nn.Module):
             outputs.append(o)
             convs.append(conv)
             recurrents.append(recurrent)
-        return self._output(torch.stack(outputs, dim=2), x), torch.stack(convs, 1), torch.stack(recurrents, 1)
+        return self._output(torch.stack(outputs, dim=2), x), torch.stack(convs, 1), torch.cat(recurrents, 1)

@@ -28,17 +28,6 @@ CASES = [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32), (2, torch.
 IDS = [f"tp{tp}-{str(d)[6:]}" for tp, d in CASES]
 
 
-@pytest.fixture(scope="module")
-def reference() -> set[str]:
-    hlos = []
-    for kind in hlo_contract.REFERENCE_MODELS:
-        for tp, dtype in CASES:
-            hlos += list(hlo_contract.reference_hlos(kind, "trn2", tp, dtype).values())
-    census = hlo_contract.reference_census(hlos)
-    print(f"\nreference census ({len(hlos)} graphs): {sorted(census)}")
-    return census
-
-
 @pytest.mark.parametrize(("tp", "dtype"), CASES, ids=IDS)
 def test_every_graph_of_the_export_keeps_the_contract(reference, tp, dtype):
     nc = neuron_config(FIXTURES / "tiny-nv3x", "trn2", tp, dtype)

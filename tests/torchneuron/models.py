@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from optimum_qwen35.checkpoint.convert import convert_checkpoint
+from optimum_qwen35.checkpoint.convert import convert_checkpoint, convert_mtp
 from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
@@ -35,16 +35,20 @@ class CheckLayers(TorchLayers):
 
 
 def load_decoder(layout: str, dtype: torch.dtype = torch.float32, tp_degree: int = 1, rank: int = 0,
-                 group=None) -> Qwen35Decoder:
+                 group=None, mtp: bool = False) -> Qwen35Decoder:
     """The decoder of a fixture checkpoint (rank `rank`'s share at tp_degree > 1), weights converted (and sharded) as
-    the checkpoint package does; with `group=None` and tp_degree > 1 the default process group."""
+    the checkpoint package does; with `group=None` and tp_degree > 1 the default process group. `mtp`: with the
+    multi-token-prediction head (tp_degree 1)."""
     path = FIXTURES / layout
     config = Qwen35Config.from_pretrained(path)
     layers = CheckLayers(tp_degree, rank, group)
     with torch.device("meta"):
-        decoder = Qwen35Decoder(config, tp_degree, layers)
+        decoder = Qwen35Decoder(config, tp_degree, layers, mtp=mtp)
     if tp_degree == 1:
-        params = dict(convert_checkpoint(CheckpointReader(path), config, dtype))
+        reader = CheckpointReader(path, mtp=mtp)
+        params = dict(convert_checkpoint(reader, config, dtype))
+        if mtp:
+            params.update(convert_mtp(reader, config, dtype))
     else:
         from optimum_qwen35.checkpoint.shard import convert_and_shard
 
