@@ -167,12 +167,15 @@ def cmd_export(args) -> int:
     out = Path(args.out)
     neuron_config = check_export(args)
     model = Qwen35NeuronModelForCausalLM.export(
-        args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets
+        args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets,
+        neuron_backend=args.neuron_backend,
     )
     model.save_pretrained(out, overwrite=args.overwrite)
+    backend = getattr(model, "backend", None)  # (the NxD class has none: optimum-neuron's own export)
     print(
-        f"exported {args.model} for {neuron_config.target} (batch {neuron_config.batch_size}, sequence length "
-        f"{neuron_config.sequence_length}, TP {neuron_config.tp_degree}, {str(neuron_config.torch_dtype).removeprefix('torch.')}) to {out}"
+        f"exported {args.model} for {neuron_config.target}{' (torchneuron backend)' if backend == 'torchneuron' else ''}"
+        f" (batch {neuron_config.batch_size}, sequence length {neuron_config.sequence_length}, TP "
+        f"{neuron_config.tp_degree}, {str(neuron_config.torch_dtype).removeprefix('torch.')}) to {out}"
     )
     return 0
 
@@ -374,6 +377,9 @@ def _add_export_arguments(p) -> None:
     p.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, help="ranks to split the model over (default: 1 on cpu; on Neuron, the largest valid degree <= the machine's cores)")
     p.add_argument("--torch_dtype", "--dtype", choices=["bfloat16", "float32"], help="weights and activations dtype (default: the checkpoint's)")
     p.add_argument("--target", choices=["cpu", "trn1", "inf2", "trn2"], help="compilation target (default: cpu without the Neuron SDK)")
+    p.add_argument("--neuron_backend", "--neuron-backend", choices=["nxd", "torchneuron"],
+                   help="a Neuron target's backend (default: by target and what is installed; trn2 without any Neuron "
+                   "SDK: torchneuron, an export that needs no SDK; docs/torchneuron.md)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
     p.add_argument("--vision", action="store_true", help="also export the vision tower's graphs (cpu target, TP 1; docs/vision.md)")
     p.add_argument("--image_buckets", "--image-buckets", type=_int_list,

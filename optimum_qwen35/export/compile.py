@@ -28,9 +28,11 @@ from tqdm.auto import tqdm
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.export.layout import (
+    CPU_BACKEND,
     GRAPHS_FILE,
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
+    TORCHNEURON_BACKEND,
     VISION_WEIGHTS_FILE,
     context_graph_name,
     continuing_context_graph_name,
@@ -118,6 +120,7 @@ def compile_graphs(
     vision=None,
     image_buckets: list[int] | None = None,
     prefix_block_size: int | None = None,
+    backend: str = CPU_BACKEND,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
@@ -128,8 +131,14 @@ def compile_graphs(
     sequence which a prefix cache of that block size runs (runtime/prefix_cache.py `continuing_graphs`: one per
     context bucket and key length of a resumed piece, where the key length is longer than the bucket).
 
+    `backend`: "cpu" exports each graph with `torch.export`; "torchneuron" writes the same manifest with no program
+    files, since TorchNeuron compiles each graph on the device on first use (backends/torchneuron/runner.py builds
+    the graph modules from these entries).
+
     Returns the content of `graphs.json`, written last.
     """
+    if backend not in (CPU_BACKEND, TORCHNEURON_BACKEND):
+        raise UsageError(f"compile_graphs builds the cpu and torchneuron backends' graphs, not {backend!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
@@ -168,7 +177,11 @@ def compile_graphs(
         plan += [(image_token_graph_name(L), "image_token", L) for L in token_buckets]
         vision_manifest = {"image_buckets": image_buckets, "weights": vision_names, "file": VISION_WEIGHTS_FILE}
     graphs = {}
-    bar = tqdm(plan, desc="compile (cpu: torch.export)", unit="graph", disable=not progress)
+    for name, kind, length in plan if backend == TORCHNEURON_BACKEND else ():  # (compiled on the device, on first use)
+        length, key_length = length if isinstance(length, tuple) else (length, None)
+        graphs[name] = {"kind": kind, "length": length, **({} if key_length is None else {"key_length": key_length})}
+    bar = tqdm(plan if backend == CPU_BACKEND else [], desc="compile (cpu: torch.export)", unit="graph",
+               disable=not progress or backend != CPU_BACKEND)
     for name, kind, length in bar:
         bar.set_postfix_str(name)  # the graph being compiled now
         length, key_length = length if isinstance(length, tuple) else (length, None)
@@ -202,6 +215,7 @@ def compile_graphs(
     manifest = {
         "format": GRAPHS_FORMAT,
         "version": GRAPHS_VERSION,
+        "backend": backend,
         "torch_version": torch.__version__.split("+")[0],
         "tp_degree": tp_degree,
         "batch_size": batch_size,

@@ -80,10 +80,15 @@ def vision_export_config(qwen_config: Qwen35Config, tp_degree: int, source) -> V
     return vision
 
 
-def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None) -> Path:
+def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
+               backend: str = layout.CPU_BACKEND) -> Path:
     """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
     it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
-    With `vision`, the vision tower's programs too, one per image bucket."""
+    With `vision`, the vision tower's programs too, one per image bucket.
+
+    `backend="torchneuron"` (a trn2 `neuron_config`): the same folder for TorchNeuron, which needs no SDK to make:
+    the weights split per rank, the configs, and a graphs.json listing the graphs (buckets, key lengths) that
+    TorchNeuron compiles on the first load on a device."""
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
@@ -98,13 +103,13 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             save_vision_weights(source, vision_config, dtype, work / layout.CHECKPOINT_DIR)
             copy_processor_files(source, work)
         export_config(config, model_id, dtype).save_pretrained(work)
-        nc.save(neuron_config, work)
-        if vision or not graphs_from_cache(work):  # (the compile cache holds text-only graphs)
+        nc.save(neuron_config, work, backend)
+        if backend != layout.CPU_BACKEND or vision or not graphs_from_cache(work):  # (cached: cpu text graphs only)
             buckets = default_buckets(neuron_config.sequence_length, smallest=SMALLEST_EXPORT_BUCKET)
             compile_graphs(
                 qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
-                prefix_block_size=export_block_size(neuron_config.sequence_length),
+                prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend,
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -128,7 +133,8 @@ def graphs_from_cache(folder: Path) -> bool:
 
 
 def check_cpu_export(folder: Path, neuron_config) -> None:
-    """The compiled graphs and the weights must be the ones neuron_config.json describes."""
+    """The compiled graphs and the weights must be the ones neuron_config.json describes (a cpu or TorchNeuron
+    export: the same two folders)."""
     graphs = read_graphs_manifest(folder)
     for key, value in (("tp_degree", neuron_config.tp_degree), ("batch_size", neuron_config.batch_size), ("max_length", neuron_config.sequence_length)):
         if graphs[key] != value:
@@ -138,7 +144,8 @@ def check_cpu_export(folder: Path, neuron_config) -> None:
             )
     if graphs["dtype"] != str(neuron_config.torch_dtype).removeprefix("torch."):
         raise IncompatibleExportError(f"{folder}: compiled/ is {graphs['dtype']} but neuron_config.json says {neuron_config.torch_dtype}; export again")
-    if graphs["torch_version"] != torch.__version__.split("+")[0]:
+    # A cpu export's programs load only with the torch that exported them; TorchNeuron compiles from the model code.
+    if graphs.get("backend", layout.CPU_BACKEND) == layout.CPU_BACKEND and graphs["torch_version"] != torch.__version__.split("+")[0]:
         raise IncompatibleExportError(
             f"{folder} was compiled with torch {graphs['torch_version']}, but {torch.__version__} is installed: "
             f"install torch=={graphs['torch_version']} or export the model again"

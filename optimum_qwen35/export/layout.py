@@ -4,11 +4,15 @@ Every writer and reader of an export (the cpu export, the sharded checkpoint, th
 download, the compile-cache registry, the processor, vLLM's settings, the NxD backend) takes names from here.
 
     config.json              the text config (MODEL_TYPES' text types), `architectures` = EXPORT_ARCHITECTURES
-    neuron_config.json       a plain optimum-neuron NxDNeuronConfig dict (`target` "cpu" or a Neuron target)
+    neuron_config.json       a plain optimum-neuron NxDNeuronConfig dict (`target` "cpu" or a Neuron target; a
+                             TorchNeuron export adds `export_backend`: "torchneuron")
     generation_config.json, tokenizer and chat-template files (SIDE_FILES), processor files (PROCESSOR_FILES)
     compiled/graphs.json     cpu target: what was compiled (GRAPHS_FORMAT), then one program per graph
     checkpoint/tp_shards.json + checkpoint/rank_<r>.safetensors   cpu target: each rank's weights
-    model.pt (+ checkpoint/weights/)                              a Neuron target: optimum-neuron's own files
+    model.pt (+ checkpoint/weights/)                              an NxD export: optimum-neuron's own files
+
+A TorchNeuron export (trn2; backends/torchneuron/) has the cpu target's two folders, with a graphs.json that lists
+the graphs TorchNeuron compiles on first load and no program files (`torch.compile` has no ahead-of-time artifact).
 
 The cpu target's two manifests (CPU_MANIFESTS) are each written last in their folder, so that a folder holding
 both is complete. Standard library only: anything may import this module.
@@ -145,20 +149,38 @@ def read_neuron_config(folder: Path) -> dict:
     return read_json(folder / NEURON_CONFIG_FILE)
 
 
+# How an export's graphs are built and run: the cpu target's `torch.export` programs, optimum-neuron's NxD model
+# (model.pt), or TorchNeuron's `torch.compile(backend="neuron")` on first load. neuron_config.json names it under
+# BACKEND_KEY where it is not implied by the target (a Neuron target without it is an NxD export, as before).
+CPU_BACKEND, NXD_BACKEND, TORCHNEURON_BACKEND = "cpu", "nxd", "torchneuron"
+BACKEND_KEY = "export_backend"
+
+
 def is_cpu_export(neuron_config: dict) -> bool:
     return neuron_config.get("target") == "cpu"
 
 
+def export_backend(neuron_config: dict) -> str:
+    if is_cpu_export(neuron_config):
+        return CPU_BACKEND
+    return neuron_config.get(BACKEND_KEY) or NXD_BACKEND
+
+
+def holds_rank_shards(neuron_config: dict) -> bool:
+    """Whether the export keeps each rank's weights and a graphs.json (the cpu and TorchNeuron backends)."""
+    return export_backend(neuron_config) in (CPU_BACKEND, TORCHNEURON_BACKEND)
+
+
 def required_files(neuron_config: dict) -> list[str]:
     """What a complete export holds besides its configs."""
-    return list(CPU_MANIFESTS) if is_cpu_export(neuron_config) else [NXD_MODEL_FILE]
+    return list(CPU_MANIFESTS) if holds_rank_shards(neuron_config) else [NXD_MODEL_FILE]
 
 
 def export_files(folder: Path, neuron_config: dict) -> dict[str, Path]:
     """The files of an export, path in repo -> local path (sorted, posix paths). A Neuron export of a Hub model does
     not carry the weights, as optimum-neuron's push_to_hub: they are fetched from the source checkpoint at load."""
     folder = Path(folder)
-    skip_checkpoint = not is_cpu_export(neuron_config) and neuron_config.get("checkpoint_id") is not None
+    skip_checkpoint = not holds_rank_shards(neuron_config) and neuron_config.get("checkpoint_id") is not None
     out = {}
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)

@@ -67,6 +67,7 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
             else "exported from a local folder",
         ),
         ("target", f"`{target}`"),
+        ("backend", f"`{layout.export_backend(nc)}`"),
         ("batch size", nc.get("batch_size")),
         ("sequence length", nc.get("sequence_length")),
         ("tensor parallel degree", nc.get("tp_degree")),
@@ -74,7 +75,7 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
         ("continuous batching", nc.get("continuous_batching")),
         ("model type", f"`{config.get('model_type')}`"),
     ]
-    if not layout.is_cpu_export(nc):
+    if not layout.holds_rank_shards(nc):
         carries = (folder / layout.CHECKPOINT_DIR).is_dir() and base is None
         weights = "in this repository (`checkpoint/weights/`)" if carries else f"fetched from `{base}` at load time"
     else:
@@ -85,7 +86,8 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
         f"# {repo_id}",
         "",
         f"A Qwen3.5 model exported with optimum-qwen35 for the `{target}` target: its graphs are compiled for the"
-        " static shapes below and run only with them.",
+        " static shapes below and run only with them"
+        + (" (TorchNeuron compiles them on the first load on a device)." if layout.export_backend(nc) == layout.TORCHNEURON_BACKEND else "."),
         "",
         "| | |",
         "|---|---|",

@@ -137,12 +137,12 @@ def resolve_source_checkpoint(
 ) -> Path | None:
     """The source checkpoint a Neuron export needs at load time, or None when the export carries its weights.
 
-    A cpu export, or a Neuron export made from a local folder (`checkpoint/weights/`), carries them. A Neuron
-    export made from a Hub id does not: its safetensors (and config) are fetched from `checkpoint_id` at
+    A cpu or TorchNeuron export, or an NxD export made from a local folder (`checkpoint/weights/`), carries them. An
+    NxD export made from a Hub id does not: its safetensors (and config) are fetched from `checkpoint_id` at
     `checkpoint_revision`, as optimum-neuron's `load_weights` does, into the Hugging Face cache."""
     folder = Path(folder)
     nc = layout.read_neuron_config(folder)
-    if layout.is_cpu_export(nc) or (folder / layout.CHECKPOINT_DIR).is_dir():
+    if layout.holds_rank_shards(nc) or (folder / layout.CHECKPOINT_DIR).is_dir():
         return None
     checkpoint_id = nc.get("checkpoint_id")
     if not checkpoint_id:

@@ -36,6 +36,9 @@ EXPECTED_KEYWORDS = {
     "tensor_parallel_size": "tensor_parallel_size", "num_cores": "tensor_parallel_size", "tp_degree": "tensor_parallel_size",
     "dtype": "dtype", "torch_dtype": "dtype", "auto_cast_type": "dtype",
 }
+# How a TorchNeuron export's graphs run (backends/torchneuron/runner.py `load_runtime`): the `torch.compile` backend
+# ("neuron" by default; "eager" runs them on a CPU) and the device ("neuron"; "cpu").
+RUN_KEYWORDS = ("compile_backend", "device")
 EXPORT_TRUE_REFUSED = (
     "{model_id} is not an export, and from_pretrained(export=True) does not compile one (optimum-neuron 0.4.5 ignores "
     "it for decoders): call get_neuron_config() then export(), or `optimum-qwen35 export --model {model_id} --target cpu OUT`"
@@ -84,3 +87,13 @@ def is_export_repo(model_id, revision, token, subfolder=None) -> bool:
 def snapshot_revision(folder: Path) -> str | None:
     """The commit of a Hub snapshot folder (its name in the cache), or None."""
     return folder.name if folder.parent.name == "snapshots" else None
+
+
+def run_options(kwargs: dict) -> dict:
+    """Take the keywords saying how a TorchNeuron export runs out of from_pretrained's keywords (`RUN_KEYWORDS`)."""
+    options = {}
+    for key in RUN_KEYWORDS:
+        value = kwargs.pop(key, None)
+        if value is not None:
+            options[key] = value
+    return options

@@ -12,17 +12,21 @@ The optimum-neuron flow, unchanged:
     model = Qwen35NeuronModelForCausalLM.from_pretrained("out/")      # in any process
     model.generate(input_ids, attention_mask=mask, max_new_tokens=32, do_sample=True, top_k=50)
 
-One class, one flow; the compilation target (`neuron_config.target`) only changes how graphs are built
-and run: "cpu" runs this project's `torch.export` graphs (`runtime/compiled.py`), "trn1"/"trn2" optimum-neuron's
-neuronx-distributed backend (`optimum_qwen35/backends/nxd/`, needs the Neuron SDK; `export` and `from_pretrained` return
-its `Qwen35NxDModelForCausalLM`, and the export folder is optimum-neuron's: model.pt, checkpoint/weights/).
+One class, one flow; the compilation target (`neuron_config.target`) and the backend only change how graphs are
+built and run: "cpu" runs this project's `torch.export` graphs (runtime/exported.py); a Neuron target runs on one of
+two backends (backends/selection.py picks it, `neuron_backend=` overrides): NxD, optimum-neuron's neuronx-distributed
+backend (trn1, inf2, and trn2 on SDK <= 2.33; `optimum_qwen35/backends/nxd/`, needs the Neuron SDK; `export` and
+`from_pretrained` return its `Qwen35NxDModelForCausalLM`, and the export folder is optimum-neuron's: model.pt,
+checkpoint/weights/), or TorchNeuron (trn2 / trn3 on SDK 2.33+; backends/torchneuron/: the export needs no SDK, the
+first load on a device compiles each graph with `torch.compile(backend="neuron")`).
 
 An export folder:
 
     config.json              the text config (qwen3_5_text or qwen3_5_moe_text), `_name_or_path` = the source checkpoint
     neuron_config.json       a plain NxDNeuronConfig (see neuron_config.py)
     generation_config.json, tokenizer files
-    compiled/, checkpoint/   cpu target: the programs and each rank's weights (runtime/compiled.py)
+    compiled/, checkpoint/   cpu target: the programs and each rank's weights (runtime/exported.py); TorchNeuron:
+                             the graphs to compile (graphs.json) and each rank's weights
 
 `save_pretrained` writes it atomically: into a hidden sibling folder, renamed into place when complete,
 so an interrupted save never leaves a folder that loads.
@@ -48,6 +52,8 @@ with optimum_neuron_import():  # no device-probe error or trn1-override warning 
     from optimum.neuron.utils.system import get_available_cores
 
 from optimum_qwen35 import hub
+from optimum_qwen35.backends.selection import choose_neuron_backend
+from optimum_qwen35.backends.torchneuron.runner import load_runtime as load_torchneuron_runtime
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
@@ -61,6 +67,7 @@ from optimum_qwen35.optimum_neuron.loading import (
     is_export_repo,
     loading_options,
     local_or_download,
+    run_options,
     snapshot_revision,
 )
 from optimum_qwen35.optimum_neuron.scoring import causal_lm_forward
@@ -98,8 +105,11 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     # optimum-neuron main's chunked-prefill switch: this model's state must not be prefilled in chunks there.
     _supports_chunked_prefill = False
 
-    def __init__(self, config, neuron_config, folder: str | os.PathLike, owns_folder: bool = False):
+    def __init__(self, config, neuron_config, folder: str | os.PathLike, owns_folder: bool = False,
+                 run_options: dict | None = None):
         self.config = config
+        self.backend = layout.export_backend(layout.read_neuron_config(folder))
+        self._run_options = run_options or {}  # a TorchNeuron export's compile_backend and device
         self.neuron_config = neuron_config
         self.folder = Path(folder)
         generation_file = self.folder / "generation_config.json"
@@ -204,16 +214,26 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         load_weights=False,
         vision: bool = False,
         image_buckets=None,
+        neuron_backend: str | None = None,
         **kwargs,
     ):
         """`vision=True` adds the vision tower's graphs, one per image bucket of `image_buckets` patch rows (default
         runtime/images.py DEFAULT_IMAGE_BUCKETS), and the image context / token graphs; on the cpu target also the
-        processor files. Without it the export is text-only, as before."""
+        processor files. Without it the export is text-only, as before.
+
+        `neuron_backend` ("nxd" or "torchneuron"; a Neuron target): the backend, else chosen by the target and what
+        is installed (backends/selection.py). A TorchNeuron export is made without the SDK: the weights split per
+        rank, the configs and the list of graphs, which TorchNeuron compiles on the first load on a device."""
         if vision is not True and vision is not False:
             raise UsageError(f"vision must be True or False, got {vision!r}")
         if image_buckets is not None and not vision:
             raise UsageError("image_buckets is an option of a vision export: pass vision=True with it")
+        backend = layout.CPU_BACKEND
         if neuron_config.target != nc.CPU_TARGET:
+            backend = choose_neuron_backend(neuron_config.target, neuron_backend)
+        elif neuron_backend is not None:
+            raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
+        if backend == layout.NXD_BACKEND:
             # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
             # export's graphs and tower weights come with it, named in the config it saves.
             neuron_vision = None
@@ -236,7 +256,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 load_weights=load_weights,
             )
         source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
-        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets)
+        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend)
         model = cls(export_config(config, model_id, neuron_config.torch_dtype), neuron_config, work, owns_folder=True)
         if load_weights:
             model.runtime  # noqa: B018 (loads the graphs' weights now)
@@ -262,12 +282,16 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         `force_download`, `local_files_only`, `subfolder` locate the export; `target`, `batch_size`,
         `sequence_length`, `tensor_parallel_size` and `dtype` (or `torch_dtype`), when given, must match what the
         export was compiled for; `export=True` on an export loads it; keywords with no meaning for an export
-        (`trust_remote_code`, `low_cpu_mem_usage`, `device_map`, ...) are ignored with one warning."""
+        (`trust_remote_code`, `low_cpu_mem_usage`, `device_map`, ...) are ignored with one warning. A TorchNeuron
+        export also takes `compile_backend` and `device` ("neuron" and "neuron" by default; "eager" and "cpu" run its
+        graphs on this machine's CPU)."""
+        run = run_options(kwargs)
         source, expected, given_as = loading_options(kwargs)
-        return cls._load(model_id, revision, token, source, expected, given_as)
+        return cls._load(model_id, revision, token, source, expected, given_as, run=run)
 
     @classmethod
-    def _load(cls, model_id, revision, token, source: dict, expected: dict, given_as: dict, config=None):
+    def _load(cls, model_id, revision, token, source: dict, expected: dict, given_as: dict, config=None,
+              run: dict | None = None):
         export = expected.pop("export", False)
         subfolder = source.pop("subfolder", None)
         local = Path(model_id, subfolder or "")
@@ -287,10 +311,15 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         nc.check_expected(neuron_config, folder, given_as, **expected)
         if config is None or subfolder:
             config = AutoConfig.from_pretrained(folder)
-        if neuron_config.target != nc.CPU_TARGET:
+        backend = layout.export_backend(layout.read_neuron_config(folder))
+        if run and backend != layout.TORCHNEURON_BACKEND:
+            logger.warning("from_pretrained(): ignoring %s (they apply to a TorchNeuron export; %s is a %s export)",
+                           ", ".join(sorted(run)), folder, backend)
+            run = None
+        if backend == layout.NXD_BACKEND:
             return _neuron_model_class(neuron_config.target)._from_pretrained(folder, config)
         check_cpu_export(folder, neuron_config)
-        model = cls(config, neuron_config, folder)
+        model = cls(config, neuron_config, folder, run_options=run)
         model.runtime  # noqa: B018 (load now: a folder whose weights do not match fails here, not at generate)
         return model
 
@@ -332,17 +361,22 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
     def _from_pretrained(cls, model_id, config, revision=None, token=None, **kwargs):
         """optimum-neuron's hook, what `NeuronModelForCausalLM.from_pretrained` (the abstract class) calls after its
         registry lookup with the caller's keywords: the same keywords as `from_pretrained`."""
+        run = run_options(kwargs)
         source, expected, given_as = loading_options(kwargs)
         folder = Path(model_id)
-        return cls._load(model_id, revision, token, source, expected, given_as, config if folder.is_dir() else None)
+        return cls._load(model_id, revision, token, source, expected, given_as, config if folder.is_dir() else None, run)
 
     # ------------------------------------------------------------------ running
     @property
     def runtime(self) -> Qwen35Runtime:
         """The host loop over the export's compiled programs (`runtime.host_loop.Qwen35Runtime.from_export`), started
-        on first use."""
+        on first use; a TorchNeuron export's graphs are compiled by their first call (`compile_backend` and `device`
+        of from_pretrained: "neuron" by default)."""
         if self._runtime is None:
-            self._runtime = Qwen35Runtime.from_export(self.folder)
+            if self.backend == layout.TORCHNEURON_BACKEND:
+                self._runtime = load_torchneuron_runtime(self.folder, **self._run_options)
+            else:
+                self._runtime = Qwen35Runtime.from_export(self.folder)
             self._apply_prefix_cache()
         return self._runtime
 

@@ -6,7 +6,8 @@ serialized-key assertion), so an export records a plain `NxDNeuronConfig`; the c
 
 optimum-neuron serializes the config with the installed neuronx-cc version, which the cpu target does
 not have: for it the same dict is written with `neuronxcc_version: null` (see `to_dict`), and read back
-with the checks optimum-neuron makes (same optimum-neuron version, same compiler where there is one).
+with the checks optimum-neuron makes (same optimum-neuron version, same compiler where there is one). A TorchNeuron
+export (trn2, compiled on the device at first load) is written the same way, with `export_backend: "torchneuron"`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
-from optimum_qwen35.export.layout import NEURON_CONFIG_FILE
+from optimum_qwen35.export.layout import BACKEND_KEY, NEURON_CONFIG_FILE, TORCHNEURON_BACKEND
 from optimum_qwen35.validation import parse_dtype
 
 CPU_TARGET = "cpu"
@@ -104,22 +105,25 @@ def _jsonable(value):
     return value
 
 
-def to_dict(neuron_config) -> dict:
+def to_dict(neuron_config, backend: str | None = None) -> dict:
     """The dict optimum-neuron writes for this config (`NeuronConfig.to_dict`); `neuronxcc_version` is null
-    for the cpu target, which has no compiler."""
-    if neuron_config.target != CPU_TARGET:
+    for the cpu target, which has no compiler, and for a TorchNeuron export (`backend="torchneuron"`), compiled on
+    the device at first load, which also records its backend (`export_backend`)."""
+    if neuron_config.target != CPU_TARGET and backend != TORCHNEURON_BACKEND:
         return neuron_config.to_dict()
     out = {k: _jsonable(v) for k, v in vars(neuron_config).items()}
     out["_serialized_key"] = type(neuron_config).__name__
     out["optimum_neuron_version"] = optimum_neuron_version()
     out["neuronxcc_version"] = None
+    if backend == TORCHNEURON_BACKEND:
+        out[BACKEND_KEY] = TORCHNEURON_BACKEND
     return out
 
 
-def save(neuron_config, folder: str | os.PathLike) -> None:
+def save(neuron_config, folder: str | os.PathLike, backend: str | None = None) -> None:
     path = Path(folder) / NEURON_CONFIG_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(to_dict(neuron_config), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(to_dict(neuron_config, backend), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 
@@ -152,9 +156,12 @@ def load(folder: str | os.PathLike):
             f"install optimum-neuron=={exported_with} or export the model again"
         )
     compiler = data.pop("neuronxcc_version", None)
+    backend = data.pop(BACKEND_KEY, None)  # (not an NxDNeuronConfig field; export/layout.py `export_backend` reads it)
+    if backend not in (None, TORCHNEURON_BACKEND):
+        raise IncompatibleExportError(f"{path} names export_backend {backend!r}, which this version does not know: export the model again")
     _check_fields(data, path)
     target = data.get("target")
-    if target != CPU_TARGET and compiler != neuronxcc_version():
+    if target != CPU_TARGET and backend is None and compiler != neuronxcc_version():
         raise IncompatibleExportError(
             f"{Path(folder)} was compiled for {target} by neuronx-cc {compiler}, but "
             f"{neuronxcc_version() or 'no neuronx-cc'} is installed: load it on a Neuron instance with "

@@ -5,8 +5,9 @@ optimum-cli registers `export neuron` only when torch-neuronx imports, so withou
 installed distribution; a regular install of this package puts one there (`register_optimum_qwen35.py`, written by
 setup.py, importing this module), which registers, only where torch-neuronx is absent, an `export neuron` taking
 optimum-neuron's flags: with `--instance_type cpu` it exports Qwen3.5 for the cpu target (`optimum-qwen35 export`);
-with a Neuron instance type, or none, it says in one line that the SDK is missing and gives the cpu command, checked
-first as the export would check it. With the SDK it registers nothing: optimum-neuron's own command runs. Light at
+with `--instance_type trn2` for TorchNeuron, whose export needs no SDK (the device compiles it on first load); with
+trn1, inf2 or no instance type it says in one line that the SDK is missing and gives the cpu command, checked first
+as the export would check it. With the SDK it registers nothing: optimum-neuron's own command runs. Light at
 start-up: standard library and optimum's command base classes only (optimum-cli imports it for every command).
 """
 
@@ -38,13 +39,14 @@ HELP = f"""usage: {PROG} --model MODEL [--instance_type {{cpu,{','.join(NEURON_I
        [--torch_dtype {{{','.join(DTYPES)}}} | --auto_cast_type {{{','.join(AUTO_CAST_DTYPES)}}}] [--overwrite] OUTPUT
 
 Export Qwen3.5 with optimum-neuron's flags (optimum-qwen35; the Neuron SDK is not installed here).
-`--instance_type cpu` exports for this machine's CPU (no Neuron SDK needed); trn1, inf2, trn1n and trn2 need the
-Neuron SDK, and without it the command says so and gives the cpu command.
+`--instance_type cpu` exports for this machine's CPU; `trn2` for TorchNeuron (no SDK needed to export: a trn2/trn3
+instance compiles it on first load); trn1, inf2 and trn1n need the Neuron SDK, and without it the command says so and
+gives the cpu command.
 
 arguments:
   -m, --model MODEL          a Qwen3.5 checkpoint folder or Hugging Face Hub id
   OUTPUT                     the export folder to write
-  --instance_type TYPE       cpu, or a Neuron instance type (needs the Neuron SDK)
+  --instance_type TYPE       cpu; trn2 (TorchNeuron); trn1, inf2, trn1n (need the Neuron SDK)
   --task text-generation     the task (auto is text-generation)
   --batch_size N             compiled batch size: sequences served at once (default 1)
   --sequence_length N        compiled length: prompt + new tokens (default min(max positions, 4096))
@@ -54,7 +56,7 @@ arguments:
   --overwrite                replace an existing export in OUTPUT
   -h, --help                 show this help and exit
 
-Accepted and unused for the cpu target (no neuronx-cc): --auto_cast, --compiler_workdir, -O1, -O2, -O3,
+Accepted and unused (no neuronx-cc runs at export): --auto_cast, --compiler_workdir, -O1, -O2, -O3,
 --disable_neuron_cache, --inline-weights-neff, --disable-validation. More: `optimum-qwen35 export --help`.
 """
 
@@ -159,13 +161,14 @@ def run(arguments: list[str]) -> int:
         return 0
     try:
         export, instance_type, _ = translate(arguments)
-        if instance_type == "cpu":
+        if instance_type in ("cpu", "trn2"):
             auto_cast = next((a.partition("=")[2] or arguments[k + 1] for k, a in enumerate(arguments)
                               if a.partition("=")[0] == "--auto_cast_type"), None)
             if auto_cast is not None:  # (the suggested cpu command of a Neuron type carries --torch_dtype itself)
                 dtype = AUTO_CAST_DTYPES[auto_cast]
                 print(f"{PROG}: --auto_cast_type {auto_cast}: exporting in {dtype} (--torch_dtype {dtype})", file=sys.stderr)
-            return main(["export", *export, "--target", "cpu"], prog=PROG)
+            # trn2 without torch-neuronx: a TorchNeuron export (backends/selection.py), which needs no SDK.
+            return main(["export", *export, "--target", instance_type], prog=PROG)
         if instance_type is not None and instance_type not in NEURON_INSTANCE_TYPES:
             raise ArgumentError(f"--instance_type {instance_type}: choose cpu or one of {', '.join(NEURON_INSTANCE_TYPES)}")
         check_cpu_export(export)  # the suggested command must be one that runs

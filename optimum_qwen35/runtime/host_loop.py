@@ -12,6 +12,7 @@ The graphs themselves, their weights and the state they update in place belong t
     ExportedGraphs   runtime/exported.py    a cpu export's `torch.export` programs, one rank in this process
     WorkerPool       runtime/worker_pool.py the same programs, one worker process per tensor-parallel rank
     NxDGraphs        backends/nxd/runner.py a Neuron export's traced model (prompts holding images)
+    TorchNeuronGraphs backends/torchneuron/runner.py a TorchNeuron export's graphs, `torch.compile`d on first use
 
 A runner answers `context(length, all_logits, key_length, ids, mask, positions, seq_ids)`,
 `token(key_length, ids, positions, seq_ids)`, their image forms `image_context(..., rope, embeds, image_mask)` and
@@ -152,13 +153,20 @@ class Qwen35Runtime:
                                 prefix_cache)
 
     @classmethod
-    def from_export(cls, folder: str | os.PathLike) -> "Qwen35Runtime":
+    def from_export(cls, folder: str | os.PathLike, graphs=None) -> "Qwen35Runtime":
         """The host loop over a cpu export's compiled programs: one rank in this process (`ExportedGraphs`), or one
-        worker process per rank (`WorkerPool`); a vision export's programs take images."""
+        worker process per rank (`WorkerPool`); a vision export's programs take images. `graphs`: the runner of
+        another backend over the same folder layout (a TorchNeuron export's, backends/torchneuron/runner.py)."""
         manifest = read_graphs_manifest(folder)
         config = ExportedGraphs.config_of(folder)
         tp_degree = manifest["tp_degree"]
-        graphs = ExportedGraphs(folder, 0, manifest) if tp_degree == 1 else WorkerPool(folder, tp_degree, manifest)
+        if graphs is None:
+            if manifest.get("backend", "cpu") != "cpu":
+                raise IncompatibleExportError(
+                    f"{folder} is a {manifest['backend']} export, not a cpu one: load it with "
+                    "Qwen35NeuronModelForCausalLM.from_pretrained, which picks its runner"
+                )
+            graphs = ExportedGraphs(folder, 0, manifest) if tp_degree == 1 else WorkerPool(folder, tp_degree, manifest)
         vision = manifest.get("vision")
         vision_config = VisionConfig.from_dict(config.raw) if vision else None
         return cls(graphs, config, manifest["batch_size"], manifest["max_length"], manifest["buckets"],

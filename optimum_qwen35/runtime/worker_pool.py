@@ -1,8 +1,9 @@
-"""The graph runner of a tensor-parallel cpu export: one worker process per rank, each running its rank's programs.
+"""The graph runner of a tensor-parallel export: one worker process per rank, each running its rank's programs.
 
-The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each holding an `ExportedGraphs`
-(its weights and its state, as the state stays on the device on Neuron) and joined by a gloo process group over a file
-store; each talks to this process over its own socket pair. `WorkerPool.run` sends every rank the same inputs and
+The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each holding one rank's runner (a
+cpu export's `ExportedGraphs` by default, or the runner class a backend names, e.g. TorchNeuron's: its weights and
+its state, as the state stays on the device on Neuron) and joined by a process group (gloo, or the backend's) over a
+file store; each talks to this process over its own socket pair. `WorkerPool.run` sends every rank the same inputs and
 returns rank 0's logits. For a prefix cache (runtime/prefix_cache.py), `take_block` brings one slot's block snapshot
 of every rank to this process (rank 0's tensors, then rank 1's, ...: one cache entry holds the whole model's) and
 `restore_blocks` sends each rank its share back.
@@ -10,6 +11,8 @@ of every rank to this process (rank 0's tensors, then rank 1's, ...: one cache e
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import pickle
 import socket
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from optimum_qwen35.errors import Qwen35Error
-from optimum_qwen35.runtime.exported import ExportedGraphs, ProgramRunner, read_graphs_manifest
+from optimum_qwen35.runtime.exported import ProgramRunner, read_graphs_manifest
 
 
 def _send(conn, obj) -> None:
@@ -48,11 +51,24 @@ def _portable(error: BaseException):
     return traceback.format_exc()
 
 
-def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) -> None:
-    """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None."""
+# The runner a worker builds unless told otherwise: a cpu export's programs.
+EXPORTED_RUNNER = "optimum_qwen35.runtime.exported:ExportedGraphs"
+
+
+def rank_runner(path: str):
+    """The runner class named "module:Class" (a name, not a class, crosses the process boundary; the worker imports
+    the backend's module itself, so this module imports no backend)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn, runner: str = EXPORTED_RUNNER,
+               dist_backend: str = "gloo", options: dict | None = None) -> None:
+    """A tensor-parallel rank: load, say ready, then run what the parent sends until it sends None. `runner`: the
+    rank's runner class ("module:Class"), built as `Class(folder, rank, **options)`."""
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
-        graphs = ExportedGraphs(folder, rank)
+        dist.init_process_group(dist_backend, init_method=f"file://{store_file}", rank=rank, world_size=tp_degree)
+        graphs = rank_runner(runner)(folder, rank, **(options or {}))
         if dist.group.WORLD.group_name != graphs.manifest["group_name"]:
             raise RuntimeError(f"process group {dist.group.WORLD.group_name!r} is not the graphs' {graphs.manifest['group_name']!r}")
         _send(conn, ("ready", None))
@@ -87,14 +103,17 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn) ->
 
 
 class WorkerPool(ProgramRunner):
-    """t ranks in t worker processes (gloo over a file store); `run` sends every rank the same inputs.
+    """t ranks in t worker processes (a process group over a file store); `run` sends every rank the same inputs.
+    `runner` ("module:Class"), `dist_backend` and `options` (JSON-able keywords of the runner) say what each worker
+    runs: a cpu export's programs over gloo by default.
 
     The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each talking to this
     process over its own socket pair: unlike multiprocessing's spawn, they never re-import the caller's
     main module, so a script needs no `if __name__ == "__main__":` guard.
     """
 
-    def __init__(self, folder: str | os.PathLike, tp_degree: int, manifest: dict | None = None):
+    def __init__(self, folder: str | os.PathLike, tp_degree: int, manifest: dict | None = None,
+                 runner: str = EXPORTED_RUNNER, dist_backend: str = "gloo", options: dict | None = None):
         self.manifest = manifest or read_graphs_manifest(folder)
         self.folder = folder  # (names the export a prefix cache belongs to: ProgramRunner.prefix_cache_owner)
         self.tp_degree = tp_degree
@@ -106,7 +125,9 @@ class WorkerPool(ProgramRunner):
         self._lock = threading.Lock()
         for rank in range(tp_degree):
             ours, theirs = socket.socketpair()
-            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank), str(tp_degree), store, str(theirs.fileno()), str(threads)]
+            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank),
+                       str(tp_degree), store, str(theirs.fileno()), str(threads), runner, dist_backend,
+                       json.dumps(options or {})]
             self._procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
             theirs.close()
             self._conns.append(Connection(ours.detach()))
