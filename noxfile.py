@@ -99,7 +99,8 @@ ENVIRONMENT_FREE_TESTS = [
     "tests/test_moe_parallel.py",
     "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py", "tests/test_shard.py",
     "tests/test_state_in_place.py",
-    "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_vision_tensor_parallel.py",
+    "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torchneuron_backend.py",
+    "tests/test_vision_tensor_parallel.py",
 ]
 
 

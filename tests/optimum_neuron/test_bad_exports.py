@@ -137,14 +137,19 @@ def test_invalid_export_requests():
         Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target="gpu")
     with pytest.raises(UsageError, match="dtype 'int8' is not supported"):
         Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", dtype="int8")
-    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target="trn2", tensor_parallel_size=2)
-    # Without the Neuron SDK, a Neuron target says so, what to install, and the target that runs here.
-    with pytest.raises(
-        IncompatibleExportError,
-        match=r"target 'trn2' needs the Neuron backend, but the Neuron SDK \(torch-neuronx, neuronx-distributed\) is not "
-        r"installed here: .*optimum-qwen35\[neuronx\].*target='cpu'",
-    ):
-        Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config)
+    # Without the Neuron SDK, an NxD export (trn1, or trn2 with neuron_backend="nxd") says so, what to install, and the
+    # target that runs here; trn2 alone is a TorchNeuron export, which needs no SDK (test_torchneuron_export.py).
+    for target, backend in (("trn1", None), ("trn2", "nxd")):
+        neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target=target, tensor_parallel_size=2)
+        with pytest.raises(
+            IncompatibleExportError,
+            match=rf"target '{target}' needs the Neuron backend, but the Neuron SDK \(torch-neuronx, neuronx-distributed\) "
+            r"is not installed here: .*optimum-qwen35\[neuronx\].*target='cpu'",
+        ):
+            Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config, neuron_backend=backend)
+    with pytest.raises(UsageError, match=r"neuron_backend='torchneuron' applies to a Neuron target"):
+        Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", Qwen35NeuronModelForCausalLM.get_neuron_config(
+            FIXTURES / "tiny-2b", target="cpu"), neuron_backend="torchneuron")
 
 
 # Logical Neuron cores per instance (trn2 at LNC 2), as benchmarks/neuron_real_shapes.py's INSTANCES.

@@ -45,7 +45,7 @@ def test_what_the_cpu_export_cannot_take_is_one_line(capsys, arguments, says):
     assert says in _refusal(capsys, arguments)
 
 
-@pytest.mark.parametrize("instance", ["trn1", "trn2", "inf2", None])
+@pytest.mark.parametrize("instance", ["trn1", "inf2", None])
 def test_a_neuron_instance_type_without_the_sdk_gives_a_cpu_command_that_passes_the_checks(capsys, tmp_path, instance):
     out = str(tmp_path / "out")
     arguments = ["--model", TINY, "--batch_size", "1", "--sequence_length", "128", "--tensor_parallel_size", "2",

@@ -1,12 +1,7 @@
 """The model as the TorchNeuron check compiles it, built from the model definition alone (optimum_qwen35.modeling,
-config, checkpoint): no runtime, no export code.
-
-`CheckLayers` is the plain-torch layer factory of the cpu target (`TorchLayers`: functional `_c10d_functional`
-collectives, state written in place, which TorchNeuron keeps as aliased input mutations) with two changes a device
-graph needs: the whole block in one pass (`token_block = None`, as the Neuron graphs trace it) and the Neuron precision
-form (`NeuronPrecision`: the attention core as 3-D batched matmuls). With the CPU form (`TorchPrecision`: SDPA with
-`enable_gqa`) the decomposed SDPA broadcasts K/V to rank-5 tensors ([B, KV, G, T, hd], measured on tiny-2b:
-tensor<2x2x4x16x32xf32>), which the contract refuses; docs/torchneuron.md."""
+config, checkpoint) with the product backend's layer factory (`TorchNeuronLayers`, backends/torchneuron/layers.py:
+the cpu target's `TorchLayers` with the whole block in one pass and the Neuron precision form): no runtime, no export
+code. The product's own runner under the check: test_product_backend.py."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ from optimum_qwen35.checkpoint.convert import convert_checkpoint, convert_mtp
 from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
-from optimum_qwen35.modeling.torch_layers import TorchLayers
-from optimum_qwen35.modeling.precision import NeuronPrecision
+from optimum_qwen35.backends.torchneuron.layers import TorchNeuronLayers
 from optimum_qwen35.modeling.state import allocate_state
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -29,11 +23,6 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 EAGER_TOLERANCE = 2e-5
 
 
-class CheckLayers(TorchLayers):
-    token_block = None
-    precision = NeuronPrecision()
-
-
 def load_decoder(layout: str, dtype: torch.dtype = torch.float32, tp_degree: int = 1, rank: int = 0,
                  group=None, mtp: bool = False) -> Qwen35Decoder:
     """The decoder of a fixture checkpoint (rank `rank`'s share at tp_degree > 1), weights converted (and sharded) as
@@ -41,7 +30,7 @@ def load_decoder(layout: str, dtype: torch.dtype = torch.float32, tp_degree: int
     multi-token-prediction head (tp_degree 1)."""
     path = FIXTURES / layout
     config = Qwen35Config.from_pretrained(path)
-    layers = CheckLayers(tp_degree, rank, group)
+    layers = TorchNeuronLayers(tp_degree, rank, group)
     with torch.device("meta"):
         decoder = Qwen35Decoder(config, tp_degree, layers, mtp=mtp)
     if tp_degree == 1:
@@ -67,7 +56,7 @@ def meta_decoder(layout: str, dtype: torch.dtype, tp_degree: int, rank: int = 0,
     """The same decoder with random weights (lowering needs shapes only), built at once."""
     config = Qwen35Config.from_pretrained(FIXTURES / layout)
     torch.manual_seed(0)
-    decoder = Qwen35Decoder(config, tp_degree, CheckLayers(tp_degree, rank, group))
+    decoder = Qwen35Decoder(config, tp_degree, TorchNeuronLayers(tp_degree, rank, group))
     from optimum_qwen35.modeling.precision import to_model_dtype
 
     return to_model_dtype(decoder, dtype).eval()
