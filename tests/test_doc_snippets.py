@@ -69,7 +69,7 @@ DOCUMENTS = {
     "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
     "docs/prefix_caching.md": "reference",
     "docs/speculative_decoding.md": "reference",
-    "docs/torchneuron.md": None,
+    "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
@@ -90,6 +90,10 @@ SUBSTITUTIONS = [
     ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
     ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
     ("docs/speculative_decoding.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
+    ("docs/torchneuron.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
+    ("docs/torchneuron.md", "tensor_parallel_size=4", "tensor_parallel_size=1",
+     "one rank: the TP 4 worker pool is tests/test_torchneuron_backend.py's (at TP 2)"),
+    ("docs/torchneuron.md", "sequence_length=4096", "sequence_length=128", "one context bucket"),
     ("docs/hub.md", "optimum-qwen35 neff-cache p", "TORCH_NEURONX_NEFF_CACHE_DIR=neff_cache optimum-qwen35 neff-cache p",
      "TorchNeuron's cache folder in the document's own folder (a stand-in cache, SETUP), not /tmp/neff_cache"),
     ("docs/hub.md", "--dtype bfloat16 --buckets", "--dtype bfloat16 --torch-neuronx-version 2.14.3.0 --buckets",
@@ -106,6 +110,7 @@ SETUP = {
     "docs/tensor_parallel.md": [BUILD_TINY],
     "docs/prefix_caching.md": [BUILD_TINY],
     "docs/speculative_decoding.md": [BUILD_TINY],
+    "docs/torchneuron.md": [BUILD_TINY],
     # `out/`: an export of a local copy of "Qwen/Qwen3.5-2B" (here the tiny checkpoint, also on the stand-in Hub).
     "docs/hub.md": [
         BUILD_TINY,
