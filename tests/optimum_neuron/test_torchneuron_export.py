@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
-from optimum_qwen35.errors import MissingDependencyError  # noqa: E402
+from optimum_qwen35.errors import IncompatibleExportError, MissingDependencyError  # noqa: E402
 from optimum_qwen35.hub.card import model_card  # noqa: E402
 from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model  # noqa: E402
 from optimum_qwen35.optimum_neuron import optimum_cli  # noqa: E402
@@ -114,3 +114,16 @@ def test_pushed_to_the_hub_and_loaded_by_id_in_a_fresh_process(hub_server, tmp_p
     result = last_json_line(run_python(LOAD, "alice/qwen35-tiny-trn2", json.dumps(ref["gen_prompt_0"].tolist()),
                                        env=user).stdout)
     assert result == {"tokens": ref["gen_tokens_0"].tolist()[:NEW_TOKENS], "backend": "torchneuron"}
+
+
+def test_the_command_line_names_the_backend_and_refuses_nxd_without_the_sdk(tmp_path, capsys):
+    from optimum_qwen35.cli import main
+
+    common = ["export", "--model", str(FIXTURES / "tiny-2b"), "--sequence_length", "128", "--tensor_parallel_size", "1",
+              "--target", "trn2"]
+    assert main([*common, "--neuron_backend", "nxd", str(tmp_path / "nxd")]) == IncompatibleExportError.exit_status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the Neuron backend, but the Neuron SDK" in err
+    assert not (tmp_path / "nxd").exists()
+    assert main([*common, str(tmp_path / "tn")]) == 0
+    assert "for trn2 (torchneuron backend)" in capsys.readouterr().out
