@@ -97,7 +97,8 @@ ENVIRONMENT_FREE_TESTS = [
     "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_layout.py", "tests/test_long_context.py",
     "tests/test_moe.py",
     "tests/test_moe_parallel.py",
-    "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py", "tests/test_shard.py",
+    "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py",
+    "tests/test_rule_bf16_products.py", "tests/test_shard.py",
     "tests/test_state_in_place.py",
     "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_vision_tensor_parallel.py",
 ]
