@@ -115,13 +115,17 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, init
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc=None,
                                chunk_rule=chunk_gated_delta_rule):
-    """The prefill seam over the unfused `chunk_rule` (the dispatch passes its backend's)."""
+    """The prefill seam over the unfused `chunk_rule` (the dispatch passes its backend's). With the reference rule and
+    bf16 activations, the rule's products named in `reference.BF16_PRODUCTS` take bf16 operands (fp32 accumulation);
+    the norms, gates, state and the rest stay fp32. Another backend's rule gets the seven tensors only."""
     B, nk, T, dk = q.shape
+    bf16 = chunk_rule is chunk_gated_delta_rule and q.dtype == torch.bfloat16
+    low = {"matmul_dtype": torch.bfloat16} if bf16 else {}
     q = l2norm(_upcast(q)) * dk**-0.5
     k = l2norm(_upcast(k))
     v = _upcast(v)
     g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
-    return chunk_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial_recurrent, lengths)
+    return chunk_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial_recurrent, lengths, **low)
 
 
 # ------------------------------------------------------------------------------------------------------ NKI versions

@@ -17,6 +17,14 @@ because neuronx-cc fails on rank-5 tensors):
 
 Math runs in fp32 (float64 when given float64, for references); outputs come back in v's dtype and
 states in fp32 (or float64).
+
+bf16 products (issue 41): `chunk_gated_delta_rule(matmul_dtype=torch.bfloat16)`, which the prefill seam passes for a
+bf16 model, gives the products named in `BF16_PRODUCTS` bf16 operands with fp32 accumulation and an fp32 result, as
+TensorE does (bf16 x bf16 -> fp32 PSUM; on XLA one `dot` with bf16 operands and an f32 result). Only w S: of the 31
+non-empty subsets of the five cheap products (K K^T, the solve, w S, (Q e^g) S, Q K^T), it is the one that kept
+every bf16 accuracy test passing (tiny-nv3x's image prompts are the tightest: top-1 no worse than transformers'
+bf16); see docs/neuron_backend.md. Everything else stays in the compute dtype: the other products, the state
+update, the gates and their cumulative sums, the decay factors and the carried state. An fp32 model rounds nothing.
 """
 
 from __future__ import annotations
@@ -25,9 +33,34 @@ import torch
 
 CHUNK_SIZE = 64
 
+# The chunked rule's products that take bf16 operands (fp32 accumulation) in a bf16 model, read on every call. The
+# names of all five switchable products: K K^T ("KKt"), the triangular solve's products ("solve"), w S ("wS"),
+# (Q e^g) S ("QS"), Q K^T ("QKt"). Only w S by default: the subset that keeps the bf16 accuracy tests passing.
+PRODUCTS = frozenset({"KKt", "solve", "wS", "QS", "QKt"})
+BF16_PRODUCTS = frozenset({"wS"})
+
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def low_matmul(a: torch.Tensor, b: torch.Tensor, low: torch.dtype | None) -> torch.Tensor:
+    """a @ b over the trailing matrix dims (equal leading batch dims). With `low` (bf16) the operands are rounded to it
+    and the products accumulated and returned in a's dtype: TensorE's bf16 x bf16 -> fp32 PSUM. On CPU the rounded
+    operands go through an fp32 matmul (a product of two bf16 values is exact in fp32, so this is that accumulation);
+    on XLA one dot with bf16 operands and an f32 result (`preferred_element_type`), which the lowered graph shows as a
+    bf16 matmul. `low` None or a's own dtype: the plain matmul, bit for bit."""
+    # bmm for the 3-D products: torch.matmul adds views around it (more ops in a traced graph), the same numbers
+    mm = torch.bmm if a.dim() == 3 else torch.matmul
+    if low is None or low == a.dtype:
+        return mm(a, b)
+    if a.device.type == "xla":
+        import torch_xla  # only the XLA graphs (the neuron session) reach this line
+
+        batch = list(range(a.dim() - 2))
+        dims = (([a.dim() - 1], [b.dim() - 2]), (batch, batch))
+        return torch_xla._XLAC._xla_dot_general(a.to(low), b.to(low), dims, preferred_element_type=a.dtype)
+    return mm(a.to(low).to(a.dtype), b.to(low).to(a.dtype))
 
 
 def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
@@ -64,8 +97,12 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
+    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule (WY / UT form). Returns (o [B, nv, T, dv], final_state [B, nv, dk, dv]).
+
+    `matmul_dtype` (bf16 for a bf16 model, from the prefill seam): the operand dtype of the products named in
+    `BF16_PRODUCTS` (fp32 accumulation, `low_matmul`); None: every product in the compute dtype.
 
     Within a chunk of C tokens (gc = cumulative g inside the chunk; every exponent below is <= 0):
         A = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))
@@ -106,16 +143,26 @@ def chunk_gated_delta_rule(
     log_decay = gc[:, :, None] - gc[:, None, :]
     decay = torch.where(causal, log_decay, torch.full((), float("-inf"), dtype=dtype, device=q.device)).exp()
 
+    unknown = BF16_PRODUCTS - PRODUCTS
+    if unknown:
+        raise ValueError(f"BF16_PRODUCTS names unknown products {sorted(unknown)}; expected a subset of {sorted(PRODUCTS)}")
+
+    def low(name):  # the operand dtype of product `name` (None: the compute dtype)
+        return matmul_dtype if matmul_dtype not in (None, dtype) and name in BF16_PRODUCTS else None
+
     k_beta = k * beta[:, :, None]
-    A = torch.bmm(k_beta, k.transpose(1, 2)) * decay  # lower triangle with diagonal; invert_unit_lower reads below it
-    # u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(gc)), in one matmul with the inverse.
-    uw = torch.bmm(invert_unit_lower(A), torch.cat([v * beta[:, :, None], k_beta * gc.exp()[:, :, None]], dim=-1))
+    # lower triangle with diagonal; invert_unit_lower reads below it
+    A = low_matmul(k_beta, k.transpose(1, 2), low("KKt")) * decay
+    # u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(gc)), in one matmul with the inverse (always the compute
+    # dtype: their error reaches the carried state).
+    T_inv = invert_unit_lower(A, matmul_dtype=low("solve"))
+    uw = torch.bmm(T_inv, torch.cat([v * beta[:, :, None], k_beta * gc.exp()[:, :, None]], dim=-1))
     u, w = uw[:, :, :dv], uw[:, :, dv:]
 
     q_decayed = q * gc.exp()[:, :, None]
     k_to_end = (k * (gc[:, -1:] - gc).exp()[:, :, None]).transpose(1, 2)  # [M, dk, C]
     chunk_decay = gc[:, -1].exp()[:, None, None]  # [M, 1, 1]
-    intra = torch.bmm(q, k.transpose(1, 2)) * decay  # causal (decay is 0 above the diagonal)
+    intra = low_matmul(q, k.transpose(1, 2), low("QKt")) * decay  # causal (decay is 0 above the diagonal)
 
     if initial_state is None:
         S = torch.zeros(BH, dk, dv, dtype=dtype, device=q.device)
@@ -125,9 +172,12 @@ def chunk_gated_delta_rule(
     chunks = zip(*(x.reshape(BH, N, *x.shape[1:]).unbind(1) for x in (u, w, q_decayed, k_to_end, chunk_decay)))
     v_new, q_state = [], []
     for u_n, w_n, q_n, k_n, decay_n in chunks:
-        v_n = torch.baddbmm(u_n, w_n, S, alpha=-1)  # u - w S
-        q_state.append(torch.bmm(q_n, S))
-        S = torch.baddbmm(S * decay_n, k_n, v_n)
+        if low("wS") is None:
+            v_n = torch.baddbmm(u_n, w_n, S, alpha=-1)  # u - w S
+        else:
+            v_n = u_n - low_matmul(w_n, S, low("wS"))
+        q_state.append(low_matmul(q_n, S, low("QS")))
+        S = torch.baddbmm(S * decay_n, k_n, v_n)  # the state update: always the compute dtype
         v_new.append(v_n)
     v_new = torch.cat(v_new, dim=1).reshape(M, C, dv)  # [BH, N * C, dv] -> [M, C, dv]
     o = torch.cat(q_state, dim=1) + torch.bmm(intra, v_new).reshape(BH, N * C, dv)
@@ -137,7 +187,7 @@ def chunk_gated_delta_rule(
 SOLVE_BLOCK = 16
 
 
-def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor:
+def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """(I + L)^-1 for L the strictly lower triangle of A [M, C, C] (the diagonal and above are ignored).
 
     Blocked: forward substitution inside the diagonal `block` x `block` blocks (all of them at once,
@@ -148,6 +198,7 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor
     so that the whole solve is about 2 * block + 8 * log2(C / block) batched ops, instead of one
     row at a time over C. Never a Neumann series (which blows up on near-identical keys); as accurate
     as row-by-row substitution on the adversarial inputs (identical keys, beta ~ 1, no decay; tested).
+    `matmul_dtype`: the operand dtype of its products (fp32 accumulation, `low_matmul`); None: A's dtype.
     """
     M, C, _ = A.shape
     b = min(block, C)
@@ -163,7 +214,10 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor
     eye = torch.eye(b, dtype=A.dtype, device=A.device)
     X = eye.expand(M * nb, b, b)
     for i in range(1, b):
-        X = torch.baddbmm(X, diag * eye[:, i : i + 1], X, alpha=-1)
+        if matmul_dtype is None:
+            X = torch.baddbmm(X, diag * eye[:, i : i + 1], X, alpha=-1)
+        else:
+            X = X - low_matmul(diag * eye[:, i : i + 1], X, matmul_dtype)
     X = X.reshape(M, nb, b, b)
     size = b
     while size < C:  # merge blocks pairwise: [M, n, size, size] -> [M, n / 2, 2 size, 2 size]
@@ -173,7 +227,7 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK) -> torch.Tensor
             [A[:, (2 * p + 1) * size : (2 * p + 2) * size, 2 * p * size : (2 * p + 1) * size][:, None] for p in range(n)],
             dim=1,
         )
-        T21 = -torch.matmul(torch.matmul(T22, L21), T11)
+        T21 = -low_matmul(low_matmul(T22, L21, matmul_dtype), T11, matmul_dtype)
         X = torch.cat([torch.cat([T11, torch.zeros_like(T11)], dim=-1), torch.cat([T21, T22], dim=-1)], dim=-2)
         size *= 2
     return X.reshape(M, C, C)
