@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import os
 import pathlib
 import sys
