@@ -143,14 +143,28 @@ class Kernel:
         return Kernel(self.fn, grid, **self.options)
 
     def __call__(self, *args, **kwargs):
+        if runtime.current().launch:
+            return self._inline(*args, **kwargs)
         out, _ = self.run(*args, **kwargs)
         return out
+
+    def _inline(self, *args, **kwargs):
+        """A kernel called from inside a running kernel is a sub-kernel: it is inlined into the caller's launch
+        (its program ids, memory and cost trace), taking and returning the caller's tensors. ("a nested @nki.jit
+        sub-kernel ... inline[s] under this kernel's config", nki.compiler.SpecializationConfig page, Neuron SDK
+        2.33.) A grid of its own would be a second launch inside the first, which NKI does not describe: refused."""
+        if self.grid != (1,):
+            raise rules.NkiValidationError(
+                f"[nested-launch] {self.__name__}{list(self.grid)} is called inside a running kernel: a nested "
+                f"@nki.jit sub-kernel is inlined into its caller's launch and takes no grid of its own")
+        return self.fn(*args, **kwargs)
 
     def run(self, *args, target=None, trace=True, compute=True, uninitialized=None, capacity=None, **kwargs):
         """Execute every program of the grid in order; returns (outputs, cost report)."""
         ctx = runtime.Context(target or _DEFAULTS["target"], uninitialized=uninitialized or _DEFAULTS["uninitialized"],
                               compute=compute, capacity=capacity or _DEFAULTS["capacity"])
         ctx.grid = self.grid
+        ctx.launch = True
         if trace:
             ctx.trace = Trace(ctx.target)
         kind = None

@@ -693,6 +693,53 @@ def _tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, re
     return dst
 
 
+_CUMULATIVE_START = {"add": 0.0, "subtract": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
+
+
+def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=reduce_cmd.reset_reduce, name=None):
+    """``nisa.tensor_scalar_cumulative``: per partition, along the free axes in order,
+    ``reg = op1(op0(src[i], imm0), reg); dst[i] = reg`` (VectorE, float32 math), the ``nki.isa`` page's pseudo-code.
+    ``reduce_cmd``: ``reset_reduce`` starts ``reg`` at ``op1``'s identity (0 for add / subtract, 1 for multiply,
+    -inf for max, +inf for min), ``load_reduce`` at ``imm1`` (a scalar or a (P, 1) tile), ``reduce`` at the VectorE
+    accumulator registers left by the previous cumulative instruction; the final ``reg`` is left in them.
+    ``imm0`` is a scalar or a (P, 1) tile. The default is ``reset_reduce`` (the SDK 2.27 / 2.29 and latest pages; the
+    2.31 page shows ``idle``, which its pseudo-code does not cover: treated as ``reset_reduce``)."""
+    _on_chip(src, "tensor_scalar_cumulative", "src")
+    _on_chip(dst, "tensor_scalar_cumulative", "dst")
+    _same_layout("tensor_scalar_cumulative", dst, src, "src")
+    r1 = resolve_op(op1)
+    if r1.name not in _CUMULATIVE_START:
+        raise NkiRuleError("dtype", f"tensor_scalar_cumulative: op1 must be add, subtract, multiply, max or min, "
+                                    f"got {op1!r}")
+    ctx = runtime.current()
+    x = _flat(_f32(src, "tensor_scalar_cumulative"), src)
+    pre = _apply(op0, x, _operand(imm0, src, "tensor_scalar_cumulative", "imm0"))
+    p = src.partitions
+    if reduce_cmd is reduce_cmd.load_reduce:
+        if imm1 is None:
+            raise NkiRuleError("shape", "tensor_scalar_cumulative: reduce_cmd=load_reduce needs imm1")
+        init = _operand(imm1, src, "tensor_scalar_cumulative", "imm1")
+        reg = np.broadcast_to(np.asarray(init, np.float32).reshape(-1), (p,)).astype(np.float32)
+    elif reduce_cmd is reduce_cmd.reduce:
+        if ctx.vector_reduce_regs is None:
+            raise NkiRuleError("uninitialized-read", "tensor_scalar_cumulative: reduce_cmd=reduce before any "
+                                                     "instruction set the VectorE accumulator registers")
+        reg = ctx.vector_reduce_regs[:p].copy()
+    else:
+        reg = np.full((p,), _CUMULATIVE_START[r1.name], np.float32)
+    res = np.empty_like(pre)
+    for i in range(pre.shape[1]):
+        reg = np.asarray(r1.fn(pre[:, i], reg), np.float32)
+        res[:, i] = reg
+    if ctx.vector_reduce_regs is None:
+        ctx.vector_reduce_regs = np.zeros((128,), np.float32)
+    ctx.vector_reduce_regs[:p] = reg
+    _write(dst, res)
+    reads = [t for t in (src, imm0, imm1) if isinstance(t, NkiTensor)]
+    _record_vector("tensor_scalar_cumulative", "vector", src.free_size, 1, [src, dst], reads, [dst])
+    return dst
+
+
 def reciprocal(dst=None, data=None, name=None, **kwargs):
     """``nisa.reciprocal``: ``1 / data`` on VectorE."""
     if data is None:

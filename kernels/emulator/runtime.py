@@ -25,6 +25,8 @@ class Context:
         self.memory = MemoryTracker(self.target, capacity)
         self.program_id: tuple[int, ...] = (0,)
         self.grid: tuple[int, ...] = (1,)
+        # True for a kernel launch's context (Kernel.run); a kernel called while one is active is inlined into it.
+        self.launch = False
         # "error": reading memory never written raises `[uninitialized-read]`; "nan": reads see the NaN fill only.
         self.uninitialized = uninitialized
         # False: skip the NumPy arithmetic and only check rules and record costs (for cost estimates of large shapes).

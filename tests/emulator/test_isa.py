@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from optimum_qwen35.kernels.emulator import NkiRuleError, nki, runtime, tensors
+from optimum_qwen35.kernels.emulator import NkiRuleError, NkiValidationError, nki, runtime, tensors
 
 nl, nisa = nki.language, nki.isa
 rng = np.random.default_rng(0)
@@ -392,3 +392,61 @@ def test_a_keyword_nki_does_not_take_is_an_error():
         nisa.tensor_reduce(dst=empty((8, 1)), op=nl.add, data=x, axis=1, engine=nisa.engine.gpsimd)
     nisa.tensor_tensor(dst=empty((8, 4)), data1=x, data2=y, op=nl.add, engine=nisa.engine.gpsimd)  # NKI takes this one
 
+
+
+def test_tensor_scalar_cumulative_follows_the_pages_pseudocode():
+    """reg = op1(op0(src[i], imm0), reg), dst[i] = reg, per partition along the free axis (nki.isa page)."""
+    x = rand(8, 20)
+    out = empty((8, 20))
+    nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.multiply, imm0=1.0, op1=nl.add)  # reset: from 0
+    np.testing.assert_allclose(out.read(), np.cumsum(x, axis=1), rtol=1e-5, atol=1e-5)
+    scale = rand(8, 1)
+    nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.multiply, imm0=tile(scale), op1=nl.maximum)
+    np.testing.assert_allclose(out.read(), np.maximum.accumulate(x * scale, axis=1), rtol=1e-6)
+    # load_reduce starts from imm1; reduce continues from where the last cumulative instruction left the registers
+    nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.add, imm0=0.5, op1=nl.add, imm1=tile(scale),
+                                  reduce_cmd=nisa.reduce_cmd.load_reduce)
+    first = scale + np.cumsum(x + 0.5, axis=1)
+    np.testing.assert_allclose(out.read(), first, rtol=1e-5, atol=1e-5)
+    nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.add, imm0=0.0, op1=nl.add,
+                                  reduce_cmd=nisa.reduce_cmd.reduce)
+    np.testing.assert_allclose(out.read(), first[:, -1:] + np.cumsum(x, axis=1), rtol=1e-5, atol=1e-5)
+    y = rand(4, 6) * 0.5 + 1.0
+    prod = empty((4, 6))
+    nisa.tensor_scalar_cumulative(prod, tile(y), nl.multiply, nl.multiply, 2.0)  # positional form
+    np.testing.assert_allclose(prod.read(), np.cumprod(2.0 * y, axis=1), rtol=1e-5)
+    with pytest.raises(NkiRuleError, match="op1"):
+        nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.multiply, imm0=1.0, op1=nl.divide)
+    with pytest.raises(TypeError):
+        nisa.tensor_scalar_cumulative(dst=out, src=tile(x), op0=nl.multiply, imm0=1.0, op1=nl.add, engine=None)
+
+
+def test_a_kernel_called_inside_a_kernel_is_inlined_into_the_launch():
+    """A nested @nki.jit call is a sub-kernel inlined into the caller's launch (SpecializationConfig page): it takes
+    the caller's tensors, returns its own as tensors of the launch, and its instructions go to the caller's trace."""
+
+    @nki.jit
+    def double(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    @nki.jit
+    def quadruple(x):
+        assert nl.num_programs(0) == 1
+        return double(double(x))
+
+    x = rand(8, 16)
+    np.testing.assert_allclose(quadruple(x), 4 * x, rtol=1e-6)
+    np.testing.assert_allclose(double(x), 2 * x, rtol=1e-6)  # still a launch of its own outside a kernel
+    assert len([r for r in quadruple.last_trace.records if r.engine == "dma"]) == 4
+
+    @nki.jit
+    def with_a_grid(x):
+        return double[2](x)
+
+    with pytest.raises(NkiValidationError, match="nested-launch"):
+        with_a_grid(x)
