@@ -16,7 +16,7 @@ from optimum_qwen35 import validation
 from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
 from optimum_qwen35.checkpoint.convert import check_finite, convert_mtp
 from optimum_qwen35.checkpoint.shard import convert_and_shard
-from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_sharded
+from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_mtp_weights, load_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import CheckpointError, UnsupportedModelError, UsageError
 from optimum_qwen35.modeling.decoder import (
@@ -49,7 +49,8 @@ def load_decoder(
     written by `optimum_qwen35.checkpoint.sharded_files.save_sharded` (its tp_degree must match). `dtype` is a
     torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
     the tensor (`check_weights=False` skips that check; it exists to measure its cost). `mtp`: build and load the
-    multi-token-prediction head too (modeling/mtp.py; a checkpoint folder at tp_degree 1), for speculative decoding.
+    multi-token-prediction head too (modeling/mtp.py; at tp_degree 1: a checkpoint folder, or a sharded export made
+    with mtp=True, which holds the head's weights), for speculative decoding.
     """
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -58,13 +59,12 @@ def load_decoder(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
-    if mtp and (sharded_export or tp_degree > 1):
-        raise UnsupportedModelError(
-            "the multi-token-prediction head loads from a checkpoint folder at tp_degree 1 only (no sharded export, "
-            "no tensor parallelism yet)"
-        )
+    if mtp and tp_degree > 1:
+        raise UnsupportedModelError("the multi-token-prediction head loads at tp_degree 1 only (no tensor parallelism yet)")
     if sharded_export:
         saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
+        if mtp:
+            params.update(load_mtp_weights(path, dtype))
         if config.is_moe:  # the experts as the export split them
             config = dataclasses.replace(config, moe_parallel=saved.moe_parallel)
     if layers is None:
