@@ -252,7 +252,7 @@ MUTATION_TESTS = [
     "tests/test_oracle.py",
     "tests/test_shard.py",
     "tests/test_shard_export.py",
-    "tests/test_speculative_export.py", "tests/test_state_in_place.py",
+    "tests/test_state_in_place.py",
     "tests/test_precision.py",
     "tests/test_packed_linear.py",
     "tests/test_collectives.py",
