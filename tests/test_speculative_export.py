@@ -83,3 +83,24 @@ def test_an_mtp_export_is_tensor_parallel_size_1(tmp_path):
     with pytest.raises(UsageError, match="tensor_parallel_size=1") as error:
         compile_graphs(config, 2, 1, 128, [128], torch.float32, tmp_path, progress=False, mtp=True)
     assert "\n" not in str(error.value) and not any(tmp_path.iterdir())
+
+
+def test_greedy_speculation_on_a_torchneuron_export_equals_greedy_decoding(fitted, tmp_path):
+    """The TorchNeuron export (graphs.json entries, no program files): the runner builds the speculative graph modules
+    from the entries and torch.compiles them ("eager" on the CPU here)."""
+    from optimum_qwen35.backends.torchneuron.runner import load_runtime
+    from optimum_qwen35.export.layout import TORCHNEURON_BACKEND
+    from tests.kit.mtp_export import mtp_export
+
+    folder = mtp_export(fitted, tmp_path / "export", backend=TORCHNEURON_BACKEND)
+    manifest = json.loads((folder / COMPILED_DIR / GRAPHS_FILE).read_text())
+    assert {e["kind"] for e in manifest["graphs"].values()} >= {"context_hidden", "verify", "commit", "mtp"}
+    assert not any("file" in e for e in manifest["graphs"].values())
+    model = load_runtime(folder, compile_backend="eager", device="cpu")
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    prompts = [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=9)[0], [7, 300, 2] * 5 + [11, 12]]
+    plain = model.generate(prompts, max_new_tokens=NEW)
+    assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=3) == plain
+    assert model.speculation.acceptance_length > 1.3, model.speculation.accepted_per_round
+    print(f"acceptance length at k = 3 on the TorchNeuron export: {model.speculation.acceptance_length}")
+    model.close()
