@@ -32,8 +32,8 @@ from optimum_qwen35.export.layout import (
     GRAPHS_FILE,
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
-    TORCHNEURON_BACKEND,
     MTP_WEIGHTS_FILE,
+    TORCHNEURON_BACKEND,
     VISION_WEIGHTS_FILE,
     commit_graph_name,
     context_graph_name,
@@ -115,8 +115,8 @@ def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpe
     return (ids, torch.zeros_like(ids), seq_ids, *state)
 
 
-def speculative_example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpec], mtp_specs: list[StateSpec],
-                               hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def speculative_example_inputs(kind: str, config: Qwen35Config, batch_size: int, length: int, specs: list[StateSpec],
+                               mtp_specs: list[StateSpec], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The speculative graphs' inputs after the weights (modeling/speculative_graphs.py): verify (ids, positions,
     lengths, seq_ids, state), commit (seq_ids, accepted, the per-position DeltaNet states verify returns, state), the
     MTP head (ids, hidden, positions, lengths, seq_ids, its K/V cache)."""
@@ -128,17 +128,17 @@ def speculative_example_inputs(kind: str, batch_size: int, length: int, specs: l
     if kind == "verify":
         return (ids, positions, lengths, seq_ids, *state)
     if kind == "commit":
-        # Per DeltaNet layer (conv, recurrent) of the slot state: conv [B, T, C, K - 1], recurrent [B, T * nv, dk, dv].
+        # Per DeltaNet layer, from its slot state (conv [slots, C, K - 1], recurrent [slots, nv, dk, dv]): conv
+        # [B, T, C, K - 1], recurrent [B, T * nv, dk, dv] (rank 4: modeling/decoder.py `verify`).
         per_position = []
-        for conv, recurrent in zip(specs[0::2], specs[1::2]):
-            if len(conv.shape) != 3:  # an attention layer's K/V cache [slots, heads, S, D]
-                continue
+        for i in config.linear_layers:
+            conv, recurrent = specs[2 * i], specs[2 * i + 1]
             per_position.append(torch.empty(batch_size, length, *conv.shape[1:], dtype=conv.dtype))
             nv, dk, dv = recurrent.shape[1:]
             per_position.append(torch.empty(batch_size, length * nv, dk, dv, dtype=recurrent.dtype))
         return (seq_ids, torch.zeros(batch_size, dtype=torch.int64), *per_position, *state)
     # the MTP head reads the main model's final-normed hidden states, in the accumulation dtype
-    hidden = torch.zeros(batch_size, length, hidden_size, dtype=accumulation_dtype(dtype))
+    hidden = torch.zeros(batch_size, length, config.hidden_size, dtype=accumulation_dtype(dtype))
     return (ids, hidden, positions, lengths, seq_ids, *[torch.empty(s.shape, dtype=s.dtype) for s in mtp_specs])
 
 
@@ -273,7 +273,7 @@ def compile_graphs(
                     graph = MTPGraph(mtp_decoder, key_length)
                 else:
                     graph = CommitGraph(mtp_decoder)
-                inputs = speculative_example_inputs(kind, batch_size, length, specs, mtp_specs, config.hidden_size, dtype)
+                inputs = speculative_example_inputs(kind, config, batch_size, length, specs, mtp_specs, dtype)
             with torch.no_grad():
                 program = torch.export.export(WeightsAsInputs(graph, mtp_names), (mtp_weights, *inputs))
         else:
@@ -319,7 +319,7 @@ def compile_graphs(
     if vision_manifest is not None:
         manifest["vision"] = vision_manifest
     if mtp_manifest is not None:
-        # What speculative decoding on this export runs (runtime/exported.py `ProgramRunner.has_mtp`).
+        # What speculative decoding on this export runs (runtime/exported.py `SpeculativePrograms.has_mtp`).
         manifest["mtp"] = mtp_manifest
     tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2))
