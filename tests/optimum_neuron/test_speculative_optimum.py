@@ -107,3 +107,20 @@ def test_speculation_errors_are_one_line(fitted, export, export_dir):
     with pytest.raises(UsageError, match="mtp=True needs tensor_parallel_size=1") as error:
         Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True)
     assert "\n" not in str(error.value)
+
+
+def test_a_trn2_torchneuron_export_made_with_mtp_speculates_on_the_cpu(fitted, tmp_path):
+    """`export(..., mtp=True)` for trn2 without the SDK (the torchneuron backend), loaded with its graphs run through
+    torch.compile on the CPU: greedy k = 2 gives the plain greedy tokens."""
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        fitted, batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH, tensor_parallel_size=1, dtype="float32",
+        target="trn2")
+    Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True).save_pretrained(tmp_path / "export")
+    model = NeuronModelForCausalLM.from_pretrained(tmp_path / "export", compile_backend="eager", device="cpu")
+    assert model.backend == "torchneuron"
+    ids, mask = _batch(fitted, model)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         num_speculative_tokens=2)
+    assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
+    model.close()
