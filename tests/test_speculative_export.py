@@ -57,6 +57,22 @@ def test_greedy_speculation_on_an_export_equals_greedy_decoding(fitted, export):
     model.close()
 
 
+def test_eos_and_the_end_of_the_cache_on_an_export(fitted, export):
+    """The padded verify and catch-up programs at the end of the cache (the verified length cut to what fits, the
+    padding past max_length) and an EOS inside accepted drafts: the plain greedy tokens."""
+    model = Qwen35Runtime.from_export(export)
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    prompts = [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=22)[0], [7, 300, 2] * 5 + [11, 12]]
+    longest = model.max_length - len(prompts[0])  # row 0 generates up to the last cache position
+    plain = model.generate(prompts, max_new_tokens=longest)
+    assert model.generate(prompts, max_new_tokens=longest, num_speculative_tokens=4) == plain
+    eos = plain[0][NEW // 2]
+    want = model.generate(prompts, max_new_tokens=NEW, eos_token_id=eos)
+    assert len(want[0]) <= NEW // 2 + 1
+    assert model.generate(prompts, max_new_tokens=NEW, eos_token_id=eos, num_speculative_tokens=3) == want
+    model.close()
+
+
 def test_speculation_needs_an_export_with_the_mtp_graphs(tmp_path, export):
     model = Qwen35Runtime.from_export(export)
     with pytest.raises(UsageError, match="at most 4 drafts per round"):
