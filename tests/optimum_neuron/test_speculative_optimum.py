@@ -76,10 +76,12 @@ def test_greedy_speculation_equals_greedy_decoding(fitted, export):
         pairs = list(zip(stats.accepted_per_round[0::2], stats.accepted_per_round[1::2]))
         assert stats.accepted > 0 and any(a != b for a, b in pairs), (k, pairs)
     # Sampled, through the config's warpers: with top_k=1 the distribution is the argmax's, so the rejection rule must
-    # give the greedy tokens (a residual or acceptance computed from anything else would not).
-    sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1, eos_token_id=None,
-                             num_speculative_tokens=2)
-    assert torch.equal(sampled, plain)
+    # give the greedy tokens (a residual or acceptance computed from anything else would not). fp32 only: bf16 logits
+    # tie at the top (measured: row 0, new token 42), where top-k keeps both, and plain sampling leaves greedy too.
+    if "float32" in export.name:
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1,
+                                 eos_token_id=None, num_speculative_tokens=2)
+        assert torch.equal(sampled, plain)
     # Without it, sampling (torch's global generator: reproducible under torch.manual_seed), not greedy decoding.
     draws = []
     for _ in range(2):
