@@ -190,17 +190,25 @@ def projection(acceptance: dict[int, float]) -> list[str]:
     lines = ["Projection (not a measurement): trn2, bf16, TP 1 bytes per step (ratios; per-call latency and "
              f"collectives left out), K/V cache {CACHE} positions; acceptance a per k as measured above (in-sample) "
              "and the issue's 2.5:",
-             "| size | batch | k | verify / plain | round / plain (verify + commit + k head calls) | speed-up at a(k) "
-             "| speed-up at a = 2.5 | a for 1.8x |", "|---|---|---|---|---|---|---|---|"]
+             "| size | batch | k | verify / plain | round / plain (verify + commit + k head calls) | head's share of the "
+             "round | speed-up at a(k) | speed-up at a = 2.5 | a for 1.8x |", "|---|---|---|---|---|---|---|---|---|"]
     for size in SIZES:
         text = text_config(size)
         for batch in (1, 8):
             for k in KS:
                 r = round_bytes(text, batch, k, acceptance[k])
                 total = (r["verify"] + r["commit"] + r["head"]) / r["plain"]
-                at_25 = (2.5 * r["plain"]) / sum(round_bytes(text, batch, k, 2.5)[p] for p in ("verify", "commit", "head"))
-                lines.append(f"| {size} | {batch} | {k} | {r['verify'] / r['plain']:.2f} | {total:.2f} | "
-                             f"{acceptance[k] / total:.2f} | {at_25:.2f} | {1.8 * total:.2f} |")
+                share = r["head"] / (r["verify"] + r["commit"] + r["head"])
+                # A round emits at most k + 1 tokens: a = 2.5 needs k >= 2, and 1.8x may need more than k + 1.
+                if k + 1 >= 2.5:
+                    at_25 = 2.5 * r["plain"] / sum(round_bytes(text, batch, k, 2.5)[p] for p in ("verify", "commit", "head"))
+                    at_25 = f"{at_25:.2f}"
+                else:
+                    at_25 = "- (a <= k + 1)"
+                need = 1.8 * total
+                need = f"{need:.2f}" + (" (> k + 1: unreachable)" if need > k + 1 else "")
+                lines.append(f"| {size} | {batch} | {k} | {r['verify'] / r['plain']:.2f} | {total:.2f} | {share:.0%} | "
+                             f"{acceptance[k] / total:.2f} | {at_25} | {need} |")
     return lines
 
 
