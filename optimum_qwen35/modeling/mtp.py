@@ -26,7 +26,7 @@ from torch import nn
 from ..config import Qwen35Config
 from ..errors import UnsupportedModelError
 from .layers import RMSNorm
-from .parallel import Linear, ShardedDims
+from .parallel import ShardedDims
 from .state import StateSpec
 
 
@@ -44,9 +44,10 @@ class MTPHead(nn.Module):
         h = config.hidden_size
         # fc is replicated: its output is the head's residual stream, which every rank holds whole (as the main
         # model's). At tp_degree 1 the factory's column linear is that; above it a column-parallel linear would shard
-        # the output (neuronx-distributed's does), so a plain linear holds the whole [H, 2H] weight on every rank.
+        # the output (neuronx-distributed's does), so the factory's replicated linear holds the whole [H, 2H] weight on
+        # every rank.
         # The layer is the decoder's own, sharded as the main model's attention layers and MLP / MoE blocks.
-        self.fc = factory.column_linear(2 * h, h) if factory.tp_degree == 1 else Linear(2 * h, h)
+        self.fc = factory.column_linear(2 * h, h) if factory.tp_degree == 1 else factory.replicated_linear(2 * h, h)
         self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(layers)
