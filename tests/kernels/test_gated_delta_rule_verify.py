@@ -5,14 +5,19 @@ The kernel against the PyTorch reference seam for k = 1..4: fp32 activations (fp
 bf16 activations (default bf16 operands, and the fp32 option) within 2e-2; GQA nv = nk, 2 nk, 3 nk with dk != dv;
 rows with different initial states (one of them zero: a fresh sequence). Each position computes exactly what a decode
 launch from the previous position's states computes (bit for bit), so speculation through the kernel keeps plain
-decoding's numbers.
+decoding's numbers. In the model: `GatedDeltaNet.verify` runs the seam, the nki backend's verify equals the torch
+backend's within the kernel tolerance, and greedy speculative decoding on the nki backend returns plain decoding's
+tokens.
 """
 
 import pytest
 import torch
 
+from optimum_qwen35 import kernels
 from optimum_qwen35.kernels.gated_delta_rule import fused
 
+from ..conftest import FIXTURES
+from ..kit.kernel_calls import count_kernel_calls
 from .test_gated_delta_rule_tkg import rel
 
 K = 4
@@ -120,3 +125,64 @@ def test_state_traffic_one_read_and_a_write_per_position(batch):
     big = [r for r in gated_delta_rule_verify.last_trace.records if r.engine == "dma" and r.nbytes >= 256 * 1024]
     assert sum(r.nbytes for r in big) == (1 + T) * batch * state_bytes
     assert all(r.nbytes / r.chunks >= 4096 for r in big)
+
+
+# ------------------------------------------------------------------------------------------------------ the model
+@pytest.fixture
+def torch_backend_after():
+    yield
+    kernels.set_backend("torch")
+
+
+@pytest.mark.parametrize("layout", ["tiny-2b", "tiny-nv3x"])
+def test_model_verify_runs_the_seam_nki_equal_to_torch(layout, torch_backend_after):
+    """`Qwen35Decoder.verify` over 4 positions for 2 rows continuing their slots: each DeltaNet layer calls the verify
+    seam once (no per-position decode calls), and the nki backend's logits and per-position states equal the torch
+    backend's (fp32: within 1e-4 of the largest magnitude)."""
+    from optimum_qwen35.runtime import Qwen35Runtime
+
+    model = Qwen35Runtime.from_pretrained(FIXTURES / layout, batch_size=2, max_length=64, mtp=True)
+    model.prefill([list(range(5, 20)), [7, 300, 2, 9, 4]], slots=[0, 1])
+    ids = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]])
+    positions = torch.tensor([[15, 16, 17, 18], [5, 6, 7, 8]])
+    lengths, seq_ids = torch.tensor([4, 4]), torch.tensor([0, 1])
+    decoder = model.decoder
+    layers = len(decoder.config.linear_layers)
+    results = {}
+    for backend in ("torch", "nki"):
+        kernels.set_backend(backend)
+        state = [s.clone() for s in model.state]
+        with count_kernel_calls(backend) as calls:
+            results[backend] = decoder.verify(ids, positions, lengths, seq_ids, *state, key_length=64)
+        assert calls[backend, "deltanet_verify"] == layers and calls[backend, "deltanet_decode"] == 0
+    want, got = results["torch"], results["nki"]
+    n_out = 2 + 2 * layers  # logits, hidden, then (conv, recurrent) per DeltaNet layer
+    for w, g in zip(want[:n_out], got[:n_out]):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert (g - w).abs().max().item() <= 1e-4 * max(1.0, w.abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_speculation_on_the_nki_backend_equals_plain_decoding(dtype, tmp_path, torch_backend_after):
+    """With the head fitted to tiny-2b (tests/kit/mtp_fit.py; it accepts drafts, so commits pick positions past 0),
+    greedy speculative decoding through the verify kernel returns plain decoding's tokens on the same backend, for
+    k = 1..4, rows of different lengths; and the verify kernel ran (one launch per DeltaNet layer and round)."""
+    import json
+
+    from optimum_qwen35.runtime import Qwen35Runtime
+    from tests.kit.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s)
+
+    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path / "fitted")
+    prompts = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:2]
+    prompts = [prompts[0], prompts[1][:5]]
+    model = Qwen35Runtime.from_pretrained(folder, batch_size=2, max_length=64, dtype=dtype, buckets=[16], mtp=True)
+    kernels.set_backend("nki")
+    plain = model.generate(prompts, max_new_tokens=16)
+    for k in (1, 2, 3, 4):
+        with count_kernel_calls("nki") as calls:
+            got = model.generate(prompts, max_new_tokens=16, num_speculative_tokens=k)
+        assert got == plain, f"k={k}"
+        assert calls["nki", "deltanet_verify"] > 0
+        if dtype == torch.float32:
+            assert model.speculation.acceptance_length > 1.2, (k, model.speculation.accepted_per_round)
