@@ -73,3 +73,18 @@ def test_eos_inside_accepted_drafts_and_end_of_cache(case):
     longest = MAX_LENGTH - 30
     want = model.generate(last, max_new_tokens=longest)
     assert model.generate(last, max_new_tokens=longest, num_speculative_tokens=4) == want
+
+
+def test_speculation_runs_without_autograd():
+    """The speculative loop calls the graphs directly (not through prefill / decode, which run under no_grad): without
+    no_grad around it every head, verify and commit call recorded an autograd graph over the parameters."""
+    model = runtime(FIXTURES / "tiny-2b", torch.float32, batch_size=1)
+    seen, verify = [], model.graphs.verify
+
+    def spy(*args):
+        seen.append(torch.is_grad_enabled())
+        return verify(*args)
+
+    model.graphs.verify = spy
+    model.generate([[5, 6, 7]], max_new_tokens=6, num_speculative_tokens=2)
+    assert seen and not any(seen)

@@ -9,6 +9,14 @@ out. Tensors in, tensors out: which slot a row's states live in is the caller's 
         Returns o [B, nv, dv] fp32 (before the gated RMSNorm), final_conv [B, C, K - 1] and final_recurrent
         [B, nv, dk, dv] fp32: the states after the row's token.
 
+    deltanet_verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *, lnc)
+            -> (o, convs, recurrents)
+        T consecutive decode steps per row (speculative verification of k + 1 = T tokens), each position's states
+        kept: mixed_qkv [B, T, C], a, b [B, T, nv], the rest as `deltanet_decode` (the states before position 0).
+        Returns o [B, nv, T, dv] fp32, convs [B, T, C, K - 1] and recurrents [B, T * nv, dk, dv] fp32 (the states
+        after each position, position-major within a row: rank 4, which the Neuron compiler requires). Position t
+        computes exactly what `deltanet_decode` computes from position t - 1's states.
+
     deltanet_prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc) -> (o, final_recurrent)
         q, k [B, nk, T, dk] and v [B, nv, T, dv] after the conv and SiLU, before normalisation (activation dtype);
         a, b [B, T, nv] raw; initial_recurrent [B, nv, dk, dv] fp32; lengths [B] or None (tokens past lengths[b]
@@ -25,9 +33,7 @@ makes them), so an implementation may compute the final states in their memory. 
 decode step: no new state-sized tensor per layer and step, issue 31); the NKI kernels write none of their inputs. The
 custom ops (custom_ops.py) never donate.
 
-What comes next fits these signatures: speculative decoding's verify step (k + 1 tokens per row, the states after each
-position) is a decode seam over mixed_qkv [B, T, C] returning [B, T, ...] states from the same per-row initial
-states; prefix caching's prefill from cached states takes them as `initial_recurrent` (and the conv state as
+Prefix caching's prefill from cached states takes them as `initial_recurrent` (and the conv state as
 `causal_conv1d`'s initial state, as the mixer does) and would return the states at block boundaries next to the final
 one. Neither needs a slot in the seam.
 
@@ -111,6 +117,22 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, init
         rule_step = recurrent_gated_delta_rule_step_
     o, final_recurrent = rule_step(q, k, v, g[:, :, None], beta[:, :, None], initial_recurrent)
     return o[:, :, 0], final_conv.to(initial_conv.dtype), final_recurrent
+
+
+def deltanet_verify_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *,
+                              lnc=None, decode=deltanet_decode_reference):
+    """The verify seam as T calls of the decode seam `decode` (the dispatch passes its backend's), each from the
+    states the call before returned (new tensors: no donation, the caller keeps every position's states)."""
+    T = mixed_qkv.shape[1]
+    conv, recurrent = initial_conv, initial_recurrent
+    outputs, convs, recurrents = [], [], []
+    for t in range(T):
+        o, conv, recurrent = decode(mixed_qkv[:, t].contiguous(), a[:, t].contiguous(), b[:, t].contiguous(), A_log,
+                                    dt_bias, conv_weight, conv, recurrent, lnc=lnc, donate_initial=False)
+        outputs.append(o)
+        convs.append(conv)
+        recurrents.append(recurrent)
+    return torch.stack(outputs, dim=2), torch.stack(convs, 1), torch.cat(recurrents, 1)
 
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc=None,
@@ -206,3 +228,13 @@ def deltanet_prefill_nki(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengt
     masks = torch.from_numpy(solve_masks()).to(q.device)  # a constant input
     return _launch(kernel, q, k, v, a, b, A_log.float(), dt_bias.float(), initial_recurrent, _int32_row(lengths),
                    masks, operands)
+
+
+def deltanet_verify_nki(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *, lnc=None,
+                        operands="auto"):
+    from .tkg import gated_delta_rule_verify  # deferred: see the imports above
+
+    # One launch for every row and position (the decode kernel's steps, each position's states stored as it goes).
+    o, convs, recurrents = _launch(gated_delta_rule_verify, mixed_qkv, a, b, A_log.float(), dt_bias.float(),
+                                   conv_weight, initial_conv, initial_recurrent, operands)
+    return o.transpose(1, 2), convs, recurrents  # o [B, T, nv, dv] -> [B, nv, T, dv], as the reference's

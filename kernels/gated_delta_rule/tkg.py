@@ -1,4 +1,7 @@
-"""NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every row and head.
+"""NKI decode kernel (token generation) of a Gated DeltaNet layer: one token for every row and head
+(`gated_delta_rule_tkg`); and its speculative-verification form, T = k + 1 consecutive tokens per row with the states
+after each position stored (`gated_delta_rule_verify`: the same steps over the rows (b, t) in order, position t + 1
+starting from position t's states on chip, bit for bit what T chained decode launches compute).
 
 Per batch row b (initial states initial_conv[b], initial_recurrent[b]: the caller's, zeros for a fresh row) and per
 value head h (key head kh = h // (nv / nk)), from the raw projections of the token:
@@ -60,6 +63,10 @@ slot ids any more (the slot-indexed version: 11.1 / 59.3 us and 14.9 / 61.2 us, 
 load; docs/kernels.md keeps its analysis). The gather before the launch is the graph's, outside this figure. The q/k
 selection runs once per group of rows (every row up to batch 16), which keeps an fp32 model's TensorE (its selection
 matmuls at the 4x rate) under the DMA time at batch 8.
+
+The verify kernel reads each row's states once and writes them after every position: 1 + T states of traffic per
+row against a decode step's 2, so (k + 2) / 2 decode steps' traffic at best (docs/kernels.md, "Verify kernel";
+`benchmarks/deltanet_verify.py`: batch 1, bf16 model, k = 1: 15.0 us = 1.46x a decode step; k = 4: 2.79x).
 """
 
 from __future__ import annotations
@@ -105,7 +112,41 @@ def _load_blocks(nk, nb):
 def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent,
                          operands="auto", heads_per_piece=None):
     B, C = mixed_qkv.shape
-    nv = a.shape[1]
+    _, nv, dk, dv = initial_recurrent.shape
+    K = conv_weight.shape[1]
+    return _decode_steps(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, operands,
+                         heads_per_piece, T=1, o_shape=(B, nv, dv), conv_shape=(B, C, K - 1),
+                         state_shape=(B, nv, dk, dv))
+
+
+@nki.jit
+def gated_delta_rule_verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent,
+                            operands="auto", heads_per_piece=None):
+    """T = k + 1 decode steps per row (speculative verification), each position's states kept: the decode kernel's
+    steps over the rows (b, t) in order, position t + 1 starting from position t's states on chip.
+
+    mixed_qkv [B, T, C], a, b [B, T, nv]; the rest as `gated_delta_rule_tkg` (each row's states before position 0).
+    Returns o [B, T, nv, dv] fp32, conv_out [B, T, C, K - 1] (the conv state after each position) and state_out
+    [B, T * nv, dk, dv] fp32 (the recurrent state after each position, position-major within a row: rank 4, the
+    layout `GatedDeltaNet.verify` returns). Each position computes exactly what a decode launch from the previous
+    position's states computes (the same instructions on the same values)."""
+    B, T, C = mixed_qkv.shape
+    _, nv, dk, dv = initial_recurrent.shape
+    K = conv_weight.shape[1]
+    return _decode_steps(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, operands,
+                         heads_per_piece, T=T, o_shape=(B, T, nv, dv), conv_shape=(B, T, C, K - 1),
+                         state_shape=(B, T * nv, dk, dv))
+
+
+def _decode_steps(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, operands,
+                  heads_per_piece, T, o_shape, conv_shape, state_shape):
+    """The body of both kernels, over N = B T rows r = (row r // T, position r % T): the inputs of row r at offset r
+    of their flattened [B T, ...] layout, the outputs likewise; a row at position 0 loads its initial states, a later
+    one takes the states the row before it computed (on chip: the conv window's last K - 1 columns, the new state
+    tiles). T = 1 is the decode kernel."""
+    C = mixed_qkv.shape[-1]
+    nv = a.shape[-1]
+    B = initial_recurrent.shape[0] * T  # rows of the kernel: (row, position) pairs
     _, _, dk, dv = initial_recurrent.shape
     K = conv_weight.shape[1]
     nk = (C - nv * dv) // (2 * dk)
@@ -134,9 +175,9 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
     COPY_ROWS = 1
     DECAY_ENGINES = COPY_ENGINES if mm == f32 else (nisa.engine.scalar, nisa.engine.scalar)
 
-    o_out = nl.ndarray((B, nv, dv), dtype=f32, buffer=nl.shared_hbm)
-    conv_out = nl.ndarray((B, C, K - 1), dtype=initial_conv.dtype, buffer=nl.shared_hbm)
-    state_out = nl.ndarray((B, nv, dk, dv), dtype=f32, buffer=nl.shared_hbm)
+    o_out = nl.ndarray(o_shape, dtype=f32, buffer=nl.shared_hbm)
+    conv_out = nl.ndarray(conv_shape, dtype=initial_conv.dtype, buffer=nl.shared_hbm)
+    state_out = nl.ndarray(state_shape, dtype=f32, buffer=nl.shared_hbm)
 
     # ---------------------------------------------------------------- loads: gates, conv inputs, states
     # Initial states: row b starts from initial_conv[b], initial_recurrent[b] (the caller gathers them, zeros for a
@@ -170,22 +211,26 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
         x_in_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
         nisa.dma_copy(dst=x_in_v, src=v_view(mixed_qkv, 1, bi * C))
         tokens.append((x_in_qk, x_in_v))
+    # A later position's conv states are the window of the position before it (set by `causal_conv`'s callers).
     conv_inputs = []
     for bi in range(B):
-        st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_qk, src=qk_view(initial_conv, K - 1, bi * C * (K - 1)))
-        st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
-        nisa.dma_copy(dst=st_v, src=v_view(initial_conv, K - 1, bi * C * (K - 1)))
-        conv_inputs.append((st_qk, tokens[bi][0], st_v, tokens[bi][1]))
-    # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition.
+        st_qk = st_v = None
+        if bi % T == 0:
+            st_qk = nl.ndarray((Pl, W, K - 1), dtype=act, buffer=nl.sbuf)
+            nisa.dma_copy(dst=st_qk, src=qk_view(initial_conv, K - 1, bi // T * C * (K - 1)))
+            st_v = nl.ndarray((Pv, jl, K - 1), dtype=act, buffer=nl.sbuf)
+            nisa.dma_copy(dst=st_v, src=v_view(initial_conv, K - 1, bi // T * C * (K - 1)))
+        conv_inputs.append([st_qk, tokens[bi][0], st_v, tokens[bi][1]])
+    # The recurrent states: one transfer per row and piece, R dv fp32 contiguous per partition; a later position's
+    # pieces are the tiles the position before it computed (set by `update`).
     states = []
     for bi in range(B):
-        row = []
-        for pi in range(NP):
-            tile = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=tile, src=initial_recurrent.ap(
-                pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + pi * hp) * dk * dv))
-            row.append(tile)
+        row = [None] * NP
+        if bi % T == 0:
+            for pi in range(NP):
+                row[pi] = nl.ndarray((Pn, R, dv), dtype=f32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=row[pi], src=initial_recurrent.ap(
+                    pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi // T * nv + pi * hp) * dk * dv))
         states.append(row)
 
     # ---------------------------------------------------------------- constants
@@ -334,7 +379,10 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
 
     def conv_qk(bi, x_in_order):
         st_qk, x_in_qk, _, _ = conv_inputs[bi]
-        return causal_conv(bi, Pl, W, st_qk, x_in_qk, w_qk, x_in_order)  # load layout
+        win = causal_conv(bi, Pl, W, st_qk, x_in_qk, w_qk, x_in_order)  # load layout
+        if (bi + 1) % T:  # the next position's conv state: this window's last K - 1 columns
+            conv_inputs[bi + 1][0] = win[:, :, 1:K]
+        return win
 
     def row_inputs(bi, after_norms=None):
         # -------------------------------------------------------- the row's conv, SiLU, norms (every piece at once)
@@ -367,6 +415,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
         # blk is p's block), the moving picks p's head
         x_v = nl.ndarray((Pv, jl), dtype=act, buffer=nl.sbuf)
         win_v = causal_conv(bi, Pv, jl, st_v, x_in_v, w_v, x_v)
+        if (bi + 1) % T:
+            conv_inputs[bi + 1][2] = win_v[:, :, 1:K]
         v_at = nl.ndarray((Pv, vb, jl), dtype=act, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=v_at, data1=_spread(x_v, (Pv, vb, jl), (0, 2)),
                            data2=_spread(block_v, (Pv, vb, jl), (0, 1)),
@@ -493,6 +543,8 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
         nisa.dma_copy(dst=state_out.ap(pattern=[[R * dv, Pn], [dv, R], [1, dv]], offset=(bi * nv + h0) * dk * dv),
                       src=new_state)
         states[bi][pi] = None
+        if (bi + 1) % T:  # the next position starts from this state (on chip; the store above is its copy out)
+            states[bi + 1][pi] = new_state
 
         def store_o():
             """o to rows and out: issued after the next piece's state matmuls, which TensorE's in-order stream would
@@ -533,11 +585,17 @@ def gated_delta_rule_tkg(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_c
         finished = finish(bi, pi, unit, rows[bi])
         if store_o is not None:  # the previous piece's o
             store_o()
+        waiting = None  # a next piece whose state this piece's update computes (one piece per row, T > 1)
         if i + 1 < len(units):
             if units[i + 1][1] == 0:
                 rows[units[i + 1][0]] = row_inputs(units[i + 1][0])
-            started[units[i + 1]] = start(*units[i + 1])
+            if states[units[i + 1][0]][units[i + 1][1]] is None:
+                waiting = units[i + 1]
+            else:
+                started[units[i + 1]] = start(*units[i + 1])
         store_o = update(bi, pi, unit, rows[bi], finished)
+        if waiting is not None:
+            started[waiting] = start(*waiting)
         if pi == NP - 1:
             rows.pop(bi)
     store_o()

@@ -44,6 +44,7 @@ from ..config import Qwen35Config
 from ..export import layout
 from .convert import (
     convert_checkpoint,
+    convert_mtp,
     decoder_name,
     expected_shapes,
     stored_dtype,
@@ -94,6 +95,11 @@ _SUFFIX_KINDS = (
     ("mlp.up_proj.weight", COLUMN_PADDED),
     ("mlp.down_proj.weight", ROW_PADDED),
     ("norm.weight", REPLICATED),  # input/post_attention layernorms, final norm, q/k norms, DeltaNet norm
+    # The MTP head (modeling/mtp.py): its fc and input norms whole on every rank (fc's output is the head's residual
+    # stream); `mtp.layers.N.*` and `mtp.norm` take the main layers' rules above.
+    ("mtp.fc.weight", REPLICATED),
+    ("mtp.pre_fc_norm_embedding.weight", REPLICATED),
+    ("mtp.pre_fc_norm_hidden.weight", REPLICATED),
 )
 
 
@@ -289,3 +295,14 @@ def convert_and_shard(
         # A copy, so that the shard does not keep the whole tensor's storage alive.
         yield name, shard.to(dtype=stored_dtype(name, dtype) or shard.dtype, memory_format=torch.contiguous_format, copy=True)
         del tensor, shard
+
+
+def convert_and_shard_mtp(
+    reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The multi-token-prediction head's (decoder name `mtp.*`, this rank's shard), from a reader opened with
+    mtp=True (`convert_mtp` checks the head's tensors against the config first)."""
+    config.check_tp_degree(tp_degree)
+    for name, tensor in convert_mtp(reader, config, dtype):
+        yield name, shard_tensor(name, tensor, config, tp_degree, rank).to(memory_format=torch.contiguous_format, copy=True)
+        del tensor

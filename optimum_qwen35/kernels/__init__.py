@@ -9,7 +9,7 @@ Which implementation answers an entry point is a backend (backends.py): the one 
 DeltaNet mixer takes from its layer factory: per model, nothing leaks to other models), or else the process-wide one
 `set_backend` chooses (the PyTorch reference by default). NKI kernels register themselves as the "nki" backend.
 
-The fused seams (`deltanet_prefill`, `deltanet_decode`) take tensors and return tensors: each row's initial states in,
+The fused seams (`deltanet_prefill`, `deltanet_decode`, `deltanet_verify`) take tensors and return tensors: each row's initial states in,
 each row's final states out (gated_delta_rule/fused.py); the caller keeps the slots. They are also `torch.library`
 custom ops (custom_ops.py), which a TorchDynamo capture records as one node each.
 """
@@ -66,4 +66,17 @@ def deltanet_decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, 
     return implementation("deltanet_decode", backend)(
         mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, lnc=lnc,
         donate_initial=donate_initial,
+    )
+
+
+def deltanet_verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *, backend=None,
+                    lnc=None):
+    """T = k + 1 decode steps per row (speculative verification), mixed_qkv [B, T, C], a, b [B, T, nv], from each
+    row's initial states, every position's states kept -> (o [B, nv, T, dv] fp32, convs [B, T, C, K - 1],
+    recurrents [B, T * nv, dk, dv] fp32: the states after each position, position-major within a row)."""
+    if torch.compiler.is_compiling():  # one node of the custom op in a TorchDynamo graph (custom_ops.py)
+        return custom_ops.deltanet_verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv,
+                                          initial_recurrent, backends.resolve(backend), lnc)
+    return implementation("deltanet_verify", backend)(
+        mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, lnc=lnc
     )

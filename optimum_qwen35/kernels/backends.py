@@ -3,7 +3,8 @@
 A backend maps entry point names to functions. "torch" holds the PyTorch references; the NKI kernels register as
 "nki". A backend registered with only some entry points takes the references for the others; where it replaces an
 unfused entry point (the conv step, the delta-rule step, the chunked rule) but not the fused seam that composes it,
-its seam is the reference seam over its own unfused functions, so that the replacement takes effect in the model.
+its seam is the reference seam over its own unfused functions, so that the replacement takes effect in the model;
+likewise, a backend with its own decode seam but no verify seam verifies by its decode seam, position by position.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ENTRY_POINTS = (
     "causal_conv1d_step",
     "deltanet_prefill",
     "deltanet_decode",
+    "deltanet_verify",
 )
 
 _REFERENCES: dict[str, Callable] = {
@@ -32,6 +34,7 @@ _REFERENCES: dict[str, Callable] = {
     # gated_delta_rule/fused.py.
     "deltanet_prefill": _fused.deltanet_prefill_reference,
     "deltanet_decode": _fused.deltanet_decode_reference,
+    "deltanet_verify": _fused.deltanet_verify_reference,
 }
 _BACKENDS: dict[str, dict[str, Callable]] = {}
 _active = "torch"
@@ -39,7 +42,7 @@ _active = "torch"
 
 def register_backend(name: str, implementations: dict[str, Callable]) -> None:
     """Add (or replace) a backend; entry points it does not implement fall back to the PyTorch reference, the fused
-    seams to the reference seams over the backend's own unfused entry points."""
+    seams to the reference seams over the backend's own unfused entry points (verify: over its decode seam)."""
     unknown = set(implementations) - set(ENTRY_POINTS)
     if unknown:
         raise ValueError(f"unknown kernel entry points {sorted(unknown)}; expected a subset of {ENTRY_POINTS}")
@@ -54,6 +57,9 @@ def register_backend(name: str, implementations: dict[str, Callable]) -> None:
             _fused.deltanet_decode_reference, conv_step=table["causal_conv1d_step"],
             rule_step=table["recurrent_gated_delta_rule_step"],
         )
+    if "deltanet_verify" not in implementations and table["deltanet_decode"] is not _fused.deltanet_decode_reference:
+        # verify is decode steps: a backend's own decode (or the seam over its unfused steps) answers it
+        table["deltanet_verify"] = partial(_fused.deltanet_verify_reference, decode=table["deltanet_decode"])
     _BACKENDS[name] = table
 
 
@@ -102,4 +108,5 @@ register_backend("torch", {})
 # given: inside the Neuron graphs, torch-xla tensors, where the Neuron model builder selects this backend on request
 # on trn2 and later (`neuron.glue.kernel_backend`). Elsewhere they run on the CPU NKI emulator (`set_backend("nki")`,
 # or `TorchLayers(kernel_backend="nki")`).
-register_backend("nki", {"deltanet_prefill": _fused.deltanet_prefill_nki, "deltanet_decode": _fused.deltanet_decode_nki})
+register_backend("nki", {"deltanet_prefill": _fused.deltanet_prefill_nki, "deltanet_decode": _fused.deltanet_decode_nki,
+                         "deltanet_verify": _fused.deltanet_verify_nki})

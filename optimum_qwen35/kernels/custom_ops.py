@@ -1,5 +1,5 @@
-"""The fused DeltaNet seams as `torch.library` custom ops: `torch.ops.optimum_qwen35.deltanet_prefill` and
-`torch.ops.optimum_qwen35.deltanet_decode`.
+"""The fused DeltaNet seams as `torch.library` custom ops: `torch.ops.optimum_qwen35.deltanet_prefill`,
+`torch.ops.optimum_qwen35.deltanet_decode` and `torch.ops.optimum_qwen35.deltanet_verify`.
 
 A graph capture (TorchDynamo: `torch.compile`, `torch.export`) records each seam as one node of the op, with the
 shapes and dtypes of its fake (meta) implementation, instead of tracing through the reference's few dozen ops or
@@ -56,6 +56,30 @@ def _(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurr
         mixed_qkv.new_empty((B, nv, dv), dtype=o_dtype),
         initial_conv.new_empty(initial_conv.shape),
         initial_recurrent.new_empty((B, nv, dk, dv), dtype=state_dtype),
+    )
+
+
+@torch.library.custom_op(f"{NAMESPACE}::deltanet_verify", mutates_args=())
+def deltanet_verify(
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    conv_weight: torch.Tensor, initial_conv: torch.Tensor, initial_recurrent: torch.Tensor, backend: str,
+    lnc: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    results = backends.implementation("deltanet_verify", backend)(
+        mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, lnc=lnc
+    )
+    return tuple(t.contiguous() for t in results)  # contiguous, as the fake results are
+
+
+@deltanet_verify.register_fake
+def _(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
+    B, T, _ = mixed_qkv.shape
+    _, nv, dk, dv = initial_recurrent.shape
+    o_dtype, state_dtype = _dtypes(mixed_qkv.dtype, initial_recurrent.dtype)
+    return (
+        mixed_qkv.new_empty((B, nv, T, dv), dtype=o_dtype),
+        initial_conv.new_empty((B, T, *initial_conv.shape[1:])),
+        initial_recurrent.new_empty((B, T * nv, dk, dv), dtype=state_dtype),
     )
 
 

@@ -147,8 +147,6 @@ class Qwen35Decoder(nn.Module):
         if mtp:
             if config.mtp_num_hidden_layers < 1:
                 raise UnsupportedModelError("this checkpoint's config has no multi-token-prediction head (mtp_num_hidden_layers)")
-            if tp_degree > 1:
-                raise UnsupportedModelError("the multi-token-prediction head is built at tp_degree 1 only (not sharded yet)")
             head_layers = [DecoderLayer(config, FULL_ATTENTION, self.dims, layers) for _ in range(config.mtp_num_hidden_layers)]
             self.mtp = MTPHead(config, head_layers, layers)
             if config.is_moe:

@@ -4,7 +4,7 @@ x -> in_proj_qkv -> causal depthwise conv1d + SiLU -> q, k, v per head; beta = s
 g = -exp(A_log) * softplus(in_proj_a x + dt_bias); q, k l2-normalized (q scaled by dk^-0.5); the gated
 delta rule -> per-head gated RMSNorm with z = in_proj_z x -> out_proj. The gates, the normalisation and the rule
 (and, in decode, the conv step) run behind the fused kernel seams `kernels.deltanet_prefill` /
-`kernels.deltanet_decode`, which take the raw projections and each row's initial states and give back the output and
+`kernels.deltanet_decode` (`kernels.deltanet_verify`: k + 1 decode steps for speculative verification), which take the raw projections and each row's initial states and give back the output and
 each row's final states; this mixer reads the rows from the slots (`Slots.gather_initial`: zeros for a fresh row) and
 writes the final ones back (`Slots.write`).
 
@@ -100,22 +100,14 @@ class GatedDeltaNet(nn.Module):
 
     def verify(self, x, slots, conv_state, recurrent_state):
         """x [B, T, hidden]: T consecutive decode steps per row from its slot's states (speculative verification),
-        the projections of all T tokens at once, then the decode seam once per position on the rows' own states
-        (`kernels.deltanet_decode` as it is: each position runs exactly a decode step's numbers). The slot states
-        are left as they are. Returns the output [B, T, hidden] and the states after each position, rank 4 (the
-        Neuron compiler takes no rank-5 tensor): conv [B, T, conv_dim, kernel - 1], recurrent [B, T * nv, dk, dv]
-        (position-major within a row; `Qwen35Decoder.commit` keeps one position's nv heads)."""
-        B, T, _ = x.shape
-        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
-        conv, recurrent = slots.gather_initial(conv_state), slots.gather_initial(recurrent_state)
-        outputs, convs, recurrents = [], [], []
-        for t in range(T):
-            # Each position's states are new tensors (no donation): the next position reads them, the caller keeps them.
-            o, conv, recurrent = kernels.deltanet_decode(
-                qkv[:, t].contiguous(), a[:, t].contiguous(), b[:, t].contiguous(), self.A_log, self.dt_bias,
-                self.conv_weight, conv, recurrent, backend=self.kernel_backend, lnc=self.kernel_lnc, donate_initial=False,
-            )
-            outputs.append(o)
-            convs.append(conv)
-            recurrents.append(recurrent)
-        return self._output(torch.stack(outputs, dim=2), x), torch.stack(convs, 1), torch.cat(recurrents, 1)
+        the projections of all T tokens at once, then the verify seam (`kernels.deltanet_verify`: each position runs
+        exactly a decode step's numbers; the NKI backend in one kernel launch). The slot states are left as they
+        are. Returns the output [B, T, hidden] and the states after each position, rank 4 (the Neuron compiler takes
+        no rank-5 tensor): conv [B, T, conv_dim, kernel - 1], recurrent [B, T * nv, dk, dv] (position-major within a
+        row; `Qwen35Decoder.commit` keeps one position's nv heads)."""
+        o, convs, recurrents = kernels.deltanet_verify(
+            self.in_proj_qkv(x).contiguous(), self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous(),
+            self.A_log, self.dt_bias, self.conv_weight, slots.gather_initial(conv_state),
+            slots.gather_initial(recurrent_state), backend=self.kernel_backend, lnc=self.kernel_lnc,
+        )
+        return self._output(o, x), convs, recurrents

@@ -42,9 +42,12 @@ class MTPHead(nn.Module):
                 "Qwen3.5 checkpoints is supported"
             )
         h = config.hidden_size
-        # Replicated at every rank: a plain (column) linear with the whole output (tensor parallelism of the head is
-        # not built: Qwen35Decoder refuses mtp=True at tp_degree > 1).
-        self.fc = factory.column_linear(2 * h, h)
+        # fc is replicated: its output is the head's residual stream, which every rank holds whole (as the main
+        # model's). At tp_degree 1 the factory's column linear is that; above it a column-parallel linear would shard
+        # the output (neuronx-distributed's does), so the factory's replicated linear holds the whole [H, 2H] weight on
+        # every rank.
+        # The layer is the decoder's own, sharded as the main model's attention layers and MLP / MoE blocks.
+        self.fc = factory.column_linear(2 * h, h) if factory.tp_degree == 1 else factory.replicated_linear(2 * h, h)
         self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(layers)

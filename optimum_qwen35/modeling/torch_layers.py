@@ -76,6 +76,10 @@ class TorchLayers:
         # Column-parallel output stays sharded: the next row-parallel layer consumes it as is.
         return Linear(in_features, out_features_per_rank, bias)
 
+    def replicated_linear(self, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+        # The whole weight on every rank (the MTP head's fc at TP > 1: modeling/mtp.py).
+        return Linear(in_features, out_features, bias)
+
     def row_linear(self, in_features_per_rank: int, out_features: int, bias: bool = False) -> nn.Module:
         return RowParallelLinear(in_features_per_rank, out_features, self.group_name, self.tp_degree, bias)
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 import torch
 
 from optimum_qwen35 import validation
 from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
 from optimum_qwen35.checkpoint.convert import check_finite, convert_mtp
-from optimum_qwen35.checkpoint.shard import convert_and_shard
+from optimum_qwen35.checkpoint.shard import convert_and_shard, convert_and_shard_mtp
 from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_mtp_weights, load_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import CheckpointError, UnsupportedModelError, UsageError
+from optimum_qwen35.export.layout import MTP_WEIGHTS_FILE
 from optimum_qwen35.modeling.decoder import (
     ContextEncodingGraph,
     ImageContextEncodingGraph,
@@ -49,8 +51,8 @@ def load_decoder(
     written by `optimum_qwen35.checkpoint.sharded_files.save_sharded` (its tp_degree must match). `dtype` is a
     torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
     the tensor (`check_weights=False` skips that check; it exists to measure its cost). `mtp`: build and load the
-    multi-token-prediction head too (modeling/mtp.py; at tp_degree 1: a checkpoint folder, or a sharded export made
-    with mtp=True, which holds the head's weights), for speculative decoding.
+    multi-token-prediction head too (modeling/mtp.py; from a checkpoint folder, sharded as the main layers at
+    tp_degree > 1, or from an export made with mtp=True, which holds the head at tp_degree 1), for speculative decoding.
     """
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -59,8 +61,11 @@ def load_decoder(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
-    if mtp and tp_degree > 1:
-        raise UnsupportedModelError("the multi-token-prediction head loads at tp_degree 1 only (no tensor parallelism yet)")
+    if mtp and sharded_export and not (Path(path) / MTP_WEIGHTS_FILE).is_file():
+        raise UnsupportedModelError(
+            "the multi-token-prediction head loads from a checkpoint folder (a sharded export does not hold it unless "
+            "exported with mtp=True): pass the checkpoint the export was written from"
+        )
     if sharded_export:
         saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
         if mtp:
@@ -79,7 +84,10 @@ def load_decoder(
         if mtp:
             params.update(convert_mtp(reader, config, dtype))
     else:
-        params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
+        reader = CheckpointReader(path, mtp=mtp)
+        params = dict(convert_and_shard(reader, config, tp_degree, rank, dtype))
+        if mtp:
+            params.update(convert_and_shard_mtp(reader, config, tp_degree, rank, dtype))
     if check_weights and not sharded_export:  # load_sharded checked an export's weights
         check_finite(params, f"{path} (rank {rank} of {tp_degree})" if tp_degree > 1 else str(path))
     if config.tie_word_embeddings:

@@ -658,6 +658,10 @@ class Qwen35Runtime:
                 )
         return limits
 
+    # Without no_grad the head, verify and commit calls (runtime/speculative.py calls the graphs directly, not through
+    # prefill / decode) recorded autograd graphs over the decoder's parameters: CPU time spent for nothing, and at
+    # TP > 1 the gathered logits' in-place write failed under grad mode.
+    @torch.no_grad()
     def _generate_speculative(self, prompts, max_new_tokens, eos_token_id, k, distribution, generator, streamer,
                               sampler, pixel_values, image_grid_thw, stop) -> list[list[int]]:
         """`generate(..., num_speculative_tokens=k)`: runtime/speculative.py, wave by wave."""

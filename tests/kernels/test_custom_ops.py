@@ -16,9 +16,11 @@ from optimum_qwen35.kernels import custom_ops
 
 from .test_gated_delta_rule_cte import make as make_prefill
 from .test_gated_delta_rule_tkg import make as make_decode
+from .test_gated_delta_rule_verify import make as make_verify
 
 DECODE = torch.ops.optimum_qwen35.deltanet_decode.default
 PREFILL = torch.ops.optimum_qwen35.deltanet_prefill.default
+VERIFY = torch.ops.optimum_qwen35.deltanet_verify.default
 
 
 class Capture:
@@ -42,6 +44,11 @@ def decode_step(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, init
                                    backend="torch", donate_initial=True)
 
 
+def verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent):
+    return kernels.deltanet_verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent,
+                                   backend="torch")
+
+
 def prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths):
     return kernels.deltanet_prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, backend="torch")
 
@@ -50,13 +57,17 @@ def decode_inputs(dtype=torch.float32):
     return make_decode(2, 2, 4, 16, 32, dtype, seed=11, zero_rows=(1,))
 
 
+def verify_inputs(dtype=torch.float32):
+    return make_verify(2, 3, 2, 4, 16, 32, dtype, seed=13, zero_rows=(1,))
+
+
 def prefill_inputs(dtype=torch.float32):
     inputs = make_prefill(2, 2, 4, 16, 16, 70, dtype, seed=12, zero_rows=(0,))
     return {**inputs, "lengths": torch.tensor([70, 33])}
 
 
-@pytest.mark.parametrize("seam, inputs, op", [(decode_step, decode_inputs, DECODE), (prefill, prefill_inputs, PREFILL)],
-                         ids=["decode", "prefill"])
+@pytest.mark.parametrize("seam, inputs, op", [(decode_step, decode_inputs, DECODE), (verify, verify_inputs, VERIFY),
+                                               (prefill, prefill_inputs, PREFILL)], ids=["decode", "verify", "prefill"])
 def test_dynamo_captures_each_seam_as_one_op_node(seam, inputs, op):
     torch._dynamo.reset()
     capture = Capture()
@@ -69,8 +80,8 @@ def test_dynamo_captures_each_seam_as_one_op_node(seam, inputs, op):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("seam, inputs, op", [(decode_step, decode_inputs, DECODE), (prefill, prefill_inputs, PREFILL)],
-                         ids=["decode", "prefill"])
+@pytest.mark.parametrize("seam, inputs, op", [(decode_step, decode_inputs, DECODE), (verify, verify_inputs, VERIFY),
+                                               (prefill, prefill_inputs, PREFILL)], ids=["decode", "verify", "prefill"])
 def test_export_records_each_seam_as_one_op_node(seam, inputs, op):
     class Seam(torch.nn.Module):
         def forward(self, *args):
@@ -96,6 +107,7 @@ def test_the_ops_run_the_named_backend_and_agree_with_their_fakes(backend, dtype
     prefill_args = prefill_inputs(dtype)
     cases = [
         (custom_ops.deltanet_decode, kernels.implementation("deltanet_decode", backend), decode, {}),
+        (custom_ops.deltanet_verify, kernels.implementation("deltanet_verify", backend), verify_inputs(dtype), {}),
         (custom_ops.deltanet_prefill, kernels.implementation("deltanet_prefill", backend), prefill_args, {}),
     ]
     for op, implementation, args, _ in cases:
@@ -114,8 +126,10 @@ def test_float64_reference_dtypes_in_the_fakes():
     """A float64 model (the references' check runs) gets float64 outputs and states, fake and real alike."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    args = {k: (v.double() if k != "initial_recurrent" else v) for k, v in decode_inputs().items()}
-    got = custom_ops.deltanet_decode(*args.values(), "torch", None)
-    with FakeTensorMode() as mode:
-        fake = custom_ops.deltanet_decode(*[mode.from_tensor(v) for v in args.values()], "torch", None)
-    assert [(f.shape, f.dtype) for f in fake] == [(g.shape, g.dtype) for g in got]
+    for op, inputs in ((custom_ops.deltanet_decode, decode_inputs), (custom_ops.deltanet_verify, verify_inputs)):
+        args = {k: (v.double() if k != "initial_recurrent" else v) for k, v in inputs().items()}
+        got = op(*args.values(), "torch", None)
+        with FakeTensorMode() as mode:
+            fake = op(*[mode.from_tensor(v) for v in args.values()], "torch", None)
+        assert [(f.shape, f.dtype) for f in fake] == [(g.shape, g.dtype) for g in got]
+        assert got[0].dtype == got[2].dtype == torch.float64

@@ -85,11 +85,38 @@ def greedy_run(
     )
 
 
+@dataclass
+class SpeculativeResult:
+    tokens: dict[int, list[list[int]]]  # k -> the new tokens of each prompt (k = 0: plain greedy decoding)
+    acceptance: dict[int, float]  # k -> mean tokens per verify round (k >= 1)
+    head_logits: torch.Tensor  # [n_prompts, vocab]: the MTP head's logits at each prompt's last position (fp32/fp64)
+
+
+def speculative_run(decoder, prompts, max_new_tokens: int, ks: Sequence[int], max_length: int,
+                    buckets: Sequence[int]) -> SpeculativeResult:
+    """Greedy generation of `prompts` (one batch) plain and with k drafts for each k in `ks`, through
+    `Qwen35Runtime.generate`; and the head's logits after prefill (what draft 1 of the first round is read from)."""
+    from optimum_qwen35.runtime.speculative import _mtp_prefill  # noqa: PLC0415 (the runtime's own head prefill)
+
+    prompts = [list(p) for p in prompts]
+    model = Qwen35Runtime.from_decoder(decoder, batch_size=len(prompts), max_length=max_length, buckets=buckets)
+    tokens, acceptance = {0: model.generate(prompts, max_new_tokens=max_new_tokens)}, {}
+    for k in ks:
+        tokens[k] = model.generate(prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=k)
+        acceptance[k] = model.speculation.acceptance_length
+    slots = list(range(len(prompts)))
+    with torch.no_grad():
+        logits, hiddens = model.prefill(prompts, slots, hidden=True)
+        first = [int(lg.argmax()) for lg in logits]
+        head_logits, _ = _mtp_prefill(model, prompts, hiddens, first, slots)
+    return SpeculativeResult(tokens, acceptance, _widen(head_logits))
+
+
 def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-            moe_parallel="auto"):
+            moe_parallel="auto", speculative=None):
     try:
         _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-                  moe_parallel)
+                  moe_parallel, speculative)
     except Qwen35Error as error:
         # Handed to the caller, which raises it with its own type (mp.spawn would wrap it in its own exception).
         with open(f"{out_file}.error-{rank}", "wb") as f:
@@ -98,7 +125,7 @@ def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, m
 
 
 def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-              moe_parallel="auto"):
+              moe_parallel="auto", speculative=None):
     torch.set_num_threads(threads)
     # A file store, not a TCP store: with TCP, rank 0 hosts the store's server and could exit while another
     # rank's store client is still closing, which aborts that rank ("terminate called without an active
@@ -108,7 +135,17 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
         group = dist.group.WORLD
         results = []
         for one_dtype in dtype:
-            decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group), _config(path, moe_parallel))
+            decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group),
+                                   _config(path, moe_parallel), mtp=speculative is not None)
+            if speculative is not None:  # (ks, buckets): speculative_run, the tokens compared across ranks below
+                result = speculative_run(decoder, prompts, max_new_tokens, speculative[0], max_length, speculative[1])
+                results.append(result)
+                token_lists = [None] * tp_degree
+                dist.all_gather_object(token_lists, result.tokens, group=group)
+                if any(t != token_lists[0] for t in token_lists):
+                    raise RuntimeError("ranks disagree on the greedy tokens")
+                del decoder
+                continue
             result = greedy_run(decoder, prompts, max_new_tokens, max_length)
             del decoder
             # Every rank gathered the same logits, so every rank must have chosen the same tokens.
@@ -203,3 +240,33 @@ def run_tensor_parallel(
             raise
         results = torch.load(out_file, weights_only=False)
     return results[0] if single else results
+
+
+def run_speculative_tensor_parallel(
+    path: str | os.PathLike,
+    tp_degree: int,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    ks: Sequence[int] = (1, 2, 3),
+    dtype: Sequence[torch.dtype] = (torch.float32,),
+    max_length: int = 128,
+    buckets: Sequence[int] = (16, 32),
+) -> list[SpeculativeResult]:
+    """`speculative_run` with the MTP head loaded (`load_decoder(..., mtp=True)`, sharded at tp_degree > 1), once per
+    dtype in the same `tp_degree` gloo processes (tp_degree 1: in this process, the reference); rank 0's results."""
+    from optimum_qwen35.config import Qwen35Config  # noqa: PLC0415 (as run_tensor_parallel)
+
+    path = validation.model_folder(path, "run_speculative_tensor_parallel")
+    Qwen35Config.from_pretrained(path).check_tp_degree(tp_degree)
+    prompts, ks, buckets = [list(p) for p in prompts], list(ks), list(buckets)
+    dtypes = [validation.parse_dtype(d) for d in dtype]
+    if tp_degree == 1:
+        return [speculative_run(load_decoder(path, d, mtp=True), prompts, max_new_tokens, ks, max_length, buckets)
+                for d in dtypes]
+    threads = max(1, (os.cpu_count() or 1) // tp_degree)
+    with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
+        out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
+        args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads,
+                "auto", (ks, buckets))
+        mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
+        return torch.load(out_file, weights_only=False)

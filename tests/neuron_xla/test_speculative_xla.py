@@ -198,15 +198,16 @@ def speculative_graphs(decoder, batch: int, k: int, max_length: int) -> dict[str
 
 @pytest.mark.parametrize(("tp", "dtype"), CASES, ids=[f"tp{tp}-{str(d)[6:]}" for tp, d in CASES])
 def test_the_speculative_and_resumed_prefill_graphs_keep_the_contract(reference, tp, dtype):
-    """Verify (k = 3), commit, continuing context encoding and (TP 1: the head is not sharded) the MTP head, built
+    """Verify (k = 3), commit, continuing context encoding and the MTP head (at TP 2 sharded as the main layers, its fc
+    replicated: `replicated_linear`), built
     over NxDLayers at the tensor-parallel degree, lowered: no violation (rank <= 4 included: the per-position
     recurrent states are [B, T * nv, dk, dv])."""
     config = Qwen35Config.from_pretrained(FIXTURES / "tiny-nv3x")
     failures = {}
     with traced_parallel_state(tp):
-        decoder = Qwen35Decoder(config, tp, NxDLayers(tp, dtype), mtp=tp == 1).eval()
+        decoder = Qwen35Decoder(config, tp, NxDLayers(tp, dtype), mtp=True).eval()
         graphs = speculative_graphs(decoder, batch=2, k=3, max_length=128)
-        assert sorted(graphs) == sorted(["verify", "commit", "context_continuing"] + (["mtp"] if tp == 1 else []))
+        assert sorted(graphs) == sorted(["verify", "commit", "context_continuing", "mtp"])
         for key, graph in graphs.items():
             lowered = lower(graph)
             print(f"\ntp{tp} {str(dtype)[6:]} {key}: {lowered.instruction_count} HLO instructions, "

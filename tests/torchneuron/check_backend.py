@@ -26,6 +26,7 @@ op either (there, an NKI kernel enters as its own custom call)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
@@ -68,12 +69,19 @@ def kernel_seam_decompositions() -> dict:
                                               initial_recurrent, lnc=lnc, rule_step=functional_step)
         return tuple(t.contiguous() for t in out)
 
+    def verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
+        step = functools.partial(fused.deltanet_decode_reference, rule_step=functional_step)
+        out = fused.deltanet_verify_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv,
+                                              initial_recurrent, lnc=lnc, decode=step)
+        return tuple(t.contiguous() for t in out)
+
     def prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, backend, lnc):
         out = backends.implementation("deltanet_prefill", "torch")(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, lnc=lnc)
         return tuple(t.contiguous() for t in out)
 
     ops = torch.ops.optimum_qwen35
-    return {ops.deltanet_decode.default: decode, ops.deltanet_prefill.default: prefill}
+    return {ops.deltanet_decode.default: decode, ops.deltanet_verify.default: verify,
+            ops.deltanet_prefill.default: prefill}
 
 
 def decomposition_table(extra: dict | None = None) -> dict:

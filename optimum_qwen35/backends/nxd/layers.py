@@ -122,6 +122,10 @@ class NxDLayers:
             in_features, out_features_per_rank * self.tp_degree, bias=bias, gather_output=False, dtype=self.dtype
         )
 
+    def replicated_linear(self, in_features: int, out_features: int, bias: bool = False):
+        # The whole weight on every rank, in the model dtype (the MTP head's fc at TP > 1: modeling/mtp.py).
+        return torch.nn.Linear(in_features, out_features, bias=bias, dtype=self.dtype)
+
     def row_linear(self, in_features_per_rank: int, out_features: int, bias: bool = False):
         # reduce_dtype: the sum in the activation dtype (NxD's default, fp32, doubles every all-reduce's bytes; the
         # accuracy cost is measured by the bf16 tests, docs/neuron_backend.md "Collectives in the activation dtype").
