@@ -99,7 +99,7 @@ ENVIRONMENT_FREE_TESTS = [
     "tests/test_moe_parallel.py",
     "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py",
     "tests/test_rule_bf16_products.py", "tests/test_shard.py",
-    "tests/test_state_in_place.py",
+    "tests/test_speculative_export.py", "tests/test_state_in_place.py",
     "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torchneuron_backend.py",
     "tests/test_vision_tensor_parallel.py",
 ]

@@ -168,7 +168,7 @@ def cmd_export(args) -> int:
     neuron_config = check_export(args)
     model = Qwen35NeuronModelForCausalLM.export(
         args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets,
-        neuron_backend=args.neuron_backend,
+        neuron_backend=args.neuron_backend, mtp=args.mtp,
     )
     model.save_pretrained(out, overwrite=args.overwrite)
     backend = getattr(model, "backend", None)  # (the NxD class has none: optimum-neuron's own export)
@@ -384,6 +384,9 @@ def _add_export_arguments(p) -> None:
     p.add_argument("--vision", action="store_true", help="also export the vision tower's graphs (cpu target, TP 1; docs/vision.md)")
     p.add_argument("--image_buckets", "--image-buckets", type=_int_list,
                    help="with --vision: image buckets in 16x16-pixel patches, comma-separated (default 256,1024,4096)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also export the multi-token-prediction head's graphs, for generate(..., num_speculative_tokens=k) "
+                   "(TP 1; docs/speculative_decoding.md)")
     p.add_argument("out", help="the export folder to write")
 
 

@@ -68,7 +68,7 @@ DOCUMENTS = {
     "docs/testing.md": None,
     "docs/serving.md": "vllm",  # run by tests/vllm (RUN_BY_OTHER_TESTS)
     "docs/prefix_caching.md": "reference",
-    "docs/speculative_decoding.md": "reference",
+    "docs/speculative_decoding.md": "optimum",  # its export + generate blocks go through optimum-neuron's class
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
@@ -90,6 +90,7 @@ SUBSTITUTIONS = [
     ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
     ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
     ("docs/speculative_decoding.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
+    ("docs/speculative_decoding.md", "--model path/to/checkpoint", "--model tiny-checkpoint", "the same, exported"),
     ("docs/torchneuron.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
     ("docs/torchneuron.md", "tensor_parallel_size=4", "tensor_parallel_size=1",
      "one rank: the TP 4 worker pool is tests/test_torchneuron_backend.py's (at TP 2)"),

@@ -346,6 +346,20 @@ def cache_setup(hub_server, source, export):
     return export
 
 
+def test_sync_registry_pushes_no_graphs_of_an_export_made_with_mtp(hub_server, cache_setup):
+    """An export made with mtp=True holds speculative programs its cache key does not name: a plain export of the same
+    configuration must not download them, so its graphs stay out of the cache (the entry is filed)."""
+    export = cache_setup
+    manifest = json.loads((export / "compiled" / "graphs.json").read_text())
+    (export / "compiled" / "graphs.json").write_text(json.dumps({**manifest, "mtp": {"max_speculative_tokens": 4}}))
+    result = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    files = hub_server.files("alice/neuron-cache")
+    assert set(result.paths) <= set(files) and not any(f.endswith((".pt2", "graphs.json")) for f in files)
+    (export / "compiled" / "graphs.json").write_text(json.dumps(manifest))  # the plain export pushes its graphs
+    hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)
+    assert any(f.endswith("graphs.json") for f in hub_server.files("alice/neuron-cache"))
+
+
 def test_sync_registry_files_an_entry_that_optimum_cli_lookup_lists(hub_server, cache_setup, source, tmp_path):
     export = cache_setup
     result = hub.sync_registry(export, cache_repo="alice/neuron-cache", token=WRITE, endpoint=hub_server.url)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from .. import validation
@@ -22,7 +22,16 @@ from ..errors import IncompatibleExportError, UsageError
 from ..export import layout
 from ..export.layout import rank_file
 from ..export.writer import copy_side_files, output_folder
-from .convert import CheckpointError, check_checkpoint, check_finite, convert_checkpoint, decoder_name, expected_shapes, stored_dtype
+from .convert import (
+    CheckpointError,
+    check_checkpoint,
+    check_finite,
+    convert_checkpoint,
+    convert_mtp,
+    decoder_name,
+    expected_shapes,
+    stored_dtype,
+)
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, sharded_shapes, tp_layout
 
@@ -252,3 +261,28 @@ def load_sharded(
         tensors = {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}
     return config, saved_degree, tensors
 
+
+
+# ------------------------------------------------------------------- the MTP head of an export made with mtp=True
+def save_mtp_weights(source: str | os.PathLike, config: Qwen35Config, dtype: torch.dtype, out_dir: str | os.PathLike) -> Path:
+    """The multi-token-prediction head's converted weights (`mtp.*` decoder names, checkpoint/convert.py
+    `convert_mtp`) into `out_dir/mtp.safetensors`, beside rank 0's weights (tensor_parallel_size 1: not sharded)."""
+    tensors = {name: t.contiguous() for name, t in convert_mtp(CheckpointReader(source, mtp=True), config, dtype)}
+    check_finite(tensors, str(source))
+    file = Path(out_dir) / layout.MTP_WEIGHTS_FILE
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+    os.replace(tmp, file)
+    return file
+
+
+def load_mtp_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The head's weights of a sharded export made with mtp=True (`save_mtp_weights`); a one-line error without."""
+    file = Path(path) / layout.MTP_WEIGHTS_FILE
+    if not file.is_file():
+        raise IncompatibleExportError(
+            f"{path} has no {layout.MTP_WEIGHTS_FILE}: this export has no multi-token-prediction head; export the model with mtp=True"
+        )
+    tensors = load_file(file)
+    check_finite(tensors, str(file))
+    return tensors if dtype is None else {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}

@@ -32,14 +32,19 @@ from optimum_qwen35.export.layout import (
     GRAPHS_FILE,
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
+    MTP_WEIGHTS_FILE,
     TORCHNEURON_BACKEND,
     VISION_WEIGHTS_FILE,
+    commit_graph_name,
     context_graph_name,
+    context_hidden_graph_name,
     continuing_context_graph_name,
     image_context_graph_name,
     image_token_graph_name,
     logits_graph_name,
+    mtp_graph_name,
     token_graph_name,
+    verify_graph_name,
     vision_graph_name,
 )
 from optimum_qwen35.modeling.decoder import (
@@ -49,7 +54,8 @@ from optimum_qwen35.modeling.decoder import (
     Qwen35Decoder,
     TokenGenerationGraph,
 )
-from optimum_qwen35.modeling.precision import to_model_dtype
+from optimum_qwen35.modeling.precision import accumulation_dtype, to_model_dtype
+from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHiddenGraph, MTPGraph, VerifyGraph
 from optimum_qwen35.modeling.state import StateSpec
 from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
@@ -58,6 +64,9 @@ from optimum_qwen35.runtime.prefix_cache import continuing_graphs
 
 # The process group the programs' collectives name: the default (world) group of the worker processes.
 GROUP_NAME = "0"
+# The most draft tokens per round an export made with mtp=True verifies: its verify, commit and catch-up programs take
+# this many + 1 positions, and a round of fewer drafts runs them padded (the padding is past each row's `lengths`).
+MTP_MAX_SPECULATIVE_TOKENS = 4
 
 
 def weight_names(decoder: nn.Module) -> list[str]:
@@ -106,6 +115,46 @@ def example_inputs(kind: str, batch_size: int, length: int, specs: list[StateSpe
     return (ids, torch.zeros_like(ids), seq_ids, *state)
 
 
+def speculative_example_inputs(kind: str, config: Qwen35Config, batch_size: int, length: int, specs: list[StateSpec],
+                               mtp_specs: list[StateSpec], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The speculative graphs' inputs after the weights (modeling/speculative_graphs.py): verify (ids, positions,
+    lengths, seq_ids, state), commit (seq_ids, accepted, the per-position DeltaNet states verify returns, state), the
+    MTP head (ids, hidden, positions, lengths, seq_ids, its K/V cache)."""
+    state = [torch.empty(s.shape, dtype=s.dtype) for s in specs]
+    seq_ids = torch.arange(batch_size, dtype=torch.int32)
+    ids = torch.zeros(batch_size, length, dtype=torch.int32)
+    positions = torch.arange(length, dtype=torch.int32).expand(batch_size, length)
+    lengths = torch.full((batch_size,), length, dtype=torch.int32)
+    if kind == "verify":
+        return (ids, positions, lengths, seq_ids, *state)
+    if kind == "commit":
+        # Per DeltaNet layer, from its slot state (conv [slots, C, K - 1], recurrent [slots, nv, dk, dv]): conv
+        # [B, T, C, K - 1], recurrent [B, T * nv, dk, dv] (rank 4: modeling/decoder.py `verify`).
+        per_position = []
+        for i in config.linear_layers:
+            conv, recurrent = specs[2 * i], specs[2 * i + 1]
+            per_position.append(torch.empty(batch_size, length, *conv.shape[1:], dtype=conv.dtype))
+            nv, dk, dv = recurrent.shape[1:]
+            per_position.append(torch.empty(batch_size, length * nv, dk, dv, dtype=recurrent.dtype))
+        return (seq_ids, torch.zeros(batch_size, dtype=torch.int64), *per_position, *state)
+    # the MTP head reads the main model's final-normed hidden states, in the accumulation dtype
+    hidden = torch.zeros(batch_size, length, config.hidden_size, dtype=accumulation_dtype(dtype))
+    return (ids, hidden, positions, lengths, seq_ids, *[torch.empty(s.shape, dtype=s.dtype) for s in mtp_specs])
+
+
+def speculative_plan(buckets: list[int], token_buckets: list[int]) -> list[tuple[str, str, int | tuple[int, int]]]:
+    """The programs speculative decoding runs (runtime/speculative.py), as (name, kind, length or (length, key
+    length)): context encoding with hidden states per context bucket; verify of K + 1 positions and the head's
+    draft step (1) and catch-up (K + 1) per cache bucket; one commit; the head over a prompt per context bucket."""
+    T = MTP_MAX_SPECULATIVE_TOKENS + 1
+    plan = [(context_hidden_graph_name(B), "context_hidden", B) for B in buckets]
+    plan += [(verify_graph_name(T, L), "verify", (T, L)) for L in token_buckets]
+    plan += [(commit_graph_name(T), "commit", T)]
+    pairs = sorted({(B, B) for B in buckets} | {(t, L) for t in (1, T) for L in token_buckets})
+    plan += [(mtp_graph_name(t, L), "mtp", (t, L)) for t, L in pairs]
+    return plan
+
+
 def compile_graphs(
     config: Qwen35Config,
     tp_degree: int,
@@ -121,6 +170,7 @@ def compile_graphs(
     image_buckets: list[int] | None = None,
     prefix_block_size: int | None = None,
     backend: str = CPU_BACKEND,
+    mtp: bool = False,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
@@ -130,6 +180,10 @@ def compile_graphs(
     With `prefix_block_size` (a multiple of 64, below max_length), also the context-encoding programs that continue a
     sequence which a prefix cache of that block size runs (runtime/prefix_cache.py `continuing_graphs`: one per
     context bucket and key length of a resumed piece, where the key length is longer than the bucket).
+
+    With `mtp` (tp_degree 1), also the programs of speculative decoding with the checkpoint's multi-token-prediction
+    head (`speculative_plan`), over the decoder with the head: their weights are the head's too (graphs.json "mtp":
+    their weight order, the head's K/V cache, the most drafts per round).
 
     `backend`: "cpu" exports each graph with `torch.export`; "torchneuron" writes the same manifest with no program
     files, since TorchNeuron compiles each graph on the device on first use (backends/torchneuron/runner.py builds
@@ -162,6 +216,23 @@ def compile_graphs(
             )
         continuing = continuing_graphs(sorted(buckets), token_buckets, max_length, prefix_block_size)
         plan += [(continuing_context_graph_name(T, L), "context", (T, L)) for T, L in continuing]
+    mtp_manifest = None
+    if mtp:
+        if tp_degree != 1:
+            raise UsageError(f"an export with mtp=True needs tensor_parallel_size=1 (got {tp_degree}): the MTP head is not sharded yet")
+        with torch.device("meta"):
+            mtp_decoder = to_model_dtype(Qwen35Decoder(config, 1, TorchLayers(1, 0, group=GROUP_NAME), mtp=True), dtype)
+        mtp_names = weight_names(mtp_decoder)
+        mtp_tensors = {**dict(mtp_decoder.named_parameters()), **dict(mtp_decoder.named_buffers())}
+        mtp_weights = [_shape_only(mtp_tensors[n]) for n in mtp_names]
+        mtp_specs = mtp_decoder.mtp_state_specs(batch_size, max_length)
+        plan += speculative_plan(sorted(buckets), token_buckets)
+        mtp_manifest = {
+            "max_speculative_tokens": MTP_MAX_SPECULATIVE_TOKENS,
+            "weights": mtp_names,
+            "file": MTP_WEIGHTS_FILE,
+            "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in mtp_specs],
+        }
     vision_manifest = None
     if vision is not None:
         if tp_degree != 1:
@@ -192,6 +263,19 @@ def compile_graphs(
             example = image_bucket_inputs(vision, torch.zeros(length, vision.patch_dim), grid, length)
             with torch.no_grad():
                 program = torch.export.export(WeightsAsInputs(encoder, vision_names, prefix=""), (vision_weights, *example))
+        elif kind in ("context_hidden", "verify", "commit", "mtp"):
+            if kind == "context_hidden":
+                graph, inputs = ContextHiddenGraph(mtp_decoder), example_inputs("context", batch_size, length, specs)
+            else:
+                if kind == "verify":
+                    graph = VerifyGraph(mtp_decoder, key_length)
+                elif kind == "mtp":
+                    graph = MTPGraph(mtp_decoder, key_length)
+                else:
+                    graph = CommitGraph(mtp_decoder)
+                inputs = speculative_example_inputs(kind, config, batch_size, length, specs, mtp_specs, dtype)
+            with torch.no_grad():
+                program = torch.export.export(WeightsAsInputs(graph, mtp_names), (mtp_weights, *inputs))
         else:
             if kind in ("context", "logits"):
                 graph = ContextEncodingGraph(decoder, all_logits=kind == "logits", key_length=key_length)
@@ -234,6 +318,9 @@ def compile_graphs(
         manifest["prefix_cache"] = {"block_size": prefix_block_size, "graphs": [list(pair) for pair in continuing]}
     if vision_manifest is not None:
         manifest["vision"] = vision_manifest
+    if mtp_manifest is not None:
+        # What speculative decoding on this export runs (runtime/exported.py `SpeculativePrograms.has_mtp`).
+        manifest["mtp"] = mtp_manifest
     tmp = out / f".{GRAPHS_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / GRAPHS_FILE)

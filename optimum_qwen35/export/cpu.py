@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_sharded
+from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_mtp_weights, save_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
@@ -80,18 +80,33 @@ def vision_export_config(qwen_config: Qwen35Config, tp_degree: int, source) -> V
     return vision
 
 
+def mtp_export_check(qwen_config: Qwen35Config, tp_degree: int, source) -> None:
+    """`export(..., mtp=True)`: a one-line error when the export cannot hold the MTP head's graphs."""
+    if qwen_config.mtp_num_hidden_layers < 1:
+        raise UsageError(f"mtp=True, but {source} has no multi-token-prediction head (mtp_num_hidden_layers): export it without mtp")
+    if tp_degree != 1:
+        raise UsageError(
+            f"mtp=True needs tensor_parallel_size=1 (got {tp_degree}): the multi-token-prediction head is not sharded yet"
+        )
+
+
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
-               backend: str = layout.CPU_BACKEND) -> Path:
+               backend: str = layout.CPU_BACKEND, mtp: bool = False) -> Path:
     """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
     it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
     With `vision`, the vision tower's programs too, one per image bucket.
 
     `backend="torchneuron"` (a trn2 `neuron_config`): the same folder for TorchNeuron, which needs no SDK to make:
     the weights split per rank, the configs, and a graphs.json listing the graphs (buckets, key lengths) that
-    TorchNeuron compiles on the first load on a device."""
+    TorchNeuron compiles on the first load on a device.
+
+    `mtp` (tensor_parallel_size 1): also the multi-token-prediction head's weights (checkpoint/mtp.safetensors) and
+    the speculative-decoding graphs (export/compile.py `speculative_plan`; graphs.json "mtp")."""
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
+    if mtp:
+        mtp_export_check(qwen_config, neuron_config.tp_degree, source)
     vision_config = vision_export_config(qwen_config, neuron_config.tp_degree, source) if vision else None
     if vision:
         image_buckets = check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
@@ -102,14 +117,16 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
         if vision:
             save_vision_weights(source, vision_config, dtype, work / layout.CHECKPOINT_DIR)
             copy_processor_files(source, work)
+        if mtp:
+            save_mtp_weights(source, qwen_config, dtype, work / layout.CHECKPOINT_DIR)
         export_config(config, model_id, dtype).save_pretrained(work)
         nc.save(neuron_config, work, backend)
-        if backend != layout.CPU_BACKEND or vision or not graphs_from_cache(work):  # (cached: cpu text graphs only)
+        if backend != layout.CPU_BACKEND or vision or mtp or not graphs_from_cache(work):  # (cached: cpu text graphs only)
             buckets = default_buckets(neuron_config.sequence_length, smallest=SMALLEST_EXPORT_BUCKET)
             compile_graphs(
                 qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
-                prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend,
+                prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend, mtp=mtp,
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)

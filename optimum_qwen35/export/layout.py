@@ -69,6 +69,8 @@ TP_SHARDS_FILE = "tp_shards.json"
 TP_SHARDS_FORMAT = "optimum-qwen35-tp-shards"
 TP_SHARDS_VERSION = 1
 VISION_WEIGHTS_FILE = "vision.safetensors"
+# The multi-token-prediction head's weights of an export made with mtp=True (tensor_parallel_size 1: not sharded).
+MTP_WEIGHTS_FILE = "mtp.safetensors"
 CPU_MANIFESTS = (f"{COMPILED_DIR}/{GRAPHS_FILE}", f"{CHECKPOINT_DIR}/{TP_SHARDS_FILE}")
 # optimum-neuron's compiled model of a Neuron target.
 NXD_MODEL_FILE = "model.pt"
@@ -118,6 +120,24 @@ def image_context_graph_name(length: int) -> str:
 
 def image_token_graph_name(key_length: int) -> str:
     return f"image_token_generation_{key_length}"
+
+
+# Speculative decoding with the MTP head (an export made with mtp=True; graphs.json "mtp").
+def context_hidden_graph_name(length: int) -> str:
+    """Context encoding of a fresh prompt that also returns every position's hidden state (what the head reads)."""
+    return f"context_hidden_{length}"
+
+
+def verify_graph_name(length: int, key_length: int) -> str:
+    return f"verify_{length}_keys_{key_length}"
+
+
+def commit_graph_name(length: int) -> str:
+    return f"commit_{length}"
+
+
+def mtp_graph_name(length: int, key_length: int) -> str:
+    return f"mtp_{length}_keys_{key_length}"
 
 
 # --------------------------------------------------------------------------------------------- reading one

@@ -146,7 +146,10 @@ def sync_registry(
         compiler_dir = _compiler_dir(api, cache_repo, nc)
         paths = registry_paths(entry, compiler_dir)
         operations = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=content) for p in paths]
-        if layout.is_cpu_export(nc):
+        # An export made with mtp=True holds programs its cache key does not name: a plain export of the same
+        # configuration must not download them (it has no MTP head's weights), so only its entry is registered.
+        with_mtp = layout.is_cpu_export(nc) and "mtp" in layout.read_json(Path(folder) / layout.COMPILED_DIR / layout.GRAPHS_FILE)
+        if layout.is_cpu_export(nc) and not with_mtp:
             # The cpu target's compiled graphs (its "NEFFs"), so that an export of this configuration downloads
             # them instead of compiling.
             graphs = cached_graphs_path(entry, compiler_dir, _graphs_torch_version(Path(folder)))

@@ -46,11 +46,8 @@ def token_lists(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) ->
     return prompts
 
 
-def _sampler(config):
-    """Token choice from the generation config: argmax, or a sample from the warped distribution."""
-    if not config.do_sample:
-        return None
-
+def _warpers(config) -> LogitsProcessorList:
+    """transformers' temperature / top-k / top-p warpers of the generation config (sampling)."""
     warpers = LogitsProcessorList()
     if config.temperature is not None and config.temperature != 1.0:
         if config.temperature <= 0:
@@ -60,11 +57,27 @@ def _sampler(config):
         warpers.append(TopKLogitsWarper(config.top_k))
     if config.top_p is not None and config.top_p < 1.0:
         warpers.append(TopPLogitsWarper(config.top_p))
+    return warpers
+
+
+def _distribution(config):
+    """The sampling distribution from the generation config: logits [n, vocab] -> probabilities of the warped
+    logits; None for greedy."""
+    if not config.do_sample:
+        return None
+    warpers = _warpers(config)
     no_ids = torch.empty(0, dtype=torch.long)
+    return lambda logits: torch.softmax(warpers(no_ids, logits.float()), dim=-1)
+
+
+def _sampler(config):
+    """Token choice from the generation config: argmax, or a sample from the warped distribution."""
+    distribution = _distribution(config)
+    if distribution is None:
+        return None
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = warpers(no_ids, logits.float())
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+        return torch.multinomial(distribution(logits), num_samples=1)[:, 0]
 
     return sample
 
@@ -163,6 +176,8 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
     criteria = _stopping_criteria(stopping_criteria)
     kwargs.pop("token_type_ids", None)
+    # Speculative decoding with the MTP head (not a GenerationConfig field in transformers 4.57): 0 is off.
+    speculative = kwargs.pop("num_speculative_tokens", 0)
     # Images (a vision export): the processor's outputs, passed to the runtime; mm_token_type_ids is implied by
     # the image tokens of input_ids.
     images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
@@ -199,7 +214,21 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+    if speculative:
+        new_tokens = _generate_speculative(runtime, config, prompts, limits, eos, speculative, streamer, criteria,
+                                           min_new_tokens, images)
+    else:
+        new_tokens = _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria,
+                                     min_new_tokens, images)
+    width = max(len(t) for t in new_tokens)
+    tail = torch.full((len(prompts), width), pad, dtype=input_ids.dtype)
+    for row, tokens in enumerate(new_tokens):
+        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)
 
+
+def _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria, min_new_tokens, images):
+    """The runtime's loop, one token per step: a streamer and transformers stopping criteria called after each."""
     on_step = None
     if streamer is not None:
         if len(prompts) != 1:
@@ -216,8 +245,22 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     )
     if streamer is not None:
         streamer.end()
-    width = max(len(t) for t in new_tokens)
-    tail = torch.full((len(prompts), width), pad, dtype=input_ids.dtype)
-    for row, tokens in enumerate(new_tokens):
-        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return torch.cat([input_ids, tail], dim=1)
+    return new_tokens
+
+
+def _generate_speculative(runtime, config, prompts, limits, eos, k, streamer, criteria, min_new_tokens, images):
+    """`generate(..., num_speculative_tokens=k)`: the runtime's speculative loop (runtime/speculative.py), greedy or
+    sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise UsageError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
+    if streamer is not None or criteria is not None or min_new_tokens or images:
+        raise UsageError(
+            "num_speculative_tokens takes text prompts without a streamer, stopping_criteria, min_new_tokens or images: "
+            "pass num_speculative_tokens=0 with them"
+        )
+    if len(set(limits)) != 1:
+        raise UsageError(
+            "num_speculative_tokens: a prompt + max_new_tokens exceeds the compiled sequence length; lower max_new_tokens"
+        )
+    return runtime.generate(prompts, limits[0], eos_token_id=eos, num_speculative_tokens=k,
+                            distribution=_distribution(config))

@@ -215,6 +215,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         vision: bool = False,
         image_buckets=None,
         neuron_backend: str | None = None,
+        mtp: bool = False,
         **kwargs,
     ):
         """`vision=True` adds the vision tower's graphs, one per image bucket of `image_buckets` patch rows (default
@@ -223,9 +224,15 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
 
         `neuron_backend` ("nxd" or "torchneuron"; a Neuron target): the backend, else chosen by the target and what
         is installed (backends/selection.py). A TorchNeuron export is made without the SDK: the weights split per
-        rank, the configs and the list of graphs, which TorchNeuron compiles on the first load on a device."""
+        rank, the configs and the list of graphs, which TorchNeuron compiles on the first load on a device.
+
+        `mtp=True` (tensor_parallel_size 1; the cpu target and the torchneuron backend): also the checkpoint's
+        multi-token-prediction head and the graphs of speculative decoding with it, which
+        `generate(..., num_speculative_tokens=k)` runs (k <= 4; docs/speculative_decoding.md)."""
         if vision is not True and vision is not False:
             raise UsageError(f"vision must be True or False, got {vision!r}")
+        if mtp is not True and mtp is not False:
+            raise UsageError(f"mtp must be True or False, got {mtp!r}")
         if image_buckets is not None and not vision:
             raise UsageError("image_buckets is an option of a vision export: pass vision=True with it")
         backend = layout.CPU_BACKEND
@@ -233,6 +240,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             backend = choose_neuron_backend(neuron_config.target, neuron_backend)
         elif neuron_backend is not None:
             raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
+        if mtp and backend == layout.NXD_BACKEND:
+            raise UsageError("mtp=True exports for the cpu target and the torchneuron backend only: the NxD backend has no MTP graphs yet")
         if backend == layout.NXD_BACKEND:
             # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
             # export's graphs and tower weights come with it, named in the config it saves.
@@ -256,7 +265,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 load_weights=load_weights,
             )
         source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
-        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend)
+        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend, mtp)
         model = cls(export_config(config, model_id, neuron_config.torch_dtype), neuron_config, work, owns_folder=True)
         if load_weights:
             model.runtime  # noqa: B018 (loads the graphs' weights now)
@@ -418,7 +427,12 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         the ids and the step's logits; rows it flags finish), a streamer; returns [batch, prompt + new tokens].
         Batches larger than the compiled batch size run in waves. `token_type_ids` is accepted and ignored. A vision
         export also takes the processor's `pixel_values` and `image_grid_thw` (`mm_token_type_ids` is accepted:
-        the image tokens are read from input_ids)."""
+        the image tokens are read from input_ids).
+
+        `num_speculative_tokens=k` (0, the default: off) decodes speculatively with the checkpoint's own
+        multi-token-prediction head, k drafts per round, on an export made with mtp=True: greedy, the same tokens as
+        plain greedy decoding; sampled, the same distribution (the standard rejection rule). It takes no streamer,
+        stopping_criteria, min_new_tokens or images (docs/speculative_decoding.md)."""
         return generate(self.runtime, self.generation_config, input_ids, attention_mask, generation_config, streamer,
                         stopping_criteria=stopping_criteria, **kwargs)
 

@@ -13,6 +13,15 @@ export/compile.py):
     compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.sharded_files.save_sharded`)
 
+and, in an export made with mtp=True (tensor_parallel_size 1; graphs.json "mtp"), speculative decoding with the
+checkpoint's multi-token-prediction head (runtime/speculative.py; K the most drafts per round, "max_speculative_tokens"):
+
+    compiled/context_hidden_<T>.pt2            context encoding returning every position's hidden state
+    compiled/verify_<K+1>_keys_<L>.pt2         the main model over K + 1 positions per row, per cache bucket L
+    compiled/commit_<K+1>.pt2                  each row's DeltaNet states after its accepted position
+    compiled/mtp_<T>_keys_<L>.pt2              the head over T positions (a prompt's bucket, 1: a draft, K + 1: catch-up)
+    checkpoint/mtp.safetensors                 the head's weights
+
 and, in a vision export (tensor_parallel_size 1):
 
     compiled/vision_<N>.pt2                    the vision tower, one program per image bucket of N patch rows
@@ -36,21 +45,25 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from optimum_qwen35.checkpoint.sharded_files import load_sharded
+from optimum_qwen35.checkpoint.sharded_files import load_mtp_weights, load_sharded
 from optimum_qwen35.config import Qwen35Config
-from optimum_qwen35.errors import IncompatibleExportError
+from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export.layout import (
     CHECKPOINT_DIR,
     COMPILED_DIR,
     GRAPHS_FILE,
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
+    commit_graph_name,
     context_graph_name,
+    context_hidden_graph_name,
     continuing_context_graph_name,
     image_context_graph_name,
     image_token_graph_name,
     logits_graph_name,
+    mtp_graph_name,
     token_graph_name,
+    verify_graph_name,
     vision_graph_name,
 )
 from optimum_qwen35.modeling.state import StateSpec, allocate_state
@@ -172,7 +185,102 @@ class ProgramRunner:
         return Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
 
 
-class ExportedGraphs(StateInProcess, ProgramRunner):
+def load_mtp_program_weights(folder: str | os.PathLike, manifest: dict, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The speculative programs' weight inputs, in their order: the rank's weights (`weights`, in the manifest's
+    order) and the MTP head's (checkpoint/mtp.safetensors)."""
+    params = dict(zip(manifest["weights"], weights))
+    params.update(load_mtp_weights(Path(folder) / CHECKPOINT_DIR, _dtype(manifest["dtype"])))
+    missing = [n for n in manifest["mtp"]["weights"] if n not in params]
+    if missing:
+        raise IncompatibleExportError(f"{Path(folder) / CHECKPOINT_DIR} lacks weights the MTP graphs take: {missing[:5]}; export the model again")
+    return [params[n] for n in manifest["mtp"]["weights"]]
+
+
+def _pad_positions(x: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, ...] zero-padded to `width` positions, and positions [B, T] continued: the padding lies past each
+    row's `lengths`, so a program writes none of it and the caller reads none of its outputs."""
+    pad = width - x.shape[1]
+    if pad <= 0:
+        return x, positions
+    x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
+    steps = torch.arange(1, pad + 1, dtype=positions.dtype)
+    return x, torch.cat([positions, positions[:, -1:] + steps], 1)
+
+
+class SpeculativePrograms:
+    """Speculative decoding's calls (runtime/speculative.py, as runtime/eager.py `EagerGraphs` answers them) by an
+    export's programs, where the export holds them (graphs.json "mtp"). The subclass runs a program with `call(name,
+    *inputs, state=...)` (all its outputs; the state list updated in place) and holds `mtp_state`, the head's K/V
+    cache. Verify and the head's catch-up run the export's K + 1 positions; a round of fewer drafts is padded."""
+
+    manifest: dict
+    state: list[torch.Tensor]
+    mtp_state: list[torch.Tensor]
+    _verified: list[torch.Tensor] | None = None  # verify's per-position DeltaNet states, held until commit
+
+    def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
+        raise NotImplementedError
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self.manifest
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        return self.manifest["mtp"]["max_speculative_tokens"] if self.has_mtp else 0
+
+    def _speculative(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
+        if name not in self.manifest["graphs"]:
+            raise IncompatibleExportError(
+                f"this export has no speculative-decoding program {name!r} (prompts longer than the largest context "
+                "bucket, or a cache bucket it was not built for): use the eager runtime, Qwen35Runtime.from_pretrained(path, mtp=True)"
+            )
+        return self.call(name, *inputs, state=state)
+
+    def context_hidden(self, length: int, key_length: int | None, *inputs: torch.Tensor):
+        """(logits of each row's last token [B, vocab], hidden [B, T, H]) of fresh prompts in bucket `length`."""
+        if key_length not in (None, length):  # (a prompt longer than the largest bucket: the export's is max_length)
+            raise IncompatibleExportError(
+                "this export's speculative programs encode prompts of at most its largest context bucket in one piece: "
+                "use the eager runtime, Qwen35Runtime.from_pretrained(path, mtp=True)"
+            )
+        out = self._speculative(context_hidden_graph_name(length), *inputs, state=self.state)
+        return out[0].cpu(), out[1].cpu()
+
+    def verify(self, key_length: int, ids, positions, lengths, seq_ids):
+        """(logits [B, T, vocab], hidden [B, T, H]) of T verified tokens per row; the per-position DeltaNet states are
+        held until `commit`."""
+        T, width = ids.shape[1], self.max_speculative_tokens + 1
+        padded, padded_positions = _pad_positions(ids, positions, width)
+        out = self._speculative(verify_graph_name(width, key_length), padded, padded_positions, lengths, seq_ids,
+                                state=self.state)
+        self._verified = list(out[2 : len(out) - len(self.state)])
+        return out[0][:, :T].cpu(), out[1][:, :T].cpu()
+
+    def commit(self, seq_ids, accepted) -> None:
+        """Each active row's DeltaNet states become those after its verified position accepted[b]."""
+        if self._verified is None:
+            raise UsageError("commit without a verify before it")
+        width = self.max_speculative_tokens + 1
+        self._speculative(commit_graph_name(width), seq_ids, accepted, *self._verified, state=self.state)
+        self._verified = None
+
+    def mtp(self, key_length: int | None, ids, hidden, positions, lengths, seq_ids):
+        """The MTP head over T positions per row: (logits [B, vocab], out [B, H]) at each row's last real one. A
+        catch-up over fewer than K + 1 positions runs the K + 1 program, padded."""
+        T = ids.shape[1]
+        key_length = key_length or T
+        if mtp_graph_name(T, key_length) not in self.manifest["graphs"] and T < self.max_speculative_tokens + 1:
+            width = self.max_speculative_tokens + 1
+            hidden, _ = _pad_positions(hidden, positions, width)
+            ids, positions = _pad_positions(ids, positions, width)
+            T = width
+        out = self._speculative(mtp_graph_name(T, key_length), ids, hidden, positions, lengths, seq_ids,
+                                state=self.mtp_state)
+        return out[0].cpu(), out[1].cpu()
+
+
+class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
     """One rank's compiled programs, its weights and its state; programs are loaded on first use."""
 
     def __init__(self, folder: str | os.PathLike, rank: int = 0, manifest: dict | None = None):
@@ -186,6 +294,12 @@ class ExportedGraphs(StateInProcess, ProgramRunner):
         self.vision_weights = None
         if "vision" in self.manifest:
             self.vision_weights = load_vision_weights(folder, self.manifest)
+        # Speculative decoding (an export made with mtp=True): the head's weights and its own K/V cache.
+        self.mtp_weights, self.mtp_state = None, []
+        if self.has_mtp:
+            self.mtp_weights = load_mtp_program_weights(folder, self.manifest, self.weights)
+            self.mtp_state = allocate_state([StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"]))
+                                             for s in self.manifest["mtp"]["state"]])
 
     def program(self, name: str) -> nn.Module:
         if name not in self._programs:
@@ -210,6 +324,11 @@ class ExportedGraphs(StateInProcess, ProgramRunner):
             if saved is not None:
                 for state, before in zip(self.state, saved):
                     state.index_copy_(0, index, before)
+
+    @torch.no_grad()
+    def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
+        """A speculative-decoding program (graphs.json "mtp"): all its outputs; `state` updated in place."""
+        return self.program(name)(self.mtp_weights, *inputs, *state)
 
     @torch.no_grad()
     def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:

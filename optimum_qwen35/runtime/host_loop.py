@@ -675,7 +675,7 @@ class Qwen35Runtime:
             )
         if distribution is not None and not callable(distribution):
             raise UsageError(f"distribution must be a callable or None, got {type(distribution).__name__}")
-        check_runner(self.graphs)
+        check_runner(self.graphs, k)
         for p in prompts:
             self._check_length(len(p))
             if len(p) + max_new_tokens > self.max_length:

@@ -49,12 +49,17 @@ class SpeculationStats:
         return self.emitted / self.rounds if self.rounds else 0.0
 
 
-def check_runner(graphs) -> None:
+def check_runner(graphs, k: int | None = None) -> None:
+    """Whether `graphs` can run speculative decoding with k drafts per round: the MTP head (the eager runtime loaded
+    with mtp=True, or an export made with mtp=True) and, for an export, k within the K + 1 positions it verifies."""
     if not getattr(graphs, "has_mtp", False):
         raise IncompatibleExportError(
             "speculative decoding needs the multi-token-prediction head: load the checkpoint with "
-            "Qwen35Runtime.from_pretrained(path, ..., mtp=True) (the eager runtime; a compiled export has no MTP graphs yet)"
+            "Qwen35Runtime.from_pretrained(path, ..., mtp=True), or export the model with mtp=True (optimum-qwen35 export --mtp)"
         )
+    most = getattr(graphs, "max_speculative_tokens", None)  # (None: the eager runtime takes any k)
+    if k is not None and most is not None and k > most:
+        raise UsageError(f"num_speculative_tokens={k}, but this export verifies at most {most} drafts per round: pass k <= {most}")
 
 
 def _sample(probs: torch.Tensor, generator) -> int:

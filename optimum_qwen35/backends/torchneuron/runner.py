@@ -31,12 +31,13 @@ from optimum_qwen35.modeling.decoder import (
     ImageTokenGenerationGraph,
     TokenGenerationGraph,
 )
+from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHiddenGraph, MTPGraph, VerifyGraph
 from optimum_qwen35.modeling.state import StateSpec, allocate_state
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder
 from optimum_qwen35.backends.torchneuron.device import import_torchneuron
 from optimum_qwen35.backends.torchneuron.layers import TorchNeuronLayers
 from optimum_qwen35.runtime.eager import load_decoder
-from optimum_qwen35.runtime.exported import ProgramRunner, read_graphs_manifest
+from optimum_qwen35.runtime.exported import ProgramRunner, SpeculativePrograms, read_graphs_manifest
 from optimum_qwen35.runtime.host_loop import Qwen35Runtime
 from optimum_qwen35.runtime.prefix_cache import StateInProcess
 from optimum_qwen35.runtime.worker_pool import WorkerPool
@@ -64,12 +65,14 @@ def check_manifest(manifest: dict, folder) -> None:
         )
 
 
-class TorchNeuronGraphs(StateInProcess, ProgramRunner):
+class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
     """One rank's decoder, its graph modules compiled on first use, its weights and its state on `device`.
 
     Answers the host loop's calls by program name, as a cpu export's runner does (`ProgramRunner`): the graphs.json
     entries name each graph's kind, bucket and key length; the modules are the decoder's own graphs
-    (modeling/decoder.py). Inputs move to the device, logits come back to the host."""
+    (modeling/decoder.py), and in an export made with mtp=True the speculative-decoding graphs over the decoder with
+    its multi-token-prediction head (modeling/speculative_graphs.py; `SpeculativePrograms` drives them). Inputs move
+    to the device, logits come back to the host."""
 
     def __init__(self, folder: str | os.PathLike, rank: int = 0, manifest: dict | None = None,
                  compile_backend="neuron", device: str | torch.device = "neuron"):
@@ -81,9 +84,14 @@ class TorchNeuronGraphs(StateInProcess, ProgramRunner):
         dtype = getattr(torch, self.manifest["dtype"])
         # The collectives name the process group the export was built for (the world group of the ranks).
         layers = TorchNeuronLayers(tp_degree, rank, group=self.manifest["group_name"] if tp_degree > 1 else None)
-        self.decoder = load_decoder(self.folder / CHECKPOINT_DIR, dtype, tp_degree, rank, layers=layers).to(self.device)
+        self.decoder = load_decoder(self.folder / CHECKPOINT_DIR, dtype, tp_degree, rank, layers=layers,
+                                    mtp=self.has_mtp).to(self.device)
         self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), getattr(torch, s["dtype"])) for s in self.manifest["state"]]
         self.state = allocate_state(self.state_specs, self.device)
+        self.mtp_state = []  # the MTP head's K/V cache (an export made with mtp=True)
+        if self.has_mtp:
+            self.mtp_state = allocate_state([StateSpec(s["name"], tuple(s["shape"]), getattr(torch, s["dtype"]))
+                                             for s in self.manifest["mtp"]["state"]], self.device)
         self.vision_encoder = None
         if "vision" in self.manifest:
             self.vision_encoder = self._load_vision_encoder(dtype)
@@ -117,6 +125,14 @@ class TorchNeuronGraphs(StateInProcess, ProgramRunner):
             return ImageTokenGenerationGraph(self.decoder, length)
         if kind == "vision":
             return self.vision_encoder
+        if kind == "context_hidden":
+            return ContextHiddenGraph(self.decoder)
+        if kind == "verify":
+            return VerifyGraph(self.decoder, entry["key_length"])
+        if kind == "commit":
+            return CommitGraph(self.decoder)
+        if kind == "mtp":
+            return MTPGraph(self.decoder, entry["key_length"])
         raise IncompatibleExportError(f"graph {name!r} is of kind {kind!r}, which this version cannot run: export again")
 
     def program(self, name: str) -> torch.nn.Module:
@@ -144,6 +160,11 @@ class TorchNeuronGraphs(StateInProcess, ProgramRunner):
             if saved is not None:
                 for state, before in zip(self.state, saved):
                     state.index_copy_(0, index, before)
+
+    @torch.no_grad()
+    def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
+        """A speculative-decoding graph (graphs.json "mtp"): all its outputs, on the device; `state` updated in place."""
+        return self.program(name)(*self._to_device(inputs), *state)
 
     @torch.no_grad()
     def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""`generate(..., num_speculative_tokens=k)` through optimum-neuron's entry points, on exports made with mtp=True
+(`optimum-qwen35 export --mtp`, `Qwen35NeuronModelForCausalLM.export(..., mtp=True)`), loaded with
+`NeuronModelForCausalLM.from_pretrained`: greedy, the tokens of plain greedy decoding for k = 1..4, fp32 and bf16, a
+padded batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b, tests/kit/mtp_fit.py);
+the one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
+
+from optimum.neuron import NeuronModelForCausalLM  # noqa: E402
+
+from optimum_qwen35.cli import main  # noqa: E402
+from optimum_qwen35.errors import IncompatibleExportError, UsageError  # noqa: E402
+from optimum_qwen35.export.layout import COMPILED_DIR, GRAPHS_FILE  # noqa: E402
+from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM  # noqa: E402
+
+from ..conftest import FIXTURES  # noqa: E402
+from .conftest import BATCH_SIZE, SEQUENCE_LENGTH  # noqa: E402
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    from tests.kit.mtp_fit import fitted_checkpoint
+
+    return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def export(request, fitted, tmp_path_factory):
+    """fp32 through the command line (`optimum-qwen35 export --mtp`), bf16 through the Python export."""
+    out = tmp_path_factory.mktemp("exports") / request.param
+    if request.param == "float32":
+        assert main(["export", "--model", str(fitted), "--batch_size", str(BATCH_SIZE), "--sequence_length",
+                     str(SEQUENCE_LENGTH), "--torch_dtype", "float32", "--target", "cpu", "--mtp", str(out)]) == 0
+    else:
+        neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+            fitted, batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH, dtype=request.param, target="cpu")
+        Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True).save_pretrained(out)
+    return out
+
+
+def _batch(fitted, model):
+    """Row 0: a prompt the head was fitted on and the start of its greedy continuation (in-sample: drafts accepted);
+    row 1: not. Left-padded, as a tokenizer pads for generation."""
+    prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    first = model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, eos_token_id=None)[0].tolist()
+    rows = [first, [7, 300, 2] * 5 + [11, 12]]
+    width = max(map(len, rows))
+    ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):], mask[r, width - len(row):] = torch.tensor(row), 1
+    return ids, mask
+
+
+def test_greedy_speculation_equals_greedy_decoding(fitted, export):
+    assert json.loads((export / COMPILED_DIR / GRAPHS_FILE).read_text())["mtp"]["max_speculative_tokens"] == 4
+    model = NeuronModelForCausalLM.from_pretrained(export)
+    assert isinstance(model, Qwen35NeuronModelForCausalLM)
+    ids, mask = _batch(fitted, model)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                      num_speculative_tokens=0), plain)  # 0: off
+    for k in (1, 2, 3, 4):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             num_speculative_tokens=k)
+        assert torch.equal(out, plain), k
+        stats = model.runtime.speculation
+        pairs = list(zip(stats.accepted_per_round[0::2], stats.accepted_per_round[1::2]))
+        assert stats.accepted > 0 and any(a != b for a, b in pairs), (k, pairs)
+    # Sampled, through the config's warpers: with top_k=1 the distribution is the argmax's, so the rejection rule must
+    # give the greedy tokens (a residual or acceptance computed from anything else would not). fp32 only: bf16 logits
+    # tie at the top (measured: row 0, new token 42), where top-k keeps both, and plain sampling leaves greedy too.
+    if "float32" in export.name:
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1,
+                                 eos_token_id=None, num_speculative_tokens=2)
+        assert torch.equal(sampled, plain)
+    # Without it, sampling (torch's global generator: reproducible under torch.manual_seed), not greedy decoding.
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        draws.append(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=0, top_p=1.0,
+                                    temperature=1.0, eos_token_id=None, num_speculative_tokens=2))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], plain)
+    model.close()
+
+
+def test_speculation_errors_are_one_line(fitted, export, export_dir):
+    model = NeuronModelForCausalLM.from_pretrained(export)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(UsageError, match="at most 4 drafts per round"):
+        model.generate(ids, max_new_tokens=4, num_speculative_tokens=5)
+    with pytest.raises(UsageError, match="without a streamer, stopping_criteria, min_new_tokens"):
+        model.generate(ids, max_new_tokens=4, min_new_tokens=2, num_speculative_tokens=2)
+    model.close()
+    plain = NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
+    with pytest.raises(IncompatibleExportError, match="export the model with mtp=True") as error:
+        plain.generate(ids, max_new_tokens=4, num_speculative_tokens=2)
+    assert "\n" not in str(error.value)
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        fitted, batch_size=1, sequence_length=SEQUENCE_LENGTH, tensor_parallel_size=2, dtype="float32", target="cpu")
+    with pytest.raises(UsageError, match="mtp=True needs tensor_parallel_size=1") as error:
+        Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True)
+    assert "\n" not in str(error.value)
+
+
+def test_a_trn2_torchneuron_export_made_with_mtp_speculates_on_the_cpu(fitted, tmp_path):
+    """`export(..., mtp=True)` for trn2 without the SDK (the torchneuron backend), loaded with its graphs run through
+    torch.compile on the CPU: greedy k = 2 gives the plain greedy tokens."""
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
+        fitted, batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH, tensor_parallel_size=1, dtype="float32",
+        target="trn2")
+    Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True).save_pretrained(tmp_path / "export")
+    model = NeuronModelForCausalLM.from_pretrained(tmp_path / "export", compile_backend="eager", device="cpu")
+    assert model.backend == "torchneuron"
+    ids, mask = _batch(fitted, model)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         num_speculative_tokens=2)
+    assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
+    model.close()

@@ -1,0 +1,122 @@
+"""Speculative decoding on a cpu export made with mtp=True (export/compile.py `speculative_plan`, runtime/exported.py
+`SpeculativePrograms`) is exact: greedy, token for token what plain greedy decoding on the same export returns, for
+k = 1..4, fp32 and bf16, a batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b,
+tests/kit/mtp_fit.py: one row in-sample, where it accepts, one not, where it accepts almost nothing)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from optimum_qwen35.errors import IncompatibleExportError, UsageError
+from optimum_qwen35.export.layout import COMPILED_DIR, GRAPHS_FILE
+from optimum_qwen35.runtime import Qwen35Runtime
+
+from .conftest import FIXTURES
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    from tests.kit.mtp_fit import fitted_checkpoint
+
+    return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def export(request, fitted, tmp_path_factory):
+    from tests.kit.mtp_export import mtp_export
+
+    return mtp_export(fitted, tmp_path_factory.mktemp("export"), request.param)
+
+
+def test_greedy_speculation_on_an_export_equals_greedy_decoding(fitted, export):
+    manifest = json.loads((export / COMPILED_DIR / GRAPHS_FILE).read_text())
+    assert manifest["mtp"]["max_speculative_tokens"] == 4 and manifest["mtp"]["file"] == "mtp.safetensors"
+    model = Qwen35Runtime.from_export(export)
+    assert model.graphs.has_mtp
+    # Row 0: a prompt the head was fitted on and the start of its greedy continuation (in-sample); row 1: not.
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    prompts = [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=9)[0], [7, 300, 2] * 5 + [11, 12]]
+    plain = model.generate(prompts, max_new_tokens=NEW)
+    bf16 = manifest["dtype"] == "bfloat16"
+    lengths = {}
+    for k in (1, 2, 3, 4):
+        assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=k) == plain, f"k={k}"
+        stats = model.speculation
+        lengths[k] = stats.acceptance_length
+        # bf16's greedy continuation leaves fp32's, which the head was fitted on, after a few tokens: it accepts
+        # little (measured 1.04 at k = 1), but some drafts, so that accepted drafts are part of what is compared.
+        assert stats.accepted > 0 and stats.acceptance_length > (1.0 if bf16 else 1.3), (k, stats.accepted_per_round)
+        # The rounds where both rows ran (the first entries, two per round): the rows accepted different numbers.
+        pairs = list(zip(stats.accepted_per_round[0::2], stats.accepted_per_round[1::2]))
+        assert any(a != b for a, b in pairs), (k, pairs)
+    print(f"acceptance length per k on the export ({manifest['dtype']}): {lengths}")
+    model.close()
+
+
+def test_eos_and_the_end_of_the_cache_on_an_export(fitted, export):
+    """The padded verify and catch-up programs at the end of the cache (the verified length cut to what fits, the
+    padding past max_length) and an EOS inside accepted drafts: the plain greedy tokens."""
+    model = Qwen35Runtime.from_export(export)
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    prompts = [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=22)[0], [7, 300, 2] * 5 + [11, 12]]
+    longest = model.max_length - len(prompts[0])  # row 0 generates up to the last cache position
+    plain = model.generate(prompts, max_new_tokens=longest)
+    assert model.generate(prompts, max_new_tokens=longest, num_speculative_tokens=4) == plain
+    eos = plain[0][NEW // 2]
+    want = model.generate(prompts, max_new_tokens=NEW, eos_token_id=eos)
+    assert len(want[0]) <= NEW // 2 + 1
+    assert model.generate(prompts, max_new_tokens=NEW, eos_token_id=eos, num_speculative_tokens=3) == want
+    model.close()
+
+
+def test_speculation_needs_an_export_with_the_mtp_graphs(tmp_path, export):
+    model = Qwen35Runtime.from_export(export)
+    with pytest.raises(UsageError, match="at most 4 drafts per round"):
+        model.generate([[1, 2, 3]], max_new_tokens=4, num_speculative_tokens=5)
+    model.close()
+    # A copy without the "mtp" entry (what an export made without mtp=True holds): one line saying how to fix it.
+    copy = tmp_path / "export"
+    shutil.copytree(export, copy)
+    manifest = json.loads((copy / COMPILED_DIR / GRAPHS_FILE).read_text())
+    del manifest["mtp"]
+    (copy / COMPILED_DIR / GRAPHS_FILE).write_text(json.dumps(manifest))
+    model = Qwen35Runtime.from_export(copy)
+    with pytest.raises(IncompatibleExportError, match="export the model with mtp=True") as error:
+        model.generate([[1, 2, 3]], max_new_tokens=4, num_speculative_tokens=2)
+    assert "\n" not in str(error.value)
+    model.close()
+
+
+def test_an_mtp_export_is_tensor_parallel_size_1(tmp_path):
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.export.compile import compile_graphs
+
+    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
+    with pytest.raises(UsageError, match="tensor_parallel_size=1") as error:
+        compile_graphs(config, 2, 1, 128, [128], torch.float32, tmp_path, progress=False, mtp=True)
+    assert "\n" not in str(error.value) and not any(tmp_path.iterdir())
+
+
+def test_greedy_speculation_on_a_torchneuron_export_equals_greedy_decoding(fitted, tmp_path):
+    """The TorchNeuron export (graphs.json entries, no program files): the runner builds the speculative graph modules
+    from the entries and torch.compiles them ("eager" on the CPU here)."""
+    from optimum_qwen35.backends.torchneuron.runner import load_runtime
+    from optimum_qwen35.export.layout import TORCHNEURON_BACKEND
+    from tests.kit.mtp_export import mtp_export
+
+    folder = mtp_export(fitted, tmp_path / "export", backend=TORCHNEURON_BACKEND)
+    manifest = json.loads((folder / COMPILED_DIR / GRAPHS_FILE).read_text())
+    assert {e["kind"] for e in manifest["graphs"].values()} >= {"context_hidden", "verify", "commit", "mtp"}
+    assert not any("file" in e for e in manifest["graphs"].values())
+    model = load_runtime(folder, compile_backend="eager", device="cpu")
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    prompts = [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=9)[0], [7, 300, 2] * 5 + [11, 12]]
+    plain = model.generate(prompts, max_new_tokens=NEW)
+    assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=3) == plain
+    assert model.speculation.acceptance_length > 1.3, model.speculation.accepted_per_round
+    print(f"acceptance length at k = 3 on the TorchNeuron export: {model.speculation.acceptance_length}")
+    model.close()
