@@ -36,6 +36,7 @@ host loop's calls (runtime/host_loop.py) through `ProgramRunner`, by program nam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -112,6 +113,22 @@ def load_vision_weights(folder: str | os.PathLike, manifest: dict) -> list[torch
     if missing:
         raise IncompatibleExportError(f"{file} lacks weights the vision graphs take: {missing[:5]}; export the model again")
     return [params[n] for n in manifest["vision"]["weights"]]
+
+
+@contextlib.contextmanager
+def slots_restored(state: list[torch.Tensor], slots: list[int] | None):
+    """The state of `slots` put back as it was once the block ends (a scoring pass borrows slots that sequences
+    running through prefill / decode hold); nothing for no slots."""
+    if not slots:
+        yield
+        return
+    index = torch.as_tensor(slots, dtype=torch.int64, device=state[0].device)
+    saved = [s.index_select(0, index) for s in state]
+    try:
+        yield
+    finally:
+        for tensor, before in zip(state, saved):
+            tensor.index_copy_(0, index, before)
 
 
 class ProgramRunner:
@@ -314,16 +331,8 @@ class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         """Run graph `name` on `inputs` (token ids, ..., seq_ids), updating this rank's state; returns the logits.
 
         `restore`: slots whose state is put back as it was before the call (a scoring pass borrows them)."""
-        saved = None
-        if restore:
-            index = torch.as_tensor(restore, dtype=torch.int64)
-            saved = [s.index_select(0, index) for s in self.state]
-        try:
+        with slots_restored(self.state, restore):
             return self.program(name)(self.weights, *inputs, *self.state)[0]
-        finally:
-            if saved is not None:
-                for state, before in zip(self.state, saved):
-                    state.index_copy_(0, index, before)
 
     @torch.no_grad()
     def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:

@@ -37,7 +37,7 @@ from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder
 from optimum_qwen35.backends.torchneuron.device import import_torchneuron
 from optimum_qwen35.backends.torchneuron.layers import TorchNeuronLayers
 from optimum_qwen35.runtime.eager import load_decoder
-from optimum_qwen35.runtime.exported import ProgramRunner, SpeculativePrograms, read_graphs_manifest
+from optimum_qwen35.runtime.exported import ProgramRunner, SpeculativePrograms, read_graphs_manifest, slots_restored
 from optimum_qwen35.runtime.host_loop import Qwen35Runtime
 from optimum_qwen35.runtime.prefix_cache import StateInProcess
 from optimum_qwen35.runtime.worker_pool import WorkerPool
@@ -150,16 +150,8 @@ class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
     def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
         """Run graph `name` on `inputs`, updating this rank's state in place; returns the logits on the host.
         `restore`: slots whose state is put back as it was before the call (a scoring pass borrows them)."""
-        saved = None
-        if restore:
-            index = torch.as_tensor(restore, dtype=torch.int64, device=self.device)
-            saved = [s.index_select(0, index) for s in self.state]
-        try:
+        with slots_restored(self.state, restore):
             return self.program(name)(*self._to_device(inputs), *self.state)[0].to("cpu")
-        finally:
-            if saved is not None:
-                for state, before in zip(self.state, saved):
-                    state.index_copy_(0, index, before)
 
     @torch.no_grad()
     def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
