@@ -142,6 +142,8 @@ def test_the_neuron_device_without_torchneuron_is_one_line(exports):
         load_runtime(exports("tiny-2b"))
     text = str(error.value)
     assert "\n" not in text and 'compile_backend="eager", device="cpu"' in text
+    with pytest.raises(MissingDependencyError):  # the device alone, before torch knows its name
+        load_runtime(exports("tiny-2b"), compile_backend="eager", device="neuron")
 
 
 @pytest.mark.parametrize("target, torchneuron, nxd, requested, chosen", [

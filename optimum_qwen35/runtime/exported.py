@@ -91,6 +91,11 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def manifest_state_specs(entries: list[dict]) -> list[StateSpec]:
+    """The state a graphs.json lists (its "state", or "mtp"'s "state"): name, shape and dtype of each tensor."""
+    return [StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"])) for s in entries]
+
+
 def load_rank_weights(folder: str | os.PathLike, manifest: dict, rank: int) -> list[torch.Tensor]:
     """One rank's weight inputs, in program order, from the export's `checkpoint/` shards."""
     _, _, params = load_sharded(Path(folder) / CHECKPOINT_DIR, rank, manifest["tp_degree"], _dtype(manifest["dtype"]))
@@ -305,7 +310,7 @@ class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         self.manifest = manifest or read_graphs_manifest(folder)
         self.rank = rank
         self.weights = load_rank_weights(folder, self.manifest, rank)
-        self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"])) for s in self.manifest["state"]]
+        self.state_specs = manifest_state_specs(self.manifest["state"])
         self.state = allocate_state(self.state_specs)
         self._programs: dict[str, nn.Module] = {}
         self.vision_weights = None
@@ -315,8 +320,7 @@ class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         self.mtp_weights, self.mtp_state = None, []
         if self.has_mtp:
             self.mtp_weights = load_mtp_program_weights(folder, self.manifest, self.weights)
-            self.mtp_state = allocate_state([StateSpec(s["name"], tuple(s["shape"]), _dtype(s["dtype"]))
-                                             for s in self.manifest["mtp"]["state"]])
+            self.mtp_state = allocate_state(manifest_state_specs(self.manifest["mtp"]["state"]))
 
     def program(self, name: str) -> nn.Module:
         if name not in self._programs:

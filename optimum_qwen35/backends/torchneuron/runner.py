@@ -32,12 +32,18 @@ from optimum_qwen35.modeling.decoder import (
     TokenGenerationGraph,
 )
 from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHiddenGraph, MTPGraph, VerifyGraph
-from optimum_qwen35.modeling.state import StateSpec, allocate_state
+from optimum_qwen35.modeling.state import allocate_state
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder
 from optimum_qwen35.backends.torchneuron.device import import_torchneuron
 from optimum_qwen35.backends.torchneuron.layers import TorchNeuronLayers
 from optimum_qwen35.runtime.eager import load_decoder
-from optimum_qwen35.runtime.exported import ProgramRunner, SpeculativePrograms, read_graphs_manifest, slots_restored
+from optimum_qwen35.runtime.exported import (
+    ProgramRunner,
+    SpeculativePrograms,
+    manifest_state_specs,
+    read_graphs_manifest,
+    slots_restored,
+)
 from optimum_qwen35.runtime.host_loop import Qwen35Runtime
 from optimum_qwen35.runtime.prefix_cache import StateInProcess
 from optimum_qwen35.runtime.worker_pool import WorkerPool
@@ -86,12 +92,11 @@ class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         layers = TorchNeuronLayers(tp_degree, rank, group=self.manifest["group_name"] if tp_degree > 1 else None)
         self.decoder = load_decoder(self.folder / CHECKPOINT_DIR, dtype, tp_degree, rank, layers=layers,
                                     mtp=self.has_mtp).to(self.device)
-        self.state_specs = [StateSpec(s["name"], tuple(s["shape"]), getattr(torch, s["dtype"])) for s in self.manifest["state"]]
+        self.state_specs = manifest_state_specs(self.manifest["state"])
         self.state = allocate_state(self.state_specs, self.device)
         self.mtp_state = []  # the MTP head's K/V cache (an export made with mtp=True)
         if self.has_mtp:
-            self.mtp_state = allocate_state([StateSpec(s["name"], tuple(s["shape"]), getattr(torch, s["dtype"]))
-                                             for s in self.manifest["mtp"]["state"]], self.device)
+            self.mtp_state = allocate_state(manifest_state_specs(self.manifest["mtp"]["state"]), self.device)
         self.vision_encoder = None
         if "vision" in self.manifest:
             self.vision_encoder = self._load_vision_encoder(dtype)
@@ -180,7 +185,8 @@ def load_runtime(folder: str | os.PathLike, compile_backend="neuron", device: st
     only (the workers take its name)."""
     manifest = read_graphs_manifest(folder)
     check_manifest(manifest, folder)
-    on_device = compile_backend == "neuron" or torch.device(device).type == "neuron"
+    # By name: torch.device("neuron") itself fails until torch-neuronx has registered the device.
+    on_device = compile_backend == "neuron" or str(device).partition(":")[0] == "neuron"
     if on_device:
         import_torchneuron()  # registers the device and the backends; a one-line error without TorchNeuron
     tp_degree = manifest["tp_degree"]
