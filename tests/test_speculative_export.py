@@ -34,7 +34,7 @@ def export(request, fitted, tmp_path_factory):
 
 def test_greedy_speculation_on_an_export_equals_greedy_decoding(fitted, export):
     manifest = json.loads((export / COMPILED_DIR / GRAPHS_FILE).read_text())
-    assert manifest["mtp"]["max_speculative_tokens"] == 4 and manifest["mtp"]["file"] == "mtp.safetensors"
+    assert manifest["mtp"]["max_speculative_tokens"] == 4 and manifest["mtp"]["files"] == ["mtp.safetensors"]
     model = Qwen35Runtime.from_export(export)
     assert model.graphs.has_mtp
     # Row 0: a prompt the head was fitted on and the start of its greedy continuation (in-sample); row 1: not.
@@ -91,14 +91,40 @@ def test_speculation_needs_an_export_with_the_mtp_graphs(tmp_path, export):
     model.close()
 
 
-def test_an_mtp_export_is_tensor_parallel_size_1(tmp_path):
-    from optimum_qwen35.config import Qwen35Config
-    from optimum_qwen35.export.compile import compile_graphs
+def _rows(fitted, model, continued: int = 9) -> list[list[int]]:
+    """Row 0 in-sample (a prompt the head was fitted on and the start of its greedy continuation), row 1 not."""
+    fitted_prompt = json.loads((fitted / "mtp_fit.json").read_text())["prompts"][0]
+    return [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=continued)[0], [7, 300, 2] * 5 + [11, 12]]
 
-    config = Qwen35Config.from_pretrained(FIXTURES / "tiny-2b")
-    with pytest.raises(UsageError, match="tensor_parallel_size=1") as error:
-        compile_graphs(config, 2, 1, 128, [128], torch.float32, tmp_path, progress=False, mtp=True)
-    assert "\n" not in str(error.value) and not any(tmp_path.iterdir())
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_greedy_speculation_on_a_tensor_parallel_export_equals_greedy_decoding(fitted, tmp_path, dtype):
+    """An export made with mtp=True at tensor_parallel_size 2: each rank's share of the head in its own file, the
+    programs run by two worker processes over gloo (runtime/worker_pool.py, speculative steps on every rank). Greedy
+    speculation equals plain greedy on it for k = 1..4; in fp32 both equal the TP 1 export's tokens too."""
+    from tests.kit.mtp_export import mtp_export
+
+    folder = mtp_export(fitted, tmp_path / "tp2", dtype, tp_degree=2)
+    manifest = json.loads((folder / COMPILED_DIR / GRAPHS_FILE).read_text())
+    assert manifest["mtp"]["files"] == ["mtp_rank_0.safetensors", "mtp_rank_1.safetensors"]
+    assert not (folder / "checkpoint" / "mtp.safetensors").exists()
+    model = Qwen35Runtime.from_export(folder)
+    try:
+        assert model.graphs.has_mtp and model.graphs.max_speculative_tokens == 4
+        prompts = _rows(fitted, model)
+        plain = model.generate(prompts, max_new_tokens=NEW)
+        lengths = {}
+        for k in (1, 2, 3, 4):
+            assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=k) == plain, f"k={k}"
+            lengths[k] = model.speculation.acceptance_length
+            assert model.speculation.accepted > 0, (k, model.speculation.accepted_per_round)
+        print(f"acceptance length per k on the TP 2 export ({manifest['dtype']}): {lengths}")
+    finally:
+        model.close()
+    if dtype == torch.float32:
+        single = Qwen35Runtime.from_export(mtp_export(fitted, tmp_path / "tp1", dtype))
+        assert single.generate(prompts, max_new_tokens=NEW) == plain
+        single.close()
 
 
 def test_greedy_speculation_on_a_torchneuron_export_equals_greedy_decoding(fitted, tmp_path):
@@ -120,3 +146,22 @@ def test_greedy_speculation_on_a_torchneuron_export_equals_greedy_decoding(fitte
     assert model.speculation.acceptance_length > 1.3, model.speculation.accepted_per_round
     print(f"acceptance length at k = 3 on the TorchNeuron export: {model.speculation.acceptance_length}")
     model.close()
+
+
+def test_greedy_speculation_on_a_tensor_parallel_torchneuron_export(fitted, tmp_path):
+    """The TorchNeuron export at tensor_parallel_size 2: each worker builds its rank's graph modules from the entries
+    (the head sharded as on the CPU) and torch.compiles them ("eager", gloo on the CPU here); k = 3 is plain greedy."""
+    from optimum_qwen35.backends.torchneuron.runner import load_runtime
+    from optimum_qwen35.export.layout import TORCHNEURON_BACKEND
+    from tests.kit.mtp_export import mtp_export
+
+    folder = mtp_export(fitted, tmp_path / "export", backend=TORCHNEURON_BACKEND, tp_degree=2)
+    model = load_runtime(folder, compile_backend="eager", device="cpu")
+    try:
+        prompts = _rows(fitted, model)
+        plain = model.generate(prompts, max_new_tokens=NEW)
+        assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=3) == plain
+        assert model.speculation.acceptance_length > 1.3, model.speculation.accepted_per_round
+        print(f"acceptance length at k = 3 on the TP 2 TorchNeuron export: {model.speculation.acceptance_length}")
+    finally:
+        model.close()

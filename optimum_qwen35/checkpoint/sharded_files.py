@@ -33,7 +33,7 @@ from .convert import (
     stored_dtype,
 )
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
-from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, sharded_shapes, tp_layout
+from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, shard_tensor, sharded_shapes, tp_layout
 
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -264,24 +264,34 @@ def load_sharded(
 
 
 # ------------------------------------------------------------------- the MTP head of an export made with mtp=True
-def save_mtp_weights(source: str | os.PathLike, config: Qwen35Config, dtype: torch.dtype, out_dir: str | os.PathLike) -> Path:
+def save_mtp_weights(source: str | os.PathLike, config: Qwen35Config, dtype: torch.dtype, out_dir: str | os.PathLike,
+                     tp_degree: int = 1) -> list[Path]:
     """The multi-token-prediction head's converted weights (`mtp.*` decoder names, checkpoint/convert.py
-    `convert_mtp`) into `out_dir/mtp.safetensors`, beside rank 0's weights (tensor_parallel_size 1: not sharded)."""
-    tensors = {name: t.contiguous() for name, t in convert_mtp(CheckpointReader(source, mtp=True), config, dtype)}
-    check_finite(tensors, str(source))
-    file = Path(out_dir) / layout.MTP_WEIGHTS_FILE
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
-    os.replace(tmp, file)
-    return file
+    `convert_mtp`), each rank's share (sharded as the main layers: checkpoint/shard.py) in
+    `out_dir/<layout.mtp_weights_file(rank, tp_degree)>`, beside the rank's weights. The head is converted once."""
+    whole = dict(convert_mtp(CheckpointReader(source, mtp=True), config, dtype))
+    check_finite(whole, str(source))
+    files = []
+    for rank in range(tp_degree):
+        tensors = {name: shard_tensor(name, t, config, tp_degree, rank).to(memory_format=torch.contiguous_format, copy=True)
+                   for name, t in whole.items()}
+        file = Path(out_dir) / layout.mtp_weights_file(rank, tp_degree)
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        save_file(tensors, os.fspath(tmp), metadata={"format": "pt"})
+        os.replace(tmp, file)
+        files.append(file)
+    return files
 
 
-def load_mtp_weights(path: str | os.PathLike, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The head's weights of a sharded export made with mtp=True (`save_mtp_weights`); a one-line error without."""
-    file = Path(path) / layout.MTP_WEIGHTS_FILE
+def load_mtp_weights(path: str | os.PathLike, dtype: torch.dtype | None = None, rank: int = 0,
+                     tp_degree: int = 1) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s share of the head of a sharded export made with mtp=True (`save_mtp_weights`); a one-line
+    error without."""
+    file = Path(path) / layout.mtp_weights_file(rank, tp_degree)
     if not file.is_file():
         raise IncompatibleExportError(
-            f"{path} has no {layout.MTP_WEIGHTS_FILE}: this export has no multi-token-prediction head; export the model with mtp=True"
+            f"{path} has no {file.name}: this export has no multi-token-prediction head for rank {rank} of "
+            f"{tp_degree}; export the model with mtp=True"
         )
     tensors = load_file(file)
     check_finite(tensors, str(file))

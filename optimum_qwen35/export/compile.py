@@ -32,7 +32,6 @@ from optimum_qwen35.export.layout import (
     GRAPHS_FILE,
     GRAPHS_FORMAT,
     GRAPHS_VERSION,
-    MTP_WEIGHTS_FILE,
     TORCHNEURON_BACKEND,
     VISION_WEIGHTS_FILE,
     commit_graph_name,
@@ -43,6 +42,7 @@ from optimum_qwen35.export.layout import (
     image_token_graph_name,
     logits_graph_name,
     mtp_graph_name,
+    mtp_weights_file,
     token_graph_name,
     verify_graph_name,
     vision_graph_name,
@@ -181,9 +181,9 @@ def compile_graphs(
     sequence which a prefix cache of that block size runs (runtime/prefix_cache.py `continuing_graphs`: one per
     context bucket and key length of a resumed piece, where the key length is longer than the bucket).
 
-    With `mtp` (tp_degree 1), also the programs of speculative decoding with the checkpoint's multi-token-prediction
+    With `mtp`, also the programs of speculative decoding with the checkpoint's multi-token-prediction
     head (`speculative_plan`), over the decoder with the head: their weights are the head's too (graphs.json "mtp":
-    their weight order, the head's K/V cache, the most drafts per round).
+    their weight order, each rank's weights file, the head's K/V cache, the most drafts per round).
 
     `backend`: "cpu" exports each graph with `torch.export`; "torchneuron" writes the same manifest with no program
     files, since TorchNeuron compiles each graph on the device on first use (backends/torchneuron/runner.py builds
@@ -218,10 +218,10 @@ def compile_graphs(
         plan += [(continuing_context_graph_name(T, L), "context", (T, L)) for T, L in continuing]
     mtp_manifest = None
     if mtp:
-        if tp_degree != 1:
-            raise UsageError(f"an export with mtp=True needs tensor_parallel_size=1 (got {tp_degree}): the MTP head is not sharded yet")
-        with torch.device("meta"):
-            mtp_decoder = to_model_dtype(Qwen35Decoder(config, 1, TorchLayers(1, 0, group=GROUP_NAME), mtp=True), dtype)
+        with torch.device("meta"):  # (the head sharded as the main layers: one rank's programs serve every rank)
+            mtp_decoder = to_model_dtype(
+                Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME), mtp=True), dtype
+            )
         mtp_names = weight_names(mtp_decoder)
         mtp_tensors = {**dict(mtp_decoder.named_parameters()), **dict(mtp_decoder.named_buffers())}
         mtp_weights = [_shape_only(mtp_tensors[n]) for n in mtp_names]
@@ -230,7 +230,7 @@ def compile_graphs(
         mtp_manifest = {
             "max_speculative_tokens": MTP_MAX_SPECULATIVE_TOKENS,
             "weights": mtp_names,
-            "file": MTP_WEIGHTS_FILE,
+            "files": [mtp_weights_file(rank, tp_degree) for rank in range(tp_degree)],  # each rank's share
             "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in mtp_specs],
         }
     vision_manifest = None

@@ -80,14 +80,10 @@ def vision_export_config(qwen_config: Qwen35Config, tp_degree: int, source) -> V
     return vision
 
 
-def mtp_export_check(qwen_config: Qwen35Config, tp_degree: int, source) -> None:
-    """`export(..., mtp=True)`: a one-line error when the export cannot hold the MTP head's graphs."""
+def mtp_export_check(qwen_config: Qwen35Config, source) -> None:
+    """`export(..., mtp=True)`: a one-line error when the checkpoint has no MTP head to export."""
     if qwen_config.mtp_num_hidden_layers < 1:
         raise UsageError(f"mtp=True, but {source} has no multi-token-prediction head (mtp_num_hidden_layers): export it without mtp")
-    if tp_degree != 1:
-        raise UsageError(
-            f"mtp=True needs tensor_parallel_size=1 (got {tp_degree}): the multi-token-prediction head is not sharded yet"
-        )
 
 
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
@@ -100,13 +96,14 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
     the weights split per rank, the configs, and a graphs.json listing the graphs (buckets, key lengths) that
     TorchNeuron compiles on the first load on a device.
 
-    `mtp` (tensor_parallel_size 1): also the multi-token-prediction head's weights (checkpoint/mtp.safetensors) and
+    `mtp`: also the multi-token-prediction head's weights (checkpoint/mtp.safetensors, one mtp_rank_<r> file per rank at
+    tensor_parallel_size > 1) and
     the speculative-decoding graphs (export/compile.py `speculative_plan`; graphs.json "mtp")."""
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
     if mtp:
-        mtp_export_check(qwen_config, neuron_config.tp_degree, source)
+        mtp_export_check(qwen_config, source)
     vision_config = vision_export_config(qwen_config, neuron_config.tp_degree, source) if vision else None
     if vision:
         image_buckets = check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
@@ -118,7 +115,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             save_vision_weights(source, vision_config, dtype, work / layout.CHECKPOINT_DIR)
             copy_processor_files(source, work)
         if mtp:
-            save_mtp_weights(source, qwen_config, dtype, work / layout.CHECKPOINT_DIR)
+            save_mtp_weights(source, qwen_config, dtype, work / layout.CHECKPOINT_DIR, neuron_config.tp_degree)
         export_config(config, model_id, dtype).save_pretrained(work)
         nc.save(neuron_config, work, backend)
         if backend != layout.CPU_BACKEND or vision or mtp or not graphs_from_cache(work):  # (cached: cpu text graphs only)

@@ -69,7 +69,7 @@ TP_SHARDS_FILE = "tp_shards.json"
 TP_SHARDS_FORMAT = "optimum-qwen35-tp-shards"
 TP_SHARDS_VERSION = 1
 VISION_WEIGHTS_FILE = "vision.safetensors"
-# The multi-token-prediction head's weights of an export made with mtp=True (tensor_parallel_size 1: not sharded).
+# The multi-token-prediction head's weights of an export made with mtp=True (`mtp_weights_file`: one per rank).
 MTP_WEIGHTS_FILE = "mtp.safetensors"
 CPU_MANIFESTS = (f"{COMPILED_DIR}/{GRAPHS_FILE}", f"{CHECKPOINT_DIR}/{TP_SHARDS_FILE}")
 # optimum-neuron's compiled model of a Neuron target.
@@ -134,6 +134,12 @@ def verify_graph_name(length: int, key_length: int) -> str:
 
 def commit_graph_name(length: int) -> str:
     return f"commit_{length}"
+
+
+def mtp_weights_file(rank: int, tp_degree: int) -> str:
+    """The file of rank `rank`'s share of the MTP head: mtp.safetensors at TP 1 (the name exports have always had
+    there), mtp_rank_<r>.safetensors above."""
+    return MTP_WEIGHTS_FILE if tp_degree == 1 else f"mtp_rank_{rank}.safetensors"
 
 
 def mtp_graph_name(length: int, key_length: int) -> str:

@@ -226,7 +226,7 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         is installed (backends/selection.py). A TorchNeuron export is made without the SDK: the weights split per
         rank, the configs and the list of graphs, which TorchNeuron compiles on the first load on a device.
 
-        `mtp=True` (tensor_parallel_size 1; the cpu target and the torchneuron backend): also the checkpoint's
+        `mtp=True` (the cpu target and the torchneuron backend, at any tensor_parallel_size): also the checkpoint's
         multi-token-prediction head and the graphs of speculative decoding with it, which
         `generate(..., num_speculative_tokens=k)` runs (k <= 4; docs/speculative_decoding.md)."""
         if vision is not True and vision is not False:

@@ -20,7 +20,7 @@ from optimum_qwen35.checkpoint.shard import convert_and_shard, convert_and_shard
 from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_mtp_weights, load_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import CheckpointError, UnsupportedModelError, UsageError
-from optimum_qwen35.export.layout import MTP_WEIGHTS_FILE
+from optimum_qwen35.export.layout import mtp_weights_file
 from optimum_qwen35.modeling.decoder import (
     ContextEncodingGraph,
     ImageContextEncodingGraph,
@@ -52,7 +52,7 @@ def load_decoder(
     torch dtype or its name ("bfloat16", "bf16", ...). Weights holding NaN or Inf are refused, naming
     the tensor (`check_weights=False` skips that check; it exists to measure its cost). `mtp`: build and load the
     multi-token-prediction head too (modeling/mtp.py; from a checkpoint folder, sharded as the main layers at
-    tp_degree > 1, or from an export made with mtp=True, which holds the head at tp_degree 1), for speculative decoding.
+    tp_degree > 1, or from an export made with mtp=True, which holds each rank's share), for speculative decoding.
     """
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -61,7 +61,7 @@ def load_decoder(
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_degree:
         raise UsageError(f"rank must be an integer in [0, {tp_degree}), got {rank!r}")
     sharded_export = is_sharded_export(path)
-    if mtp and sharded_export and not (Path(path) / MTP_WEIGHTS_FILE).is_file():
+    if mtp and sharded_export and not (Path(path) / mtp_weights_file(rank, tp_degree)).is_file():
         raise UnsupportedModelError(
             "the multi-token-prediction head loads from a checkpoint folder (a sharded export does not hold it unless "
             "exported with mtp=True): pass the checkpoint the export was written from"
@@ -69,7 +69,7 @@ def load_decoder(
     if sharded_export:
         saved, _, params = load_sharded(path, rank, tp_degree, dtype, check_weights)
         if mtp:
-            params.update(load_mtp_weights(path, dtype))
+            params.update(load_mtp_weights(path, dtype, rank, tp_degree))
         if config.is_moe:  # the experts as the export split them
             config = dataclasses.replace(config, moe_parallel=saved.moe_parallel)
     if layers is None:

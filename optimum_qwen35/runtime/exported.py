@@ -13,14 +13,14 @@ export/compile.py):
     compiled/token_generation_<L>.pt2    one token-generation program per cache bucket L (attends to L positions)
     checkpoint/rank_<r>.safetensors      each rank's weights (`checkpoint.sharded_files.save_sharded`)
 
-and, in an export made with mtp=True (tensor_parallel_size 1; graphs.json "mtp"), speculative decoding with the
+and, in an export made with mtp=True (graphs.json "mtp"), speculative decoding with the
 checkpoint's multi-token-prediction head (runtime/speculative.py; K the most drafts per round, "max_speculative_tokens"):
 
     compiled/context_hidden_<T>.pt2            context encoding returning every position's hidden state
     compiled/verify_<K+1>_keys_<L>.pt2         the main model over K + 1 positions per row, per cache bucket L
     compiled/commit_<K+1>.pt2                  each row's DeltaNet states after its accepted position
     compiled/mtp_<T>_keys_<L>.pt2              the head over T positions (a prompt's bucket, 1: a draft, K + 1: catch-up)
-    checkpoint/mtp.safetensors                 the head's weights
+    checkpoint/mtp.safetensors                 the head's weights (mtp_rank_<r>.safetensors: rank r's share, at TP > 1)
 
 and, in a vision export (tensor_parallel_size 1):
 
@@ -146,6 +146,15 @@ class ProgramRunner:
         raise NotImplementedError
 
     @property
+    def has_mtp(self) -> bool:
+        """Whether the export holds the speculative-decoding programs (made with mtp=True)."""
+        return "mtp" in self.manifest
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        return self.manifest["mtp"]["max_speculative_tokens"] if self.has_mtp else 0
+
+    @property
     def logits_buckets(self) -> list[int]:
         return self.manifest.get("logits_buckets", [])  # none in exports made before forward() existed
 
@@ -207,11 +216,12 @@ class ProgramRunner:
         return Qwen35Config.from_pretrained(Path(folder) / CHECKPOINT_DIR)
 
 
-def load_mtp_program_weights(folder: str | os.PathLike, manifest: dict, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def load_mtp_program_weights(folder: str | os.PathLike, manifest: dict, weights: list[torch.Tensor],
+                             rank: int) -> list[torch.Tensor]:
     """The speculative programs' weight inputs, in their order: the rank's weights (`weights`, in the manifest's
-    order) and the MTP head's (checkpoint/mtp.safetensors)."""
+    order) and its share of the MTP head's (checkpoint/mtp.safetensors, or mtp_rank_<r> at TP > 1)."""
     params = dict(zip(manifest["weights"], weights))
-    params.update(load_mtp_weights(Path(folder) / CHECKPOINT_DIR, _dtype(manifest["dtype"])))
+    params.update(load_mtp_weights(Path(folder) / CHECKPOINT_DIR, _dtype(manifest["dtype"]), rank, manifest["tp_degree"]))
     missing = [n for n in manifest["mtp"]["weights"] if n not in params]
     if missing:
         raise IncompatibleExportError(f"{Path(folder) / CHECKPOINT_DIR} lacks weights the MTP graphs take: {missing[:5]}; export the model again")
@@ -242,14 +252,6 @@ class SpeculativePrograms:
 
     def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
         raise NotImplementedError
-
-    @property
-    def has_mtp(self) -> bool:
-        return "mtp" in self.manifest
-
-    @property
-    def max_speculative_tokens(self) -> int:
-        return self.manifest["mtp"]["max_speculative_tokens"] if self.has_mtp else 0
 
     def _speculative(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
         if name not in self.manifest["graphs"]:
@@ -319,7 +321,7 @@ class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         # Speculative decoding (an export made with mtp=True): the head's weights and its own K/V cache.
         self.mtp_weights, self.mtp_state = None, []
         if self.has_mtp:
-            self.mtp_weights = load_mtp_program_weights(folder, self.manifest, self.weights)
+            self.mtp_weights = load_mtp_program_weights(folder, self.manifest, self.weights, rank)
             self.mtp_state = allocate_state(manifest_state_specs(self.manifest["mtp"]["state"]))
 
     def program(self, name: str) -> nn.Module:

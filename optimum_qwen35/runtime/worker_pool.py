@@ -4,9 +4,10 @@ The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`
 cpu export's `ExportedGraphs` by default, or the runner class a backend names, e.g. TorchNeuron's: its weights and
 its state, as the state stays on the device on Neuron) and joined by a process group (gloo, or the backend's) over a
 file store; each talks to this process over its own socket pair. `WorkerPool.run` sends every rank the same inputs and
-returns rank 0's logits. For a prefix cache (runtime/prefix_cache.py), `take_block` brings one slot's block snapshot
-of every rank to this process (rank 0's tensors, then rank 1's, ...: one cache entry holds the whole model's) and
-`restore_blocks` sends each rank its share back.
+returns rank 0's logits; speculative decoding's steps (`verify`, `commit`, ...) go to every rank the same way. For a
+prefix cache (runtime/prefix_cache.py), `take_block` brings one slot's block snapshot of every rank to this process
+(rank 0's tensors, then rank 1's, ...: one cache entry holds the whole model's) and `restore_blocks` sends each rank
+its share back.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def _portable(error: BaseException):
     return traceback.format_exc()
 
 
+# Speculative decoding's steps (runtime/exported.py `SpeculativePrograms`), which every rank runs on its own programs
+# and state: verify's per-position DeltaNet states stay in each worker until its commit.
+SPECULATIVE_STEPS = ("context_hidden", "verify", "commit", "mtp")
+
 # The runner a worker builds unless told otherwise: a cpu export's programs.
 EXPORTED_RUNNER = "optimum_qwen35.runtime.exported:ExportedGraphs"
 
@@ -94,6 +99,9 @@ def serve_rank(rank: int, tp_degree: int, store_file: str, folder: str, conn, ru
                 elif op == "restore_blocks":  # (slot, this rank's share of each snapshot, block size)
                     graphs.restore_blocks(*args)
                     _send(conn, ("ok", None))
+                elif op in SPECULATIVE_STEPS:  # the step's inputs; rank 0 returns its outputs
+                    out = getattr(graphs, op)(*args)
+                    _send(conn, ("ok", out if rank == 0 else None))
                 else:
                     raise RuntimeError(f"unknown message {op!r}")
             except BaseException as error:  # noqa: BLE001
@@ -156,11 +164,28 @@ class WorkerPool(ProgramRunner):
             raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
         return results
 
-    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+    def _on_every_rank(self, op: str, args: tuple):
+        """Send every rank the same message; rank 0's answer."""
         with self._lock:
             for conn in self._conns:
-                _send(conn, ("run", (name, inputs, restore)))
+                _send(conn, (op, args))
             return self._collect()[0]
+
+    def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
+        return self._on_every_rank("run", (name, inputs, restore))
+
+    # Speculative decoding (an export made with mtp=True): the host loop's steps, run by every rank.
+    def context_hidden(self, *args):
+        return self._on_every_rank("context_hidden", args)
+
+    def verify(self, *args):
+        return self._on_every_rank("verify", args)
+
+    def commit(self, *args) -> None:
+        self._on_every_rank("commit", args)
+
+    def mtp(self, *args):
+        return self._on_every_rank("mtp", args)
 
     # A prefix cache's snapshots of a slot (runtime/prefix_cache.py): every rank's share, rank after rank.
     def take_block(self, slot: int, start: int, end: int) -> list[torch.Tensor]:

@@ -16,10 +16,10 @@ from optimum_qwen35.export.layout import CHECKPOINT_DIR, COMPILED_DIR, CPU_BACKE
 
 
 def mtp_export(source: Path, out: Path, dtype: torch.dtype = torch.float32, batch_size: int = 2, max_length: int = 128,
-               buckets=(128,), backend: str = CPU_BACKEND) -> Path:
+               buckets=(128,), backend: str = CPU_BACKEND, tp_degree: int = 1) -> Path:
     config = Qwen35Config.from_pretrained(source)
-    save_sharded(source, config, 1, out / CHECKPOINT_DIR, dtype, progress=False)
-    save_mtp_weights(source, config, dtype, out / CHECKPOINT_DIR)
-    compile_graphs(config, 1, batch_size, max_length, list(buckets), dtype, out / COMPILED_DIR, progress=False,
+    save_sharded(source, config, tp_degree, out / CHECKPOINT_DIR, dtype, progress=False)
+    save_mtp_weights(source, config, dtype, out / CHECKPOINT_DIR, tp_degree)
+    compile_graphs(config, tp_degree, batch_size, max_length, list(buckets), dtype, out / COMPILED_DIR, progress=False,
                    backend=backend, mtp=True)
     return out

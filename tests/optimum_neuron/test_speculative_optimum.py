@@ -2,7 +2,7 @@
 (`optimum-qwen35 export --mtp`, `Qwen35NeuronModelForCausalLM.export(..., mtp=True)`), loaded with
 `NeuronModelForCausalLM.from_pretrained`: greedy, the tokens of plain greedy decoding for k = 1..4, fp32 and bf16, a
 padded batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b, tests/kit/mtp_fit.py);
-the one-line errors."""
+at tensor_parallel_size 2 and on a trn2 TorchNeuron export run on the CPU; the one-line errors."""
 
 from __future__ import annotations
 
@@ -104,11 +104,27 @@ def test_speculation_errors_are_one_line(fitted, export, export_dir):
     with pytest.raises(IncompatibleExportError, match="export the model with mtp=True") as error:
         plain.generate(ids, max_new_tokens=4, num_speculative_tokens=2)
     assert "\n" not in str(error.value)
+
+
+def test_a_tensor_parallel_export_made_with_mtp_speculates(fitted, tmp_path):
+    """tensor_parallel_size 2 (the head sharded per rank, two worker processes): greedy k = 2 and sampled with
+    top_k=1 give the plain greedy tokens, drafts accepted."""
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
-        fitted, batch_size=1, sequence_length=SEQUENCE_LENGTH, tensor_parallel_size=2, dtype="float32", target="cpu")
-    with pytest.raises(UsageError, match="mtp=True needs tensor_parallel_size=1") as error:
-        Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True)
-    assert "\n" not in str(error.value)
+        fitted, batch_size=BATCH_SIZE, sequence_length=SEQUENCE_LENGTH, tensor_parallel_size=2, dtype="float32",
+        target="cpu")
+    Qwen35NeuronModelForCausalLM.export(fitted, neuron_config, mtp=True).save_pretrained(tmp_path / "export")
+    model = NeuronModelForCausalLM.from_pretrained(tmp_path / "export")
+    try:
+        ids, mask = _batch(fitted, model)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             num_speculative_tokens=2)
+        assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
+        sampled = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1,
+                                 eos_token_id=None, num_speculative_tokens=2)
+        assert torch.equal(sampled, plain)
+    finally:
+        model.close()
 
 
 def test_a_trn2_torchneuron_export_made_with_mtp_speculates_on_the_cpu(fitted, tmp_path):
