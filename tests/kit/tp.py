@@ -171,7 +171,7 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
                 dist.all_gather_object(token_lists, (result.tokens, result.sampled), group=group)
                 if any(t != token_lists[0] for t in token_lists):
                     raise RuntimeError("ranks disagree on the greedy or sampled tokens")
-                # Each rank's host loop reads its own copy of the gathered logits: measured, not assumed, equal.
+                # Each rank's host loop picks tokens from its own copy of the gathered logits: compared, not assumed.
                 head_logits = [torch.empty_like(result.head_logits) for _ in range(tp_degree)]
                 dist.all_gather(head_logits, result.head_logits.contiguous(), group=group)
                 result.rank_spread = max((h - head_logits[0]).abs().max().item() for h in head_logits)
