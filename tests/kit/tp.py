@@ -85,17 +85,37 @@ def greedy_run(
     )
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled speculative generate: k drafts, the `top` most likely tokens at `temperature` (top = 1: a point
+    mass on the argmax), a generator seeded with `seed` (every rank seeds its own: they must draw the same numbers)."""
+
+    k: int
+    top: int
+    temperature: float = 1.0
+    seed: int = 0
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        values, index = logits.topk(self.top, -1)
+        return torch.zeros_like(logits).scatter(-1, index, torch.softmax(values / self.temperature, -1))
+
+
 @dataclass
 class SpeculativeResult:
     tokens: dict[int, list[list[int]]]  # k -> the new tokens of each prompt (k = 0: plain greedy decoding)
     acceptance: dict[int, float]  # k -> mean tokens per verify round (k >= 1)
     head_logits: torch.Tensor  # [n_prompts, vocab]: the MTP head's logits at each prompt's last position (fp32/fp64)
+    sampled: dict[Sampled, list[list[int]]] = dataclasses.field(default_factory=dict)  # each Sampled run's tokens
+    sampled_acceptance: dict[Sampled, float] = dataclasses.field(default_factory=dict)
+    # max |head logits of rank r - rank 0's| over the ranks: 0.0 when every rank gathered the same logits (TP 1: None)
+    rank_spread: float | None = None
 
 
 def speculative_run(decoder, prompts, max_new_tokens: int, ks: Sequence[int], max_length: int,
-                    buckets: Sequence[int]) -> SpeculativeResult:
-    """Greedy generation of `prompts` (one batch) plain and with k drafts for each k in `ks`, through
-    `Qwen35Runtime.generate`; and the head's logits after prefill (what draft 1 of the first round is read from)."""
+                    buckets: Sequence[int], sampled: Sequence[Sampled] = ()) -> SpeculativeResult:
+    """Greedy generation of `prompts` (one batch) plain and with k drafts for each k in `ks`, then each `sampled`
+    run, through `Qwen35Runtime.generate`; and the head's logits after prefill (what draft 1 of the first round is
+    read from)."""
     from optimum_qwen35.runtime.speculative import _mtp_prefill  # noqa: PLC0415 (the runtime's own head prefill)
 
     prompts = [list(p) for p in prompts]
@@ -104,12 +124,18 @@ def speculative_run(decoder, prompts, max_new_tokens: int, ks: Sequence[int], ma
     for k in ks:
         tokens[k] = model.generate(prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=k)
         acceptance[k] = model.speculation.acceptance_length
+    sampled_tokens, sampled_acceptance = {}, {}
+    for run in sampled:
+        sampled_tokens[run] = model.generate(prompts, max_new_tokens=max_new_tokens, num_speculative_tokens=run.k,
+                                             distribution=run.distribution,
+                                             generator=torch.Generator().manual_seed(run.seed))
+        sampled_acceptance[run] = model.speculation.acceptance_length
     slots = list(range(len(prompts)))
     with torch.no_grad():
         logits, hiddens = model.prefill(prompts, slots, hidden=True)
         first = [int(lg.argmax()) for lg in logits]
         head_logits, _ = _mtp_prefill(model, prompts, hiddens, first, slots)
-    return SpeculativeResult(tokens, acceptance, _widen(head_logits))
+    return SpeculativeResult(tokens, acceptance, _widen(head_logits), sampled_tokens, sampled_acceptance)
 
 
 def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
@@ -137,13 +163,18 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
         for one_dtype in dtype:
             decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group),
                                    _config(path, moe_parallel), mtp=speculative is not None)
-            if speculative is not None:  # (ks, buckets): speculative_run, the tokens compared across ranks below
-                result = speculative_run(decoder, prompts, max_new_tokens, speculative[0], max_length, speculative[1])
+            if speculative is not None:  # (ks, buckets, sampled): speculative_run, compared across ranks below
+                ks, buckets, sampled = speculative
+                result = speculative_run(decoder, prompts, max_new_tokens, ks, max_length, buckets, sampled)
                 results.append(result)
                 token_lists = [None] * tp_degree
-                dist.all_gather_object(token_lists, result.tokens, group=group)
+                dist.all_gather_object(token_lists, (result.tokens, result.sampled), group=group)
                 if any(t != token_lists[0] for t in token_lists):
-                    raise RuntimeError("ranks disagree on the greedy tokens")
+                    raise RuntimeError("ranks disagree on the greedy or sampled tokens")
+                # Each rank's host loop picks tokens from its own copy of the gathered logits: compared, not assumed.
+                head_logits = [torch.empty_like(result.head_logits) for _ in range(tp_degree)]
+                dist.all_gather(head_logits, result.head_logits.contiguous(), group=group)
+                result.rank_spread = max((h - head_logits[0]).abs().max().item() for h in head_logits)
                 del decoder
                 continue
             result = greedy_run(decoder, prompts, max_new_tokens, max_length)
@@ -251,22 +282,24 @@ def run_speculative_tensor_parallel(
     dtype: Sequence[torch.dtype] = (torch.float32,),
     max_length: int = 128,
     buckets: Sequence[int] = (16, 32),
+    sampled: Sequence[Sampled] = (),
 ) -> list[SpeculativeResult]:
     """`speculative_run` with the MTP head loaded (`load_decoder(..., mtp=True)`, sharded at tp_degree > 1), once per
-    dtype in the same `tp_degree` gloo processes (tp_degree 1: in this process, the reference); rank 0's results."""
+    dtype in the same `tp_degree` gloo processes (tp_degree 1: in this process, the reference); rank 0's results.
+    Every rank runs the host loop (SPMD); a rank whose greedy or sampled tokens differ from rank 0's fails the run."""
     from optimum_qwen35.config import Qwen35Config  # noqa: PLC0415 (as run_tensor_parallel)
 
     path = validation.model_folder(path, "run_speculative_tensor_parallel")
     Qwen35Config.from_pretrained(path).check_tp_degree(tp_degree)
-    prompts, ks, buckets = [list(p) for p in prompts], list(ks), list(buckets)
+    prompts, ks, buckets, sampled = [list(p) for p in prompts], list(ks), list(buckets), list(sampled)
     dtypes = [validation.parse_dtype(d) for d in dtype]
     if tp_degree == 1:
-        return [speculative_run(load_decoder(path, d, mtp=True), prompts, max_new_tokens, ks, max_length, buckets)
-                for d in dtypes]
+        return [speculative_run(load_decoder(path, d, mtp=True), prompts, max_new_tokens, ks, max_length, buckets,
+                                sampled) for d in dtypes]
     threads = max(1, (os.cpu_count() or 1) // tp_degree)
     with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
         out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
         args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads,
-                "auto", (ks, buckets))
+                "auto", (ks, buckets, sampled))
         mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
         return torch.load(out_file, weights_only=False)
