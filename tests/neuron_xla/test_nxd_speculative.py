@@ -77,6 +77,29 @@ def test_without_mtp_the_export_has_no_speculative_graphs_or_state():
     assert module.mtp is None and module.held_specs == module.state_layout.held_specs
 
 
+def test_each_rank_of_an_mtp_export_loads_its_share_of_the_head():
+    """What the NxD class loads from a checkpoint folder (and `shard_checkpoint` writes), `_rank_state_dicts`, at
+    TP 2: every rank holds exactly the tensors the traced module takes, the head's included, each of the module's
+    shape; the head's layer split as the main layers (the ranks' query heads differ), its fc whole on both ranks."""
+    folder = FIXTURES / "tiny-2b"
+    nc = neuron_config(folder, "trn2", tp=2)
+    config = export_config(folder, nc, max_speculative_tokens=K)
+    cls = model_class()
+    with traced_parallel_state(2, nc.logical_nc_config):
+        builders = cls.create_graph_builders(config, nc)
+        instance = builders[CONTEXT].get_model_instance()
+        instance.load_module()
+        expected = {n: tuple(t.shape) for n, t in instance.module.state_dict().items()
+                    if not n.startswith("past_key_values.") and not n.endswith(".master_weight")}
+        ranks = cls(config, nc, None, builders)._rank_state_dicts(str(folder))
+    assert len(ranks) == 2 and any(n.startswith("mtp.") for n in expected)
+    for tensors in ranks:
+        assert {n: tuple(t.shape) for n, t in tensors.items()} == expected
+    q = "mtp.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(ranks[0][q], ranks[1][q])
+    assert torch.equal(ranks[0]["mtp.fc.weight"], ranks[1]["mtp.fc.weight"])
+
+
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """tiny-2b with an MTP head fitted to its own model (tests/kit/mtp_fit.py) and two in-sample prompts (15 and 20

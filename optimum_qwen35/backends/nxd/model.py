@@ -521,6 +521,9 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         if vision is not None:  # the vision graphs' weights, beside the decoder's in each rank's file
             for rank, tensors in zip(self._ranks(), ranks):
                 tensors.update(weights.vision_rank_state_dict(checkpoint_path, vision[0], nc.tp_degree, rank, nc.torch_dtype))
+        if weights.mtp_export(self.config):  # the MTP head's, sharded as the CPU runtime shards it
+            for rank, tensors in zip(self._ranks(), ranks):
+                tensors.update(weights.mtp_rank_state_dict(checkpoint_path, self.config, nc.tp_degree, rank, nc.torch_dtype))
         return ranks
 
     def _load_weights_from_path(self, weights_path):
