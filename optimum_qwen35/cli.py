@@ -386,7 +386,7 @@ def _add_export_arguments(p) -> None:
                    help="with --vision: image buckets in 16x16-pixel patches, comma-separated (default 256,1024,4096)")
     p.add_argument("--mtp", action="store_true",
                    help="also export the multi-token-prediction head's graphs, for generate(..., num_speculative_tokens=k) "
-                   "(docs/speculative_decoding.md)")
+                   "(any tensor_parallel_size; every backend; docs/speculative_decoding.md)")
     p.add_argument("out", help="the export folder to write")
 
 

@@ -42,9 +42,10 @@ logger = logging.getLogger(__name__)
 SMALLEST_EXPORT_BUCKET = 128
 
 
-def export_config(config, model_id, dtype, vision=None):
+def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0):
     """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
-    (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it."""
+    (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it;
+    `max_speculative_tokens` > 0: an NxD export made with mtp=True (the NxD class builds the speculative graphs)."""
     config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
     config._name_or_path = os.fspath(model_id)
@@ -55,6 +56,8 @@ def export_config(config, model_id, dtype, vision=None):
     if vision is not None:
         tower, image_buckets = vision
         setattr(config, layout.VISION_EXPORT_KEY, {"config": dataclasses.asdict(tower), "image_buckets": list(image_buckets)})
+    if max_speculative_tokens:
+        setattr(config, layout.MTP_EXPORT_KEY, {"max_speculative_tokens": max_speculative_tokens})
     return config
 
 

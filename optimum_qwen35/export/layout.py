@@ -77,6 +77,9 @@ NXD_MODEL_FILE = "model.pt"
 # Where a Neuron vision export's config.json carries the vision tower's config and image buckets:
 # `{"config": VisionConfig fields, "image_buckets": [...]}` (the NxD class is built from the text config alone).
 VISION_EXPORT_KEY = "qwen35_vision_export"
+# Where a Neuron export made with mtp=True (the NxD backend) says so in its config.json: `{"max_speculative_tokens": K}`
+# (the NxD class builds the speculative-decoding graphs and the head from it: backends/nxd/model.py).
+MTP_EXPORT_KEY = "qwen35_mtp_export"
 
 # The files of an export (what a Hub download of one fetches): configs, tokenizer, graphs, per-rank weights.
 # README.md (the model card) and .gitattributes are not part of it.

@@ -57,6 +57,7 @@ from optimum_qwen35.backends.torchneuron.runner import load_runtime as load_torc
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
+from optimum_qwen35.export.compile import MTP_MAX_SPECULATIVE_TOKENS
 from optimum_qwen35.export.cpu import check_cpu_export, check_image_buckets, export_config, export_cpu, save_export
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.optimum_neuron import neuron_config as nc
@@ -226,9 +227,9 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
         is installed (backends/selection.py). A TorchNeuron export is made without the SDK: the weights split per
         rank, the configs and the list of graphs, which TorchNeuron compiles on the first load on a device.
 
-        `mtp=True` (the cpu target and the torchneuron backend, at any tensor_parallel_size): also the checkpoint's
-        multi-token-prediction head and the graphs of speculative decoding with it, which
-        `generate(..., num_speculative_tokens=k)` runs (k <= 4; docs/speculative_decoding.md)."""
+        `mtp=True`: also the checkpoint's multi-token-prediction head and the graphs of speculative decoding with it,
+        which `generate(..., num_speculative_tokens=k)` runs (k <= 4; docs/speculative_decoding.md); every backend,
+        at any tensor_parallel_size (the head sharded per rank as the main layers)."""
         if vision is not True and vision is not False:
             raise UsageError(f"vision must be True or False, got {vision!r}")
         if mtp is not True and mtp is not False:
@@ -240,8 +241,6 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
             backend = choose_neuron_backend(neuron_config.target, neuron_backend)
         elif neuron_backend is not None:
             raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
-        if mtp and backend == layout.NXD_BACKEND:
-            raise UsageError("mtp=True exports for the cpu target and the torchneuron backend only: the NxD backend has no MTP graphs yet")
         if backend == layout.NXD_BACKEND:
             # optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
             # export's graphs and tower weights come with it, named in the config it saves.
@@ -254,7 +253,8 @@ class Qwen35NeuronModelForCausalLM(NeuronModelForCausalLM):
                 neuron_vision = (tower, check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, tower))
             return _neuron_model_class(neuron_config.target)._export(
                 model_id,
-                export_config(config, model_id, neuron_config.torch_dtype, neuron_vision),
+                export_config(config, model_id, neuron_config.torch_dtype, neuron_vision,
+                              MTP_MAX_SPECULATIVE_TOKENS if mtp else 0),
                 neuron_config,
                 token=token,
                 revision=revision,

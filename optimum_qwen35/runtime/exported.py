@@ -228,7 +228,7 @@ def load_mtp_program_weights(folder: str | os.PathLike, manifest: dict, weights:
     return [params[n] for n in manifest["mtp"]["weights"]]
 
 
-def _pad_positions(x: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_positions(x: torch.Tensor, positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, T, ...] zero-padded to `width` positions, and positions [B, T] continued: the padding lies past each
     row's `lengths`, so a program writes none of it and the caller reads none of its outputs."""
     pad = width - x.shape[1]
@@ -275,7 +275,7 @@ class SpeculativePrograms:
         """(logits [B, T, vocab], hidden [B, T, H]) of T verified tokens per row; the per-position DeltaNet states are
         held until `commit`."""
         T, width = ids.shape[1], self.max_speculative_tokens + 1
-        padded, padded_positions = _pad_positions(ids, positions, width)
+        padded, padded_positions = pad_positions(ids, positions, width)
         out = self._speculative(verify_graph_name(width, key_length), padded, padded_positions, lengths, seq_ids,
                                 state=self.state)
         self._verified = list(out[2 : len(out) - len(self.state)])
@@ -296,8 +296,8 @@ class SpeculativePrograms:
         key_length = key_length or T
         if mtp_graph_name(T, key_length) not in self.manifest["graphs"] and T < self.max_speculative_tokens + 1:
             width = self.max_speculative_tokens + 1
-            hidden, _ = _pad_positions(hidden, positions, width)
-            ids, positions = _pad_positions(ids, positions, width)
+            hidden, _ = pad_positions(hidden, positions, width)
+            ids, positions = pad_positions(ids, positions, width)
             T = width
         out = self._speculative(mtp_graph_name(T, key_length), ids, hidden, positions, lengths, seq_ids,
                                 state=self.mtp_state)

@@ -19,6 +19,7 @@ Nothing here compiles for Neuron or runs Neuron code (neuronx-cc, the Neuron run
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -64,11 +65,11 @@ def model_class():
     return Qwen35NxDModelForCausalLM
 
 
-def export_config(folder: str | os.PathLike, nc, image_buckets=None):
+def export_config(folder: str | os.PathLike, nc, image_buckets=None, max_speculative_tokens: int = 0):
     """The text config `Qwen35NeuronModelForCausalLM._export` hands the NxD class (a vision export's with
-    `image_buckets`)."""
+    `image_buckets`; an export made with mtp=True with `max_speculative_tokens`)."""
     vision = (vision_config(folder), image_buckets) if image_buckets else None
-    return cpu_export.export_config(text_config(folder), str(folder), nc.torch_dtype, vision)
+    return cpu_export.export_config(text_config(folder), str(folder), nc.torch_dtype, vision, max_speculative_tokens)
 
 
 @contextlib.contextmanager
@@ -107,13 +108,15 @@ def vision_config(folder: str | os.PathLike):
     return VisionConfig.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
 
-def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None) -> dict[str, Graph]:
+def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None,
+                 max_speculative_tokens: int = 0) -> dict[str, Graph]:
     """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
-    split, and a vision export's tower split by heads under `visual.`), as the runtime loads them; otherwise the
-    modules keep their initial values (enough to lower them). `image_buckets`: a vision export's graphs too."""
+    split, a vision export's tower split by heads under `visual.`, an mtp export's head), as the runtime loads them;
+    otherwise the modules keep their initial values (enough to lower them). `image_buckets`: a vision export's graphs
+    too; `max_speculative_tokens`: those of an export made with mtp=True (K)."""
     cls = model_class()
-    config = export_config(folder, nc, image_buckets)
+    config = export_config(folder, nc, image_buckets, max_speculative_tokens)
     builders = cls.create_graph_builders(config, nc)
     rank0 = None
     if load_weights:
@@ -121,6 +124,8 @@ def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, imag
         rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype, config)
         if image_buckets:
             rank0.update(weights.vision_rank_state_dict(folder, vision_config(folder), nc.tp_degree, 0, nc.torch_dtype))
+        if max_speculative_tokens:
+            rank0.update(weights.mtp_rank_state_dict(folder, config, nc.tp_degree, 0, nc.torch_dtype))
     graphs, used = {}, set()
     for key, builder in builders.items():
         instance = builder.get_model_instance()
@@ -296,3 +301,42 @@ class TracedModel:
         text, image = (CONTEXT, IMAGE_CONTEXT) if input_ids.shape[-1] > 1 else (TOKENS, IMAGE_TOKENS)
         return self.run(image if image_inputs else text, input_ids, position_ids, seq_ids, *image_inputs)[:, None]
 
+
+
+class ShapeRoutedModel:
+    """The loaded `model.pt` as neuronx-distributed's runtime runs it (`NxDModel.router`, spmd.py): each call goes to
+    the graph whose example inputs have the call's shapes, here run on the XLA CPU device with one shared held state
+    (a call's aliased outputs become the state every graph reads next, by parameter name); the call returns the
+    graph's outputs that are not aliased (`generate_hlo(..., output_aliased_tensor=False)`), on the host (one of them
+as a tensor). `runs`
+    counts the calls of each graph."""
+
+    def __init__(self, graphs: dict[str, Graph]):
+        self.graphs = graphs
+        self.device = torch_xla.device()
+        self.routes = {}
+        for key, graph in graphs.items():
+            route = str([t.shape for t in graph.example_inputs])
+            assert route not in self.routes, f"{key} and {self.routes[route]} take inputs of the same shapes"
+            self.routes[route] = key
+        self.state = {}
+        for graph in graphs.values():
+            params = dict(graph.module.named_parameters())
+            self.state.update({name: params[name].data for name in graph.alias_names})
+        self.runs = collections.Counter()
+
+    def __call__(self, *inputs):
+        key = self.routes[str([torch.as_tensor(t).shape for t in inputs])]
+        graph = self.graphs[key]
+        params = dict(graph.module.named_parameters())
+        for name in graph.alias_names:
+            params[name].data = self.state[name]
+        with torch.no_grad():
+            outputs = graph.module(*(torch.as_tensor(t).to(self.device) for t in inputs))
+        for name, output in graph.alias_names.items():
+            self.state[name] = outputs[output]
+        torch_xla.sync()  # one graph execution: its outputs and every state output
+        self.runs[key] += 1
+        aliased = set(graph.alias_names.values())
+        out = [t.cpu() for i, t in enumerate(outputs) if i not in aliased]
+        return out[0] if len(out) == 1 else out  # one output as a tensor (optimum-neuron's wrappers read it so)

@@ -7,8 +7,9 @@ Numbers: every output of every call within 1e-5 of the eager modules' (fp32; rel
 where that is above 1); greedy speculative decoding driven
 through the XLA graphs equal to plain greedy decoding through them and to the eager model's, k = 1..3; a prefix-cache
 hit on the XLA graphs equal to a cold run. What does not run here: neuronx-cc, a Neuron device, TP 2 numbers (the
-CPU client has one device: TP 2 graphs are lowered, not run), and the NxD export's builders for these graphs
-(docs/speculative_decoding.md, docs/prefix_caching.md "Neuron graphs").
+CPU client has one device: TP 2 graphs are lowered, not run). The NxD export's own speculative graphs (its builders,
+held and aliased state) are tests/neuron_xla/test_nxd_speculative.py's (docs/speculative_decoding.md, "The NxD
+export"; docs/prefix_caching.md "Neuron graphs").
 """
 
 from __future__ import annotations

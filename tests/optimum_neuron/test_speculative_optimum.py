@@ -142,3 +142,27 @@ def test_a_trn2_torchneuron_export_made_with_mtp_speculates_on_the_cpu(fitted, t
                          num_speculative_tokens=2)
     assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
     model.close()
+
+
+def test_an_nxd_export_made_with_mtp_tells_the_nxd_class(monkeypatch):
+    """`export(..., mtp=True)` on the NxD backend (trn1, TP 2: the NxD export shards the head) is no longer refused:
+    the config handed to the NxD class says how many drafts its speculative graphs verify (backends/nxd/model.py
+    builds them from it), and says nothing without mtp=True. The NxD class is a stand-in here (no Neuron SDK: its
+    graphs are tested in tests/neuron_xla/test_nxd_speculative.py)."""
+    from optimum_qwen35.backends.nxd.state_dict import mtp_export
+    from optimum_qwen35.optimum_neuron import modeling
+
+    handed = []
+
+    class NxDClass:
+        @classmethod
+        def _export(cls, model_id, config, neuron_config, **kwargs):
+            handed.append(config)
+            return config
+
+    monkeypatch.setattr(modeling, "_neuron_model_class", lambda target: NxDClass)
+    neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target="trn1", tensor_parallel_size=2)
+    Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config, mtp=True)
+    Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config)
+    assert [mtp_export(config) for config in handed] == [4, 0]
+    assert handed[0].to_dict()["qwen35_mtp_export"] == {"max_speculative_tokens": 4}  # saved in config.json

@@ -163,6 +163,69 @@ def score(decoder, input_ids, position_ids) -> list[torch.Tensor]:
     return [out[0].float()]
 
 
+# ------------------------------------------------------------------------------------------ speculative decoding
+# An export made with mtp=True (backends/nxd/model.py) holds two more kinds of state after the decoder's:
+# `verified_state_specs`, verify's DeltaNet states after each position (scratch that verify writes and commit reads:
+# it stays on the device between the two calls), then the MTP head's K/V cache. Every graph holding state takes and
+# returns all of it, in that order (decoder state, verified states, head cache), after its own outputs; what a graph
+# does not write it returns as it came.
+
+
+def verified_state_specs(specs: Sequence[StateSpec], batch: int, width: int) -> list[StateSpec]:
+    """verify's per-position DeltaNet states of `batch` rows over `width` positions, in the order
+    `Qwen35Decoder.verify` returns them (per DeltaNet layer: conv [B, T, C, K - 1], recurrent [B, T * nv, dk, dv])."""
+    out = []
+    for spec in specs:
+        layer, kind = spec.name.rsplit(".", 1)
+        if kind == "conv_state":
+            out.append(StateSpec(f"{layer}.verified_conv_state", (batch, width, *spec.shape[1:]), spec.dtype))
+        elif kind == "recurrent_state":
+            nv, dk, dv = spec.shape[1:]
+            out.append(StateSpec(f"{layer}.verified_recurrent_state", (batch, width * nv, dk, dv), spec.dtype))
+    return out
+
+
+def context_hidden_step(decoder, layout: StateLayout, held, input_ids, position_ids, seq_ids) -> list[torch.Tensor]:
+    """Context encoding of right-padded rows (as `step`) that also returns every position's final-normed hidden
+    state (what the MTP head reads after a prompt): `[logits [B, 1, vocab] fp32, hidden [B, T, H], *held state]`."""
+    input_ids, position_ids = input_ids.to(torch.int32), position_ids.to(torch.int32)
+    mask = context_attention_mask(position_ids)
+    out = decoder.context_encoding(input_ids, mask, position_ids, seq_ids, *layout.to_decoder(held), hidden=True)
+    return [out[0].float()[:, None, :], out[1], *layout.to_held(out[2:])]
+
+
+def verify_step(decoder, layout: StateLayout, held, verified, input_ids, position_ids, lengths, seq_ids):
+    """Speculative verification (`Qwen35Decoder.verify`) over the whole cache: `[logits [B, T, vocab] fp32,
+    hidden [B, T, H], *held state, *verified]`, the per-position DeltaNet states written into `verified`.
+
+    Written as a scatter of every row into the held scratch tensors rather than returned as new tensors: a graph
+    output that does not read its held input leaves that input out of the graph, and its alias could not be made."""
+    input_ids, position_ids = input_ids.to(torch.int32), position_ids.to(torch.int32)
+    out = decoder.verify(input_ids, position_ids, lengths, seq_ids, *layout.to_decoder(held))
+    n = len(verified)
+    per_position, state = out[2 : 2 + n], out[2 + n :]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device, dtype=torch.int32)
+    written = [v.index_put((rows,), p.to(v.dtype)) for v, p in zip(verified, per_position)]
+    return [out[0].float(), out[1], *layout.to_held(state), *written]
+
+
+def commit_step(decoder, layout: StateLayout, held, verified, seq_ids, accepted) -> list[torch.Tensor]:
+    """Each active row's DeltaNet states become those verify held after its position accepted[b]
+    (`Qwen35Decoder.commit`): `[accepted, *held state, *verified]` (the first output only so that the graph has one
+    that is not aliased)."""
+    state = decoder.commit(seq_ids, accepted, *verified, *layout.to_decoder(held))
+    return [accepted, *layout.to_held(state), *verified]
+
+
+def mtp_step(decoder, cache, input_ids, hidden, position_ids, lengths, seq_ids, key_length=None) -> list[torch.Tensor]:
+    """The MTP head over T positions per row (`Qwen35Decoder.mtp_forward`): `[logits [B, vocab] fp32, out [B, H],
+    k_cache, v_cache]`."""
+    logits, out, k_cache, v_cache = decoder.mtp_forward(
+        input_ids.to(torch.int32), hidden, position_ids.to(torch.int32), lengths, seq_ids, *cache, key_length=key_length
+    )
+    return [logits.float(), out, k_cache, v_cache]
+
+
 def restore_state_dtypes(held: Sequence[torch.nn.Parameter], specs: Sequence[StateSpec]) -> None:
     """Give each held state back its dtype (the recurrent state fp32), in place on the same Parameter objects
     (the alias map refers to them), after optimum-neuron's load-time cast of every floating tensor."""

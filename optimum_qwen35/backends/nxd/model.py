@@ -7,9 +7,13 @@
 - `Qwen35DecoderModelInstance`: builds it, re-casts the state to its dtypes after optimum-neuron's load-time cast
   (the recurrent state back to fp32), and aliases every held state to its output;
 - `Qwen35NxDModelForCausalLM`, the `NxDModelForCausalLM` subclass: the graphs (context encoding, token
-  generation, and the per-position logits graph of `forward()`; no speculation), compiler flags, and weights split
-  per rank by this project's layout (`state_dict`) instead of neuronx-distributed's splitter, which does not split
-  plain parameters (A_log, dt_bias, conv_weight).
+  generation, and the per-position logits graph of `forward()`; optimum-neuron's own speculation is off), compiler
+  flags, and weights split per rank by this project's layout (`state_dict`) instead of neuronx-distributed's
+  splitter, which does not split plain parameters (A_log, dt_bias, conv_weight);
+- an export made with mtp=True (`state_dict.mtp_export`: its config says so) also holds the checkpoint's
+  multi-token-prediction head and the graphs of speculative decoding with it (`speculative_graph_builders`:
+  context encoding returning the hidden states, verify of K + 1 positions, commit, the head over 1, K + 1 and a
+  prompt's positions), which `generate(..., num_speculative_tokens=k)` runs through the host loop (runner.py).
 
 `optimum_qwen35.optimum_neuron.Qwen35NeuronModelForCausalLM` hands its Neuron targets to `Qwen35NxDModelForCausalLM`.
 None of this has run: see docs/neuron_backend.md.
@@ -40,13 +44,20 @@ from torch import nn
 LOGITS_MODEL_TAG = "context_logits_model"
 # The image graphs of a vision export (`vision_graph_builders`), beside one `vision_<N>` graph per image bucket.
 IMAGE_CONTEXT_MODEL_TAG, IMAGE_TOKEN_MODEL_TAG = "image_context_encoding", "image_token_generation"
+# The speculative-decoding graphs of an export made with mtp=True (`speculative_graph_builders`), and how many
+# outputs each has before the held state.
+CONTEXT_HIDDEN_MODEL_TAG, VERIFY_MODEL_TAG, COMMIT_MODEL_TAG = "context_hidden", "verify", "commit"
+MTP_DRAFT_MODEL_TAG, MTP_CATCH_UP_MODEL_TAG, MTP_PROMPT_MODEL_TAG = "mtp_draft", "mtp_catch_up", "mtp_prompt"
+SPECULATIVE_OUTPUTS = {CONTEXT_HIDDEN_MODEL_TAG: 2, VERIFY_MODEL_TAG: 2, COMMIT_MODEL_TAG: 1, MTP_DRAFT_MODEL_TAG: 2,
+                       MTP_CATCH_UP_MODEL_TAG: 2, MTP_PROMPT_MODEL_TAG: 2}
 
 from optimum_qwen35.backends.nxd import adapter
 from optimum_qwen35.backends.nxd import state_dict as weights
 from optimum_qwen35.backends.nxd.layers import NxDLayers
-from optimum_qwen35.backends.nxd.runner import nxd_image_runtime
+from optimum_qwen35.backends.nxd.runner import nxd_runtime
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
+from optimum_qwen35.modeling.precision import accumulation_dtype
 from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
 from optimum_qwen35.optimum_neuron import generation
 from optimum_qwen35.optimum_neuron.neuron_config import nxd_neuron_config
@@ -66,6 +77,9 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
     # "nki" calls the NKI kernels on trn2 and later with the real NKI package (refused elsewhere). Carried by this
     # model's layer factory, so that it does not change the process-wide backend of other models.
     kernel_backend: str | None = None
+    # The speculative-decoding graph this module is traced as (Qwen35SpeculativeModelInstance sets it), None for the
+    # decoding graphs, which their inputs tell apart.
+    graph: str | None = None
 
     def __init__(self, config, neuron_config):
         adapter.check_neuron_config(neuron_config)
@@ -73,42 +87,70 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
         backend = adapter.kernel_backend(self.kernel_backend, neuron_config.target)
         layers = NxDLayers(neuron_config.tp_degree, neuron_config.torch_dtype, backend,
                            adapter.kernel_lnc(neuron_config.target, getattr(neuron_config, "logical_nc_config", None)))
-        super().__init__(qwen_config, neuron_config.tp_degree, layers)
+        max_speculative_tokens = weights.mtp_export(config)
+        super().__init__(qwen_config, neuron_config.tp_degree, layers, mtp=max_speculative_tokens > 0)
         if qwen_config.tie_word_embeddings:
             # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as
             # optimum-neuron's tied models do: a weight shared by two layers is not something its tracing handles.
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.embed_tokens.weight))
         self.neuron_config = neuron_config
         self.kv_mgr = None  # read by optimum-neuron's model instance; this module holds all its state itself
-        specs = self.state_specs(neuron_config.max_batch_size, neuron_config.sequence_length)
+        slots, length = neuron_config.max_batch_size, neuron_config.sequence_length
+        specs = self.state_specs(slots, length)
         self.state_layout = adapter.StateLayout(specs)
+        # With the head (mtp=True), every graph also holds verify's per-position DeltaNet states and the head's K/V
+        # cache, after the decoder's state (adapter.py, "speculative decoding"): the runtime allocates the state the
+        # first graph holds (neuronx-distributed's `build_state_initializer`), so that graph must hold all of it.
+        self.verified_specs = []
+        if self.mtp is not None:
+            self.verified_specs = adapter.verified_state_specs(specs, slots, max_speculative_tokens + 1)
+        self.held_specs = self.state_layout.held_specs + self.verified_specs + self.mtp_state_specs(slots, length)
         self.past_key_values = nn.ParameterList(
-            nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in self.state_layout.held_specs
+            nn.Parameter(torch.zeros(s.shape, dtype=s.dtype), requires_grad=False) for s in self.held_specs
         )
 
-    def forward(self, input_ids, position_ids, seq_ids=None, sampling_params=None, rope_position_ids=None,
-                image_embeds=None, image_mask=None):
-        if seq_ids is None:  # the per-position logits graph (two inputs: Qwen35LogitsBuilder)
-            return adapter.score(self, input_ids, position_ids)
+    def forward(self, input_ids, position_ids, *rest):
         held = list(self.past_key_values)
-        if rope_position_ids is not None:  # the image graphs (Qwen35ImageContextBuilder, Qwen35ImageTokenBuilder)
-            return adapter.image_step(
-                self, self.state_layout, held, input_ids, position_ids, seq_ids, rope_position_ids, image_embeds, image_mask
-            )
-        return adapter.step(self, self.state_layout, held, input_ids, position_ids, seq_ids)
+        n, v = len(self.state_layout.specs), len(self.verified_specs)
+        state, verified, cache = held[:n], held[n : n + v], held[n + v :]
+        if self.graph is not None:
+            return self._speculative(state, verified, cache, input_ids, position_ids, *rest)
+        if not rest:  # the per-position logits graph (two inputs: Qwen35LogitsBuilder): no held state
+            return adapter.score(self, input_ids, position_ids)
+        seq_ids, _sampling_params, *image = rest
+        if image:  # the image graphs (Qwen35ImageContextBuilder, Qwen35ImageTokenBuilder): rotary positions first
+            out = adapter.image_step(self, self.state_layout, state, input_ids, position_ids, seq_ids, *image)
+        else:
+            out = adapter.step(self, self.state_layout, state, input_ids, position_ids, seq_ids)
+        return out + verified + cache  # (with the head: returned as they came)
+
+    def _speculative(self, state, verified, cache, *inputs):
+        """The speculative-decoding graph `self.graph` (inputs: `Qwen35SpeculativeBuilder.input_generator`)."""
+        layout = self.state_layout
+        if self.graph == CONTEXT_HIDDEN_MODEL_TAG:
+            return adapter.context_hidden_step(self, layout, state, *inputs) + verified + cache
+        if self.graph == VERIFY_MODEL_TAG:
+            return adapter.verify_step(self, layout, state, verified, *inputs) + cache
+        if self.graph == COMMIT_MODEL_TAG:
+            return adapter.commit_step(self, layout, state, verified, *inputs) + cache
+        # The head: over a prompt it attends to the prompt's block (a fresh row), else to the whole cache.
+        key_length = inputs[0].shape[1] if self.graph == MTP_PROMPT_MODEL_TAG else None
+        logits, out, *cache = adapter.mtp_step(self, cache, *inputs, key_length=key_length)
+        return [logits, out, *state, *verified, *cache]
 
 
 class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
     def load_module(self):
         super().load_module()  # builds the module, then casts every floating tensor to the model dtype
-        adapter.restore_state_dtypes(self.module.past_key_values, self.module.state_layout.held_specs)
+        adapter.restore_state_dtypes(self.module.past_key_values, self.module.held_specs)
         adapter.restore_fp32_parameters(self.module)
 
     def get(self, bucket_rank, **kwargs):
         if bucket_rank != 0:
             raise ValueError(f"one bucket per graph, got bucket_rank={bucket_rank}")
-        held = self.module.past_key_values
-        self.input_output_aliases = {held[j]: output for j, output in self.module.state_layout.alias_map().items()}
+        # Held state j is the output after the graph's own ones (the logits; two or one for a speculative graph).
+        first = SPECULATIVE_OUTPUTS.get(self.module.graph, adapter.STATE_OUTPUT_OFFSET)
+        self.input_output_aliases = {held: first + j for j, held in enumerate(self.module.past_key_values)}
         return self.module, self.input_output_aliases
 
 
@@ -164,6 +206,86 @@ class Qwen35ImageTokenBuilder(Qwen35DecoderBuilder):
     def input_generator(self):
         (input_ids, position_ids, seq_ids, sampling_params), = super().input_generator()
         return [(input_ids, position_ids, seq_ids, sampling_params, position_ids.clone())]
+
+
+class Qwen35SpeculativeModelInstance(Qwen35DecoderModelInstance):
+    """The traced module of one speculative-decoding graph: the decoder with the head, told which graph it is."""
+
+    def __init__(self, model_cls, config, neuron_config, n_positions: int, graph: str):
+        super().__init__(model_cls=model_cls, config=config, neuron_config=neuron_config, n_positions=n_positions)
+        self.graph = graph
+
+    def load_module(self):
+        super().load_module()
+        self.module.graph = self.graph
+
+
+class Qwen35SpeculativeBuilder(NxDGraphBuilder):
+    """One graph of speculative decoding with the MTP head (`graph`: one of the tags above), over `width` positions
+    per row. Its inputs (int32 indices, the hidden states in the accumulation dtype), each graph a shape key of its
+    own for neuronx-distributed's routing (`speculative_graph_builders` checks it):
+
+    - context_hidden: (input_ids, position_ids [B, T], seq_ids [B]), right-padded as context encoding's (three
+      inputs, not its four) -> (logits [B, 1, vocab], hidden [B, T, H]);
+    - verify: (input_ids, position_ids [B, K + 1], lengths [B], seq_ids [B]) -> (logits [B, K + 1, vocab], hidden);
+    - commit: (seq_ids [B], accepted [B]) -> (accepted);
+    - mtp_draft / mtp_catch_up / mtp_prompt: (input_ids [B, T], hidden [B, T, H], position_ids [B, T], lengths [B],
+      seq_ids [B]) over 1, K + 1 or the context length positions -> (logits [B, vocab], out [B, H]).
+    """
+
+    def __init__(self, config, neuron_config, graph: str, width: int, model_cls):
+        super().__init__(priority_model_idx=None)
+        self.config, self.neuron_config, self.model_cls = config, neuron_config, model_cls
+        self.graph, self.width = graph, width
+
+    def input_generator(self):
+        batch, width = self.neuron_config.batch_size, self.width
+        ids = torch.zeros(batch, width, dtype=torch.int32)
+        positions = torch.arange(width, dtype=torch.int32).expand(batch, width).contiguous()
+        lengths = torch.full((batch,), width, dtype=torch.int32)
+        seq_ids = torch.arange(batch, dtype=torch.int32)
+        if self.graph == CONTEXT_HIDDEN_MODEL_TAG:
+            return [(ids, positions, seq_ids)]
+        if self.graph == VERIFY_MODEL_TAG:
+            return [(ids, positions, lengths, seq_ids)]
+        if self.graph == COMMIT_MODEL_TAG:
+            return [(seq_ids, torch.zeros(batch, dtype=torch.int32))]
+        dtype = accumulation_dtype(self.neuron_config.torch_dtype)  # the hidden states come as the graphs return them
+        hidden = torch.zeros(batch, width, self.config.hidden_size, dtype=dtype)
+        return [(ids, hidden, positions, lengths, seq_ids)]
+
+    def get_model_instance(self):
+        return Qwen35SpeculativeModelInstance(self.model_cls, self.config, self.neuron_config, self.width, self.graph)
+
+
+def speculative_graph_builders(config, neuron_config, max_speculative_tokens: int, model_cls) -> dict:
+    """The graphs an export made with mtp=True adds: context encoding with the hidden states and the head over a
+    prompt (one row, the context length, as context encoding), verify and commit of K + 1 positions and the head
+    over 1 (a draft) and K + 1 (the catch-up) positions (the batch, as token generation)."""
+    ctx = NxDModelForCausalLM._create_context_encoding_config(neuron_config)
+    tkg = NxDModelForCausalLM._create_token_generation_config(neuron_config)
+    if tkg.batch_size != neuron_config.max_batch_size:
+        raise ValueError(f"mtp=True needs the token-generation batch ({tkg.batch_size}) to be the number of slots "
+                         f"({neuron_config.max_batch_size}): verify's per-position states are held one row per slot")
+    width = max_speculative_tokens + 1
+    graphs = {
+        CONTEXT_HIDDEN_MODEL_TAG: (ctx, ctx.max_context_length), MTP_PROMPT_MODEL_TAG: (ctx, ctx.max_context_length),
+        VERIFY_MODEL_TAG: (tkg, width), COMMIT_MODEL_TAG: (tkg, width),
+        MTP_DRAFT_MODEL_TAG: (tkg, 1), MTP_CATCH_UP_MODEL_TAG: (tkg, width),
+    }
+    return {tag: Qwen35SpeculativeBuilder(config, nc, tag, n, model_cls) for tag, (nc, n) in graphs.items()}
+
+
+def check_shape_keys(builders: dict) -> None:
+    """neuronx-distributed routes a call to the graph whose example inputs have the call's shapes
+    (`NxDModel.router`): no two graphs may share them."""
+    seen = {}
+    for tag, builder in builders.items():
+        key = str([tuple(t.shape) for t in builder.input_generator()[0]])
+        if key in seen:
+            raise ValueError(f"graphs {seen[key]!r} and {tag!r} take inputs of the same shapes {key}: a call could not "
+                             "be routed to one of them; export with a longer sequence_length")
+        seen[key] = tag
 
 
 class Qwen35NxDVisionModel(nn.Module):
@@ -289,28 +411,36 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         )
 
     def generate(self, input_ids, attention_mask=None, generation_config=None, stopping_criteria=None,
-                 pixel_values=None, image_grid_thw=None, **kwargs):
-        """optimum-neuron's `generate`; with `pixel_values` / `image_grid_thw` (a vision export), the host loop over
-        the vision and image graphs (`NxDImageRuntime`: the cpu runtime's loop and image handling, the same
-        `generate` options as the cpu target's)."""
+                 pixel_values=None, image_grid_thw=None, num_speculative_tokens=0, **kwargs):
+        """optimum-neuron's `generate`; with `pixel_values` / `image_grid_thw` (a vision export) or
+        `num_speculative_tokens=k` > 0 (an export made with mtp=True: speculative decoding with the MTP head), the host
+        loop over the traced graphs (`NxDGraphs`: the cpu runtime's loop, image handling and speculative rounds, the
+        same `generate` options as the cpu target's)."""
         kwargs.pop("token_type_ids", None)  # tokenizers' output, passed on by harnesses: Qwen3.5 has no token types
-        if pixel_values is None and image_grid_thw is None:
+        if pixel_values is None and image_grid_thw is None and not num_speculative_tokens:
             kwargs.pop("mm_token_type_ids", None)
             if stopping_criteria is not None:  # optimum-neuron's loop (NxDGenerationMixin) takes it as a keyword
                 kwargs["stopping_criteria"] = stopping_criteria
             return super().generate(input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs)
+        images = pixel_values is not None or image_grid_thw is not None
+        runtime = self._runtime_for_images() if images else self._host_runtime()
         return generation.generate(
-            self._runtime_for_images(), self.generation_config, input_ids, attention_mask, generation_config,
-            stopping_criteria=stopping_criteria, pixel_values=pixel_values, image_grid_thw=image_grid_thw, **kwargs,
+            runtime, self.generation_config, input_ids, attention_mask, generation_config,
+            stopping_criteria=stopping_criteria, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            num_speculative_tokens=num_speculative_tokens, **kwargs,
         )
 
+    def _host_runtime(self):
+        """The host loop over the traced graphs (`runner.NxDGraphs`), built on first use."""
+        if getattr(self, "_host_loop", None) is None:
+            vision = weights.vision_export(self.config)
+            self._host_loop = nxd_runtime(self._traced_model, self.config, self.neuron_config, vision)
+        return self._host_loop
+
     def _runtime_for_images(self):
-        vision = weights.vision_export(self.config)
-        if vision is None:
+        if weights.vision_export(self.config) is None:
             raise UsageError(generation.TEXT_ONLY_EXPORT)
-        if getattr(self, "_images", None) is None:
-            self._images = nxd_image_runtime(self._traced_model, self.config, vision[0], self.neuron_config, vision[1])
-        return self._images
+        return self._host_runtime()
 
     def _rows_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         length = self.neuron_config.max_context_length
@@ -366,6 +496,10 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         vision = weights.vision_export(config)
         if vision is not None:
             builders.update(vision_graph_builders(config, *vision, neuron_config, cls._model_cls))
+        max_speculative_tokens = weights.mtp_export(config)
+        if max_speculative_tokens:
+            builders.update(speculative_graph_builders(config, neuron_config, max_speculative_tokens, cls._model_cls))
+        check_shape_keys(builders)
         return builders
 
     @classmethod
@@ -387,6 +521,9 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         if vision is not None:  # the vision graphs' weights, beside the decoder's in each rank's file
             for rank, tensors in zip(self._ranks(), ranks):
                 tensors.update(weights.vision_rank_state_dict(checkpoint_path, vision[0], nc.tp_degree, rank, nc.torch_dtype))
+        if weights.mtp_export(self.config):  # the MTP head's, sharded as the CPU runtime shards it
+            for rank, tensors in zip(self._ranks(), ranks):
+                tensors.update(weights.mtp_rank_state_dict(checkpoint_path, self.config, nc.tp_degree, rank, nc.torch_dtype))
         return ranks
 
     def _load_weights_from_path(self, weights_path):

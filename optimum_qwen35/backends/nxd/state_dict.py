@@ -36,8 +36,8 @@ from optimum_qwen35.checkpoint.convert import (
     stored_dtype,
 )
 from optimum_qwen35.checkpoint.experts import fuse, fuse_expert_names
-from optimum_qwen35.checkpoint.reader import text_name
-from optimum_qwen35.checkpoint.shard import shard_dim, tp_layout
+from optimum_qwen35.checkpoint.reader import CheckpointReader, text_name
+from optimum_qwen35.checkpoint.shard import convert_and_shard_mtp, shard_dim, tp_layout
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.export import layout
 from optimum_qwen35.modeling.vision import VisionConfig, shard_vision_params
@@ -178,3 +178,19 @@ def vision_rank_state_dict(checkpoint_path, vision, tp_degree: int, rank: int, d
     checkpoint and split by heads (`modeling.vision.shard_vision_params`)."""
     tower = load_vision_encoder(checkpoint_path, vision, dtype).state_dict()
     return {VISION_PREFIX + k: v.contiguous() for k, v in shard_vision_params(tower, tp_degree, rank).items()}
+
+
+# ------------------------------------------------------------------------------------- exports made with mtp=True
+def mtp_export(config) -> int:
+    """The most drafts per round of an export made with mtp=True (its speculative graphs verify that many + 1
+    positions), 0 for one without the MTP head."""
+    entry = getattr(config, layout.MTP_EXPORT_KEY, None)
+    return int(entry["max_speculative_tokens"]) if entry else 0
+
+
+def mtp_rank_state_dict(checkpoint_path, config, tp_degree: int, rank: int, dtype) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s multi-token-prediction head tensors (decoder names `mtp.*`), read from the checkpoint and
+    sharded as the CPU runtime shards them (`convert_and_shard_mtp`), MoE experts in neuronx-distributed's form."""
+    cfg = qwen_config(config)
+    reader = CheckpointReader(checkpoint_path, mtp=True)
+    return nxd_expert_tensors(dict(convert_and_shard_mtp(reader, cfg, tp_degree, rank, dtype)))
