@@ -71,6 +71,7 @@ def test_greedy_generation_through_traced_graphs(layout):
 TOP1_SLACK = 0.005
 
 
+@pytest.mark.reference  # (runs transformers >= 5's Qwen3.5: the reference session)
 def test_bf16_error_no_worse_than_transformers_bf16(layout):
     """bf16 weights and activations, fp32 recurrent state, against the fp32 reference logits, with transformers' bf16
     model run on the same prompts on this CPU."""
