@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from optimum_qwen35.errors import UsageError
 from optimum_qwen35.runtime import Qwen35Runtime
 
 from .conftest import FIXTURES
@@ -73,6 +74,34 @@ def test_eos_inside_accepted_drafts_and_end_of_cache(case):
     longest = MAX_LENGTH - 30
     want = model.generate(last, max_new_tokens=longest)
     assert model.generate(last, max_new_tokens=longest, num_speculative_tokens=4) == want
+
+
+def test_row_limits_min_new_tokens_and_streamer_as_plain_decoding(case):
+    """What plain generate takes, speculation takes alike: one max_new_tokens per row (each row stops at its own,
+    the others run on), min_new_tokens (no EOS before it: masked at every draft and verified position, so greedy
+    speculation still returns plain greedy's tokens) and a streamer (one prompt: every new token once, in order)."""
+    head, prompts = case
+    model = runtime(head, torch.float32, batch_size=2)
+    limits = [NEW, 7]
+    want = model.generate(prompts[:2], max_new_tokens=limits)
+    assert [len(t) for t in want] == limits
+    for k in (1, 3):
+        assert model.generate(prompts[:2], max_new_tokens=limits, num_speculative_tokens=k) == want, k
+    # An EOS plain greedy reaches at new token 3, suppressed until new token 12: the rows decode on past it.
+    plain = model.generate(prompts[:2], max_new_tokens=NEW)
+    eos = plain[0][3]
+    want = model.generate(prompts[:2], max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=12)
+    assert len(want[0]) > 4 and eos not in want[0][:12], want[0]
+    for k in (1, 2, 4):
+        got = model.generate(prompts[:2], max_new_tokens=NEW, eos_token_id=eos, min_new_tokens=12,
+                             num_speculative_tokens=k)
+        assert got == want, k
+    streamed = []
+    tokens = model.generate(prompts[:1], max_new_tokens=NEW, num_speculative_tokens=3,
+                            streamer=lambda index, new: streamed.append((index, list(new))))
+    assert streamed == [(i, [t]) for i, t in enumerate(tokens[0])] and tokens[0] == plain[0]
+    with pytest.raises(UsageError, match="a streamer with speculative decoding takes one prompt"):
+        model.generate(prompts[:2], max_new_tokens=4, num_speculative_tokens=3, streamer=lambda index, new: None)
 
 
 def test_speculation_runs_without_autograd():

@@ -575,14 +575,14 @@ class Qwen35Runtime:
         multi-token-prediction head (loaded with `from_pretrained(..., mtp=True)`; runtime/speculative.py): k drafts
         per step, verified in one graph. Greedy, it returns exactly what greedy decoding returns; sampled, pass
         `distribution(logits [n, vocab]) -> probabilities [n, vocab]` (instead of `sampler`) and optionally a
-        `generator`: the standard rejection rule keeps plain sampling's distribution. Text prompts only, no
-        `streamer` / `stop`. `self.speculation` holds the last call's counts (acceptance length)."""
+        `generator`: the standard rejection rule keeps plain sampling's distribution. Per-row `max_new_tokens` and
+        `min_new_tokens` as above; text prompts only, no `stop`; a `streamer` with one prompt only (called once per
+        new token, `streamer(index, [token])`). `self.speculation` holds the last call's counts (acceptance length)."""
         num_speculative_tokens = validation.positive_int(num_speculative_tokens, "num_speculative_tokens", minimum=0)
         if num_speculative_tokens:
-            if min_new_tokens:
-                raise UsageError("speculative decoding takes no min_new_tokens: pass num_speculative_tokens=0 with it")
             return self._generate_speculative(prompts, max_new_tokens, eos_token_id, num_speculative_tokens, distribution,
-                                              generator, streamer, sampler, pixel_values, image_grid_thw, stop)
+                                              generator, streamer, sampler, pixel_values, image_grid_thw, stop,
+                                              min_new_tokens)
         if distribution is not None or generator is not None:
             raise UsageError("distribution and generator go with num_speculative_tokens > 0 (plain sampling takes sampler)")
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
@@ -663,30 +663,28 @@ class Qwen35Runtime:
     # TP > 1 the gathered logits' in-place write failed under grad mode.
     @torch.no_grad()
     def _generate_speculative(self, prompts, max_new_tokens, eos_token_id, k, distribution, generator, streamer,
-                              sampler, pixel_values, image_grid_thw, stop) -> list[list[int]]:
+                              sampler, pixel_values, image_grid_thw, stop, min_new_tokens) -> list[list[int]]:
         """`generate(..., num_speculative_tokens=k)`: runtime/speculative.py, wave by wave."""
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        max_new_tokens = validation.positive_int(max_new_tokens, "max_new_tokens")
         eos = validation.eos_ids(eos_token_id)
-        if any(x is not None for x in (streamer, sampler, pixel_values, image_grid_thw, stop)):
+        min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
+        if any(x is not None for x in (sampler, pixel_values, image_grid_thw, stop)):
             raise UsageError(
-                "speculative decoding takes text prompts, greedy or `distribution` sampling: no streamer, sampler, "
-                "stop or images"
+                "speculative decoding takes text prompts, greedy or `distribution` sampling: no sampler, stop or "
+                "images (pass num_speculative_tokens=0 with them)"
             )
-        if distribution is not None and not callable(distribution):
-            raise UsageError(f"distribution must be a callable or None, got {type(distribution).__name__}")
+        for name, fn in (("distribution", distribution), ("streamer", streamer)):
+            if fn is not None and not callable(fn):
+                raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        if streamer is not None and len(prompts) != 1:
+            raise UsageError(f"a streamer with speculative decoding takes one prompt, got {len(prompts)}: pass one prompt "
+                             "per call, or num_speculative_tokens=0 to stream a batch")
         check_runner(self.graphs, k)
-        for p in prompts:
-            self._check_length(len(p))
-            if len(p) + max_new_tokens > self.max_length:
-                raise UsageError(
-                    f"prompt ({len(p)} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_length "
-                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
-                )
+        limits = self._new_token_limits(prompts, max_new_tokens)
         self.speculation = SpeculationStats()
         results: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
-            results += generate_wave(self, group, list(range(len(group))), max_new_tokens, eos, k,
-                                                 distribution, generator, self.speculation)
+            results += generate_wave(self, group, list(range(len(group))), limits[start : start + self.batch_size], eos,
+                                     k, distribution, generator, self.speculation, min_new_tokens, streamer)
         return results

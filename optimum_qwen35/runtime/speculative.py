@@ -20,7 +20,9 @@ holds positions < p, the head's KV cache positions < p. One round:
    them (the accepted drafts and the new token), replacing what the drafts wrote; its last output drafts the next
    round's d1.
 
-A row stops at EOS (inside the accepted tokens too: what follows it is dropped) or at max_new_tokens.
+A row stops at EOS (inside the accepted tokens too: what follows it is dropped) or at its own max_new_tokens. With
+min_new_tokens, EOS is masked out of every logits row that picks a new token before that many (drafts and verified
+positions alike, as plain decoding masks its steps), so greedy speculation still returns plain greedy's tokens.
 """
 
 from __future__ import annotations
@@ -76,26 +78,36 @@ def reject(p: torch.Tensor, q: torch.Tensor, draft: int, generator) -> int | Non
 
 
 class _Picker:
-    """Greedy (distribution None) or sampled tokens from logits [vocab]."""
+    """Greedy (distribution None) or sampled tokens from logits [vocab]; `index` is the new token's index in its row
+    (0: the first generated token): below `min_new_tokens` EOS cannot be picked (transformers' MinNewTokens rule)."""
 
-    def __init__(self, distribution, generator):
+    def __init__(self, distribution, generator, eos, min_new_tokens):
         self.distribution, self.generator = distribution, generator
+        self.eos, self.min_new_tokens = eos, min_new_tokens
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.distribution(logits[None].float())[0].double()
+    def _masked(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        if index >= self.min_new_tokens or not self.eos:
+            return logits
+        logits = logits.clone()
+        logits[[t for t in self.eos if t < logits.shape[-1]]] = float("-inf")
+        return logits
+
+    def probs(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        p = self.distribution(self._masked(logits, index)[None].float())[0].double()
         return p / p.sum()
 
-    def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def pick(self, logits: torch.Tensor, index: int) -> tuple[int, torch.Tensor | None]:
         if self.distribution is None:
-            return int(logits.argmax()), None
-        q = self.probs(logits)
+            return int(self._masked(logits, index).argmax()), None
+        q = self.probs(logits, index)
         return _sample(q, self.generator), q
 
 
 def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
     """The head over every prompt position (position i reads the prompt's hidden state i and token i + 1; the last
-    position the first generated token), in the context buckets. Returns (logits [n, vocab], out [n, H]) at each
-    prompt's last position."""
+    position the first generated token), in the context buckets. Returns (logits [n, vocab], out [B, H]) at each
+    prompt's last position, out padded to the batch's B rows (the head's draft steps take B rows: a wave of fewer
+    prompts than B has rows no prompt uses)."""
     graphs, B, largest = runtime.graphs, runtime.batch_size, runtime.buckets[-1]
     n = len(prompts)
     tokens = [list(p[1:]) + [t] for p, t in zip(prompts, first_tokens)]
@@ -122,20 +134,26 @@ def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
         for i, c in chunks.items():
             last_logits[i], last_out[i] = logits[i], out[i]
             done[i] = c.stop
-    return torch.stack(last_logits), torch.stack(last_out)
+    out = torch.zeros(B, hidden_size, dtype=last_out[0].dtype)
+    out[:n] = torch.stack(last_out)
+    return torch.stack(last_logits), out
 
 
-def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=None, generator=None,
-                  stats: SpeculationStats | None = None) -> list[list[int]]:
-    """Speculative decoding of one wave (at most batch_size prompts, in `slots`), k drafts per round."""
+def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, generator=None,
+                  stats: SpeculationStats | None = None, min_new_tokens: int = 0, streamer=None) -> list[list[int]]:
+    """Speculative decoding of one wave (at most batch_size prompts, in `slots`), k drafts per round, at most
+    `limits[i]` new tokens in row i. `streamer(index, [token])` (one-row waves only) is called for every new token in
+    order, as plain decoding calls it once per step."""
     graphs, B, max_length = runtime.graphs, runtime.batch_size, runtime.max_length
     n = len(prompts)
-    picker = _Picker(distribution, generator)
+    picker = _Picker(distribution, generator, eos, min_new_tokens)
     stats = stats if stats is not None else SpeculationStats()
     logits, hiddens = runtime.prefill(prompts, slots, hidden=True)
-    first = [picker.pick(logits[i])[0] for i in range(n)]
+    first = [picker.pick(logits[i], 0)[0] for i in range(n)]
     outputs = [[t] for t in first]
-    done = [t in eos or max_new_tokens == 1 for t in first]
+    if streamer is not None:
+        streamer(0, first[:1])
+    done = [t in eos or limits[i] == 1 for i, t in enumerate(first)]
     last, p = list(first), [len(q) for q in prompts]
     draft_logits, draft_out = _mtp_prefill(runtime, prompts, hiddens, first, slots)
     T = k + 1
@@ -151,7 +169,7 @@ def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=
         drafts = [[0] * k for _ in range(n)]
         q = [[None] * k for _ in range(n)]
         for i in active:
-            drafts[i][0], q[i][0] = picker.pick(draft_logits[i])
+            drafts[i][0], q[i][0] = picker.pick(draft_logits[i], len(outputs[i]))
         out = draft_out
         for s in range(1, k):
             ids = torch.zeros(B, 1, dtype=torch.int32)
@@ -161,7 +179,7 @@ def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=
             step_logits, out = graphs.mtp(key_length, ids, out[:, None], positions, torch.ones(B, dtype=torch.int32),
                                           seq_ids)
             for i in active:
-                drafts[i][s], q[i][s] = picker.pick(step_logits[i])
+                drafts[i][s], q[i][s] = picker.pick(step_logits[i], len(outputs[i]) + s)
         # 2. verify
         ids = torch.zeros(B, T, dtype=torch.int32)
         positions = torch.zeros(B, T, dtype=torch.int32)
@@ -176,19 +194,20 @@ def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=
         catch_up = torch.zeros(B, T, dtype=torch.int32)
         for i in active:
             room = int(lengths[i]) - 1  # drafts whose verification fits in the cache
+            emitted = len(outputs[i])  # verified position j picks new token emitted + j
             j, token = 0, None
             while j < min(k, room):
                 target = verify_logits[i, j]
                 if distribution is None:
-                    if drafts[i][j] != int(target.argmax()):
+                    if drafts[i][j] != picker.pick(target, emitted + j)[0]:
                         break
                 else:
-                    token = reject(picker.probs(target), q[i][j], drafts[i][j], generator)
+                    token = reject(picker.probs(target, emitted + j), q[i][j], drafts[i][j], generator)
                     if token is not None:
                         break
                 j += 1
             if token is None:
-                token = picker.pick(verify_logits[i, j])[0]
+                token = picker.pick(verify_logits[i, j], emitted + j)[0]
             accepted[i] = j
             new = drafts[i][:j] + [token]
             stats.rounds += 1
@@ -197,14 +216,16 @@ def generate_wave(runtime, prompts, slots, max_new_tokens, eos, k, distribution=
             stats.emitted += j + 1
             stats.accepted_per_round.append(j)
             for t in new:
-                if len(outputs[i]) == max_new_tokens:
+                if len(outputs[i]) == limits[i]:
                     done[i] = True
                     break
                 outputs[i].append(t)
+                if streamer is not None:
+                    streamer(len(outputs[i]) - 1, [t])
                 if t in eos:
                     done[i] = True
                     break
-            if len(outputs[i]) == max_new_tokens:
+            if len(outputs[i]) == limits[i]:
                 done[i] = True
             catch_up[i, : j + 1] = torch.as_tensor(new, dtype=torch.int32)
         # 4. commit the DeltaNet states after each row's accepted position
