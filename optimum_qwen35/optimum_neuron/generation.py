@@ -215,8 +215,8 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     if speculative:
-        new_tokens = _generate_speculative(runtime, config, prompts, limits, eos, speculative, streamer, criteria,
-                                           min_new_tokens, images)
+        new_tokens = _generate_speculative(runtime, config, input_ids, prompts, limits, eos, speculative, streamer,
+                                           criteria, min_new_tokens, images)
     else:
         new_tokens = _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria,
                                      min_new_tokens, images)
@@ -227,17 +227,23 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     return torch.cat([input_ids, tail], dim=1)
 
 
+def _token_streamer(streamer, input_ids, prompts):
+    """A transformers streamer fed the prompt, then the runtime's new tokens one at a time; None without one."""
+    if streamer is None:
+        return None
+    if len(prompts) != 1:
+        raise UsageError("a streamer takes one prompt at a time (batch size 1), as in transformers")
+    streamer.put(input_ids[:1].cpu())
+
+    def on_token(step, tokens):
+        streamer.put(torch.tensor(tokens[:1]))
+
+    return on_token
+
+
 def _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria, min_new_tokens, images):
     """The runtime's loop, one token per step: a streamer and transformers stopping criteria called after each."""
-    on_step = None
-    if streamer is not None:
-        if len(prompts) != 1:
-            raise UsageError("a streamer takes one prompt at a time (batch size 1), as in transformers")
-        streamer.put(input_ids[:1].cpu())
-
-        def on_step(step, tokens):
-            streamer.put(torch.tensor(tokens[:1]))
-
+    on_step = _token_streamer(streamer, input_ids, prompts)
     stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
     new_tokens = runtime.generate(
         prompts, limits, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop,
@@ -248,19 +254,21 @@ def _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, strea
     return new_tokens
 
 
-def _generate_speculative(runtime, config, prompts, limits, eos, k, streamer, criteria, min_new_tokens, images):
+def _generate_speculative(runtime, config, input_ids, prompts, limits, eos, k, streamer, criteria, min_new_tokens,
+                          images):
     """`generate(..., num_speculative_tokens=k)`: the runtime's speculative loop (runtime/speculative.py), greedy or
-    sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible)."""
+    sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible); each row's
+    limit, min_new_tokens and a streamer as plain decoding takes them."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UsageError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
-    if streamer is not None or criteria is not None or min_new_tokens or images:
+    if criteria is not None or images:
         raise UsageError(
-            "num_speculative_tokens takes text prompts without a streamer, stopping_criteria, min_new_tokens or images: "
+            "num_speculative_tokens takes text prompts without stopping_criteria or images: "
             "pass num_speculative_tokens=0 with them"
         )
-    if len(set(limits)) != 1:
-        raise UsageError(
-            "num_speculative_tokens: a prompt + max_new_tokens exceeds the compiled sequence length; lower max_new_tokens"
-        )
-    return runtime.generate(prompts, limits[0], eos_token_id=eos, num_speculative_tokens=k,
-                            distribution=_distribution(config))
+    on_token = _token_streamer(streamer, input_ids, prompts)
+    new_tokens = runtime.generate(prompts, limits, eos_token_id=eos, num_speculative_tokens=k,
+                                  distribution=_distribution(config), min_new_tokens=min_new_tokens, streamer=on_token)
+    if streamer is not None:
+        streamer.end()
+    return new_tokens

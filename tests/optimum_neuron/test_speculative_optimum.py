@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum.neuron import NeuronModelForCausalLM  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from optimum_qwen35.cli import main  # noqa: E402
 from optimum_qwen35.errors import IncompatibleExportError, UsageError  # noqa: E402
@@ -92,13 +93,56 @@ def test_greedy_speculation_equals_greedy_decoding(fitted, export):
     model.close()
 
 
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_speculation_takes_row_limits_min_new_tokens_and_a_streamer(fitted, export):
+    """generate's other options, as plain decoding takes them: a row whose prompt leaves less room than max_new_tokens
+    stops at the compiled length while the other runs on; min_new_tokens keeps EOS out until then; a streamer gets
+    the prompt and then each new token, one prompt on a batch-2 export (a wave with an unused row)."""
+    model = NeuronModelForCausalLM.from_pretrained(export)
+    ids, mask = _batch(fitted, model)
+    fitted_row = ids[0][mask[0].bool()]
+    long = torch.cat([torch.full((SEQUENCE_LENGTH - 10 - 17,), 3), torch.tensor([7, 300, 2] * 5 + [11, 12])])
+    rows, rows_mask = torch.zeros(2, len(long), dtype=torch.long), torch.zeros(2, len(long), dtype=torch.long)
+    rows[0, -len(fitted_row):], rows_mask[0, -len(fitted_row):] = fitted_row, 1
+    rows[1], rows_mask[1] = long, 1  # room for 10 new tokens
+    plain = model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    out = model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         num_speculative_tokens=3)
+    assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
+    one, one_mask = ids[:1], mask[:1]
+    plain = model.generate(one, attention_mask=one_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    eos = int(plain[0, ids.shape[1] + 2])  # the third new token
+    want = model.generate(one, attention_mask=one_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                          min_new_tokens=9)
+    assert want.shape[1] > ids.shape[1] + 3
+    streamers = {}
+    for k in (0, 2, 4):
+        streamers[k] = _Recorder()
+        got = model.generate(one, attention_mask=one_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                             min_new_tokens=9, num_speculative_tokens=k, streamer=streamers[k])
+        assert torch.equal(got, want), k
+    assert streamers[2].puts == streamers[0].puts == streamers[4].puts and streamers[2].ended
+    assert len(streamers[0].puts) == 1 + want.shape[1] - ids.shape[1]  # the prompt, then one put per new token
+    model.close()
+
+
 def test_speculation_errors_are_one_line(fitted, export, export_dir):
     model = NeuronModelForCausalLM.from_pretrained(export)
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(UsageError, match="at most 4 drafts per round"):
         model.generate(ids, max_new_tokens=4, num_speculative_tokens=5)
-    with pytest.raises(UsageError, match="without a streamer, stopping_criteria, min_new_tokens"):
-        model.generate(ids, max_new_tokens=4, min_new_tokens=2, num_speculative_tokens=2)
+    with pytest.raises(UsageError, match="without stopping_criteria or images"):
+        model.generate(ids, max_new_tokens=4, stopping_criteria=[lambda ids, scores: False], num_speculative_tokens=2)
     model.close()
     plain = NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
     with pytest.raises(IncompatibleExportError, match="export the model with mtp=True") as error:
