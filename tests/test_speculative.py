@@ -104,6 +104,37 @@ def test_row_limits_min_new_tokens_and_streamer_as_plain_decoding(case):
         model.generate(prompts[:2], max_new_tokens=4, num_speculative_tokens=3, streamer=lambda index, new: None)
 
 
+def test_stop_hook_sees_the_steps_of_plain_decoding(case):
+    """`stop` (what transformers' stopping criteria become) is called once per step as plain decoding calls it: the
+    same calls (wave's first row, each row's tokens so far) in the same order, each running row's logits those its
+    newest token was chosen from, and a row it flags cut there, though speculation ran that row ahead. Three prompts
+    on a batch-2 model: two waves, the second's first row is prompt 2."""
+    head, prompts = case
+    model = runtime(head, torch.float32, batch_size=2)
+    plain = model.generate(prompts, max_new_tokens=NEW)
+    cut = plain[0][5]  # row 0 stops at its sixth new token; row 2 after 9; row 1 runs on (unless it meets `cut`)
+
+    def recorder(calls):
+        def stop(first, outputs, logits):
+            step = max(len(o) for o in outputs)
+            calls.append((first, [list(o) for o in outputs],
+                          [int(row.argmax()) if len(o) == step else None for o, row in zip(outputs, logits)]))
+            return [o[-1] == cut or (first + i == 2 and len(o) == 9) for i, o in enumerate(outputs)]
+        return stop
+
+    want_calls = []
+    want = model.generate(prompts, max_new_tokens=NEW, stop=recorder(want_calls))
+    assert len(want[0]) == 6 and len(want[2]) == 9 and len(want[1]) > 9, [len(t) for t in want]
+    for first, outputs, chosen in want_calls:  # greedy: a running row's newest token is its logits' argmax
+        assert all(c is None or c == o[-1] for o, c in zip(outputs, chosen))
+    for k in (1, 2, 4):
+        calls = []
+        assert model.generate(prompts, max_new_tokens=NEW, stop=recorder(calls), num_speculative_tokens=k) == want, k
+        assert calls == want_calls, k
+    with pytest.raises(UsageError, match="no sampler or images"):
+        model.generate(prompts[:1], max_new_tokens=4, sampler=lambda logits: logits.argmax(-1), num_speculative_tokens=2)
+
+
 def test_speculation_runs_without_autograd():
     """The speculative loop calls the graphs directly (not through prefill / decode, which run under no_grad): without
     no_grad around it every head, verify and commit call recorded an autograd graph over the parameters."""

@@ -576,8 +576,9 @@ class Qwen35Runtime:
         per step, verified in one graph. Greedy, it returns exactly what greedy decoding returns; sampled, pass
         `distribution(logits [n, vocab]) -> probabilities [n, vocab]` (instead of `sampler`) and optionally a
         `generator`: the standard rejection rule keeps plain sampling's distribution. Per-row `max_new_tokens` and
-        `min_new_tokens` as above; text prompts only, no `stop`; a `streamer` with one prompt only (called once per
-        new token, `streamer(index, [token])`). `self.speculation` holds the last call's counts (acceptance length)."""
+        `min_new_tokens` and `stop` as above (called once per step as plain decoding calls it, its rows' tokens the
+        same); text prompts only; a `streamer` with one prompt only (called once per new token,
+        `streamer(index, [token])`). `self.speculation` holds the last call's counts (acceptance length)."""
         num_speculative_tokens = validation.positive_int(num_speculative_tokens, "num_speculative_tokens", minimum=0)
         if num_speculative_tokens:
             return self._generate_speculative(prompts, max_new_tokens, eos_token_id, num_speculative_tokens, distribution,
@@ -668,12 +669,12 @@ class Qwen35Runtime:
         prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
         eos = validation.eos_ids(eos_token_id)
         min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
-        if any(x is not None for x in (sampler, pixel_values, image_grid_thw, stop)):
+        if any(x is not None for x in (sampler, pixel_values, image_grid_thw)):
             raise UsageError(
-                "speculative decoding takes text prompts, greedy or `distribution` sampling: no sampler, stop or "
-                "images (pass num_speculative_tokens=0 with them)"
+                "speculative decoding takes text prompts, greedy or `distribution` sampling: no sampler or images "
+                "(pass num_speculative_tokens=0 with them)"
             )
-        for name, fn in (("distribution", distribution), ("streamer", streamer)):
+        for name, fn in (("distribution", distribution), ("streamer", streamer), ("stop", stop)):
             if fn is not None and not callable(fn):
                 raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
         if streamer is not None and len(prompts) != 1:
@@ -686,5 +687,6 @@ class Qwen35Runtime:
         for start in range(0, len(prompts), self.batch_size):
             group = prompts[start : start + self.batch_size]
             results += generate_wave(self, group, list(range(len(group))), limits[start : start + self.batch_size], eos,
-                                     k, distribution, generator, self.speculation, min_new_tokens, streamer)
+                                     k, distribution, generator, self.speculation, min_new_tokens, streamer, stop,
+                                     first_row=start)
         return results

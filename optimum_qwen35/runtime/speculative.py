@@ -23,6 +23,9 @@ holds positions < p, the head's KV cache positions < p. One round:
 A row stops at EOS (inside the accepted tokens too: what follows it is dropped) or at its own max_new_tokens. With
 min_new_tokens, EOS is masked out of every logits row that picks a new token before that many (drafts and verified
 positions alike, as plain decoding masks its steps), so greedy speculation still returns plain greedy's tokens.
+The streamer and the `stop` hook (transformers' stopping criteria) see the steps plain decoding would show them: step
+m (every row's first m new tokens) is replayed once no running row has fewer; a row `stop` flags there is cut back to
+m tokens and finishes (its cache ran ahead, unused since the row is done).
 """
 
 from __future__ import annotations
@@ -139,11 +142,51 @@ def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
     return torch.stack(last_logits), out
 
 
+class _StepReplay:
+    """Calls the streamer and `stop` once per step of plain decoding, though rows advance by several tokens a round:
+    step m is shown when every running row has m new tokens (a finished row shows all of its own), with the logits
+    each row's m-th token was chosen from (zeros for a row finished before it)."""
+
+    def __init__(self, first_row, outputs, done, streamer, stop):
+        self.first_row, self.outputs, self.done = first_row, outputs, done
+        self.streamer, self.stop = streamer, stop
+        self.steps = 0  # steps shown so far
+        self.logits = [{} for _ in outputs]  # row -> {token index: logits}, kept until its step is shown
+
+    def record(self, row: int, index: int, logits: torch.Tensor):
+        if self.stop is not None:
+            self.logits[row][index] = logits
+
+    def show(self):
+        outputs, done = self.outputs, self.done
+        while True:
+            running = [len(o) for o, d in zip(outputs, done) if not d]
+            reach = min(running) if running else max(len(o) for o in outputs)
+            if self.steps >= reach:
+                return
+            m = self.steps = self.steps + 1
+            if self.streamer is not None and len(outputs[0]) >= m:
+                self.streamer(m - 1, [outputs[0][m - 1]])
+            if self.stop is None:
+                continue
+            rows = [row.pop(m - 1, None) for row in self.logits]
+            vocab = next(r.shape[-1] for r in rows if r is not None)
+            logits = torch.stack([torch.zeros(vocab) if r is None else r.float() for r in rows])
+            flags = self.stop(self.first_row, [o[:m] for o in outputs], logits)
+            for i, flag in enumerate(flags):
+                if flag and len(outputs[i]) >= m:
+                    del outputs[i][m:]
+                    done[i] = True
+                    self.logits[i].clear()
+
+
 def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, generator=None,
-                  stats: SpeculationStats | None = None, min_new_tokens: int = 0, streamer=None) -> list[list[int]]:
-    """Speculative decoding of one wave (at most batch_size prompts, in `slots`), k drafts per round, at most
-    `limits[i]` new tokens in row i. `streamer(index, [token])` (one-row waves only) is called for every new token in
-    order, as plain decoding calls it once per step."""
+                  stats: SpeculationStats | None = None, min_new_tokens: int = 0, streamer=None, stop=None,
+                  first_row: int = 0) -> list[list[int]]:
+    """Speculative decoding of one wave (at most batch_size prompts, in `slots`; the first of them is prompt
+    `first_row` of the call), k drafts per round, at most `limits[i]` new tokens in row i. `streamer(index, [token])`
+    (one-row waves only) and `stop(first_row, new_tokens, logits) -> one bool per row` are called once per step, as
+    plain decoding calls them (`_StepReplay`)."""
     graphs, B, max_length = runtime.graphs, runtime.batch_size, runtime.max_length
     n = len(prompts)
     picker = _Picker(distribution, generator, eos, min_new_tokens)
@@ -151,9 +194,11 @@ def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, ge
     logits, hiddens = runtime.prefill(prompts, slots, hidden=True)
     first = [picker.pick(logits[i], 0)[0] for i in range(n)]
     outputs = [[t] for t in first]
-    if streamer is not None:
-        streamer(0, first[:1])
     done = [t in eos or limits[i] == 1 for i, t in enumerate(first)]
+    replay = _StepReplay(first_row, outputs, done, streamer, stop)
+    for i in range(n):
+        replay.record(i, 0, logits[i])
+    replay.show()
     last, p = list(first), [len(q) for q in prompts]
     draft_logits, draft_out = _mtp_prefill(runtime, prompts, hiddens, first, slots)
     T = k + 1
@@ -215,19 +260,19 @@ def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, ge
             stats.accepted += j
             stats.emitted += j + 1
             stats.accepted_per_round.append(j)
-            for t in new:
+            for position, t in enumerate(new):
                 if len(outputs[i]) == limits[i]:
                     done[i] = True
                     break
+                replay.record(i, len(outputs[i]), verify_logits[i, position])
                 outputs[i].append(t)
-                if streamer is not None:
-                    streamer(len(outputs[i]) - 1, [t])
                 if t in eos:
                     done[i] = True
                     break
             if len(outputs[i]) == limits[i]:
                 done[i] = True
             catch_up[i, : j + 1] = torch.as_tensor(new, dtype=torch.int32)
+        replay.show()  # before the head catches up: a row `stop` finishes here drafts no more
         # 4. commit the DeltaNet states after each row's accepted position
         graphs.commit(seq_ids, accepted)
         # 5. the head catches up over the verified positions, with the main model's hidden states
