@@ -215,8 +215,8 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     if speculative:
-        new_tokens = _generate_speculative(runtime, config, input_ids, prompts, limits, eos, speculative, streamer,
-                                           criteria, min_new_tokens, images)
+        new_tokens = _generate_speculative(runtime, config, input_ids, prompts, limits, eos, pad, speculative,
+                                           streamer, criteria, min_new_tokens, images)
     else:
         new_tokens = _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria,
                                      min_new_tokens, images)
@@ -254,21 +254,20 @@ def _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, strea
     return new_tokens
 
 
-def _generate_speculative(runtime, config, input_ids, prompts, limits, eos, k, streamer, criteria, min_new_tokens,
-                          images):
+def _generate_speculative(runtime, config, input_ids, prompts, limits, eos, pad, k, streamer, criteria,
+                          min_new_tokens, images):
     """`generate(..., num_speculative_tokens=k)`: the runtime's speculative loop (runtime/speculative.py), greedy or
     sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible); each row's
-    limit, min_new_tokens and a streamer as plain decoding takes them."""
+    limit, min_new_tokens, a streamer and stopping criteria as plain decoding takes them."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UsageError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
-    if criteria is not None or images:
-        raise UsageError(
-            "num_speculative_tokens takes text prompts without stopping_criteria or images: "
-            "pass num_speculative_tokens=0 with them"
-        )
+    if images:
+        raise UsageError("num_speculative_tokens takes text prompts: pass num_speculative_tokens=0 with images")
     on_token = _token_streamer(streamer, input_ids, prompts)
+    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
     new_tokens = runtime.generate(prompts, limits, eos_token_id=eos, num_speculative_tokens=k,
-                                  distribution=_distribution(config), min_new_tokens=min_new_tokens, streamer=on_token)
+                                  distribution=_distribution(config), min_new_tokens=min_new_tokens, streamer=on_token,
+                                  stop=stop)
     if streamer is not None:
         streamer.end()
     return new_tokens

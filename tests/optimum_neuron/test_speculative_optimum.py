@@ -2,7 +2,8 @@
 (`optimum-qwen35 export --mtp`, `Qwen35NeuronModelForCausalLM.export(..., mtp=True)`), loaded with
 `NeuronModelForCausalLM.from_pretrained`: greedy, the tokens of plain greedy decoding for k = 1..4, fp32 and bf16, a
 padded batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b, tests/kit/mtp_fit.py);
-at tensor_parallel_size 2 and on a trn2 TorchNeuron export run on the CPU; the one-line errors."""
+at tensor_parallel_size 2 and on a trn2 TorchNeuron export run on the CPU; with row limits, min_new_tokens, a streamer
+and stopping criteria as plain decoding takes them; the one-line errors."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
 from optimum.neuron import NeuronModelForCausalLM  # noqa: E402
+from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from optimum_qwen35.cli import main  # noqa: E402
@@ -136,13 +138,38 @@ def test_speculation_takes_row_limits_min_new_tokens_and_a_streamer(fitted, expo
     model.close()
 
 
+class _StopAfter(StoppingCriteria):
+    """Flags a row once it has emitted `token` (a stop-token criterion, as a stop string is)."""
+
+    def __init__(self, token, prompt_width):
+        self.token, self.prompt_width = token, prompt_width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_width:] == self.token).any(dim=1)
+
+
+def test_speculation_takes_stopping_criteria(fitted, export):
+    """transformers stopping criteria with speculation: called per token as plain decoding calls them, so a row they
+    stop ends where plain decoding ends it, though the row's accepted drafts ran past it."""
+    model = NeuronModelForCausalLM.from_pretrained(export)
+    ids, mask = _batch(fitted, model)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    criteria = StoppingCriteriaList([_StopAfter(int(plain[0, ids.shape[1] + 6]), ids.shape[1])])
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, stopping_criteria=criteria)
+    assert not torch.equal(want, plain)
+    for k in (2, 4):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, stopping_criteria=criteria, num_speculative_tokens=k)
+        assert torch.equal(out, want), k
+    model.close()
+
+
 def test_speculation_errors_are_one_line(fitted, export, export_dir):
     model = NeuronModelForCausalLM.from_pretrained(export)
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(UsageError, match="at most 4 drafts per round"):
         model.generate(ids, max_new_tokens=4, num_speculative_tokens=5)
-    with pytest.raises(UsageError, match="without stopping_criteria or images"):
-        model.generate(ids, max_new_tokens=4, stopping_criteria=[lambda ids, scores: False], num_speculative_tokens=2)
     model.close()
     plain = NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
     with pytest.raises(IncompatibleExportError, match="export the model with mtp=True") as error:
