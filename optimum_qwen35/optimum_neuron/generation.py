@@ -214,12 +214,17 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-    if speculative:
-        new_tokens = _generate_speculative(runtime, config, input_ids, prompts, limits, eos, pad, speculative,
-                                           streamer, criteria, min_new_tokens, images)
-    else:
-        new_tokens = _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria,
-                                     min_new_tokens, images)
+    # One runtime call for both ways of decoding: the streamer, the stopping criteria, the rows' limits and
+    # min_new_tokens mean the same in each; plain decoding samples with the config's sampler (and takes images),
+    # speculation with the config's distribution through the rejection rule.
+    decoding = (_speculative_decoding(config, speculative, images) if speculative
+                else {"sampler": _sampler(config), **images})
+    on_token = _token_streamer(streamer, input_ids, prompts)
+    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
+    new_tokens = runtime.generate(prompts, limits, eos_token_id=eos, streamer=on_token, stop=stop,
+                                  min_new_tokens=min_new_tokens, **decoding)
+    if streamer is not None:
+        streamer.end()
     width = max(len(t) for t in new_tokens)
     tail = torch.full((len(prompts), width), pad, dtype=input_ids.dtype)
     for row, tokens in enumerate(new_tokens):
@@ -241,33 +246,11 @@ def _token_streamer(streamer, input_ids, prompts):
     return on_token
 
 
-def _generate_plain(runtime, config, input_ids, prompts, limits, eos, pad, streamer, criteria, min_new_tokens, images):
-    """The runtime's loop, one token per step: a streamer and transformers stopping criteria called after each."""
-    on_step = _token_streamer(streamer, input_ids, prompts)
-    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
-    new_tokens = runtime.generate(
-        prompts, limits, eos_token_id=eos, streamer=on_step, sampler=_sampler(config), stop=stop,
-        min_new_tokens=min_new_tokens, **images
-    )
-    if streamer is not None:
-        streamer.end()
-    return new_tokens
-
-
-def _generate_speculative(runtime, config, input_ids, prompts, limits, eos, pad, k, streamer, criteria,
-                          min_new_tokens, images):
-    """`generate(..., num_speculative_tokens=k)`: the runtime's speculative loop (runtime/speculative.py), greedy or
-    sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible); each row's
-    limit, min_new_tokens, a streamer and stopping criteria as plain decoding takes them."""
+def _speculative_decoding(config, k, images) -> dict:
+    """The runtime's keywords for `generate(..., num_speculative_tokens=k)` (runtime/speculative.py): greedy, or
+    sampled from `_distribution` (torch's global generator: `torch.manual_seed` makes it reproducible)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise UsageError(f"num_speculative_tokens must be an int >= 0, got {k!r}")
     if images:
         raise UsageError("num_speculative_tokens takes text prompts: pass num_speculative_tokens=0 with images")
-    on_token = _token_streamer(streamer, input_ids, prompts)
-    stop = None if criteria is None else _stop_callback(criteria, input_ids, pad, runtime.config.vocab_size)
-    new_tokens = runtime.generate(prompts, limits, eos_token_id=eos, num_speculative_tokens=k,
-                                  distribution=_distribution(config), min_new_tokens=min_new_tokens, streamer=on_token,
-                                  stop=stop)
-    if streamer is not None:
-        streamer.end()
-    return new_tokens
+    return {"num_speculative_tokens": k, "distribution": _distribution(config)}

@@ -43,6 +43,7 @@ from optimum_qwen35.runtime.eager import EagerGraphs, load_decoder
 from optimum_qwen35.runtime.exported import ExportedGraphs, read_graphs_manifest
 from optimum_qwen35.runtime.speculative import SpeculationStats, check_runner, generate_wave
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS, ImageInputs, load_vision_encoder
+from optimum_qwen35.runtime.min_new_tokens import suppress_eos
 from optimum_qwen35.runtime.prefix_cache import PrefixCache, piece_graph
 from optimum_qwen35.runtime.worker_pool import WorkerPool
 
@@ -596,10 +597,7 @@ class Qwen35Runtime:
         choose = sampler or (lambda logits: logits.argmax(-1))
 
         def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
-            if step < min_new_tokens and eos:  # no EOS before min_new_tokens (transformers' MinNewTokensLogitsProcessor)
-                logits = logits.clone()
-                logits[:, [t for t in eos if t < logits.shape[-1]]] = float("-inf")
-            return choose(logits)
+            return choose(suppress_eos(logits, eos, step, min_new_tokens))
 
         images = self._image_prompts(prompts, pixel_values, image_grid_thw)  # the vision tower runs after the checks
         if len(prompts) > self.batch_size and not self._waves_logged:

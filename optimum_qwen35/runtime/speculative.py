@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
+from optimum_qwen35.runtime.min_new_tokens import suppress_eos
 
 
 @dataclass
@@ -82,18 +83,14 @@ def reject(p: torch.Tensor, q: torch.Tensor, draft: int, generator) -> int | Non
 
 class _Picker:
     """Greedy (distribution None) or sampled tokens from logits [vocab]; `index` is the new token's index in its row
-    (0: the first generated token): below `min_new_tokens` EOS cannot be picked (transformers' MinNewTokens rule)."""
+    (0: the first generated token): below `min_new_tokens` EOS cannot be picked (runtime/min_new_tokens.py)."""
 
     def __init__(self, distribution, generator, eos, min_new_tokens):
         self.distribution, self.generator = distribution, generator
         self.eos, self.min_new_tokens = eos, min_new_tokens
 
     def _masked(self, logits: torch.Tensor, index: int) -> torch.Tensor:
-        if index >= self.min_new_tokens or not self.eos:
-            return logits
-        logits = logits.clone()
-        logits[[t for t in self.eos if t < logits.shape[-1]]] = float("-inf")
-        return logits
+        return suppress_eos(logits, self.eos, index, self.min_new_tokens)
 
     def probs(self, logits: torch.Tensor, index: int) -> torch.Tensor:
         p = self.distribution(self._masked(logits, index)[None].float())[0].double()
