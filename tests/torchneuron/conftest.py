@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from . import stablehlo_contract as contract  # noqa: E402  (torch_mlir is imported lazily: other sessions collect this)
-from .check_backend import LoweredGraph  # noqa: E402
+from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract  # noqa: E402  (torch_mlir is imported lazily: other sessions collect this)
+from optimum_qwen35.backends.torchneuron.stablehlo_check import LoweredGraph  # noqa: E402
 
 # Every bucket of a graph is a Dynamo entry of the same code object (`ContextEncodingGraph.forward`, ...), and this
 # session compiles 3 layouts x 2 dtypes x the buckets: above Dynamo's default of 8 entries per code object it would

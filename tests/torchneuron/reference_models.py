@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .check_backend import CheckBackend, LoweredGraph
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend, LoweredGraph
 
 REFERENCE_MODELS = ("llama", "qwen3", "qwen3_moe")
 

@@ -27,7 +27,7 @@ pytest.importorskip("torch_mlir", reason="torch-mlir is installed by the torchne
 from optimum_qwen35.hub.compile_cache import CompileCacheKey, fetch_compile_cache, push_compile_cache
 from optimum_qwen35.modeling.decoder import TokenGenerationGraph
 
-from .check_backend import CheckBackend, loaded_context
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend, loaded_context
 from .models import load_decoder, state
 
 REPO = "alice/neff-cache"

@@ -20,8 +20,8 @@ pytest.importorskip("torch_mlir", reason="torch-mlir is installed by the torchne
 from optimum_qwen35.modeling.decoder import ContextEncodingGraph, TokenGenerationGraph
 
 from ..conftest import load_reference
-from . import stablehlo_contract as contract
-from .check_backend import CheckBackend
+from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import EAGER_TOLERANCE, load_decoder, state
 

@@ -16,7 +16,7 @@ from optimum_qwen35.runtime import Qwen35Runtime  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 from ..kit.torchneuron_export import torchneuron_export  # noqa: E402
-from .check_backend import CheckBackend  # noqa: E402
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend  # noqa: E402
 from .conftest import check_lowered  # noqa: E402
 from .models import EAGER_TOLERANCE  # noqa: E402
 

@@ -16,8 +16,8 @@ from optimum_qwen35.modeling.decoder import ContextEncodingGraph
 from optimum_qwen35.modeling.speculative_graphs import CommitGraph, MTPGraph, VerifyGraph
 from optimum_qwen35.modeling.state import allocate_state
 
-from . import stablehlo_contract as contract
-from .check_backend import CheckBackend
+from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import EAGER_TOLERANCE, load_decoder, state
 from .test_graphs import _close, _context_inputs

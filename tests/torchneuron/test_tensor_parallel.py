@@ -25,8 +25,8 @@ from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.modeling.decoder import ContextEncodingGraph, TokenGenerationGraph
 
-from . import stablehlo_contract as contract
-from .check_backend import CheckBackend
+from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import EAGER_TOLERANCE, FIXTURES, meta_decoder, state
 

@@ -15,8 +15,8 @@ pytest.importorskip("torch_mlir", reason="torch-mlir is installed by the torchne
 from optimum_qwen35.modeling.decoder import ImageContextEncodingGraph, ImageTokenGenerationGraph  # noqa: E402
 from optimum_qwen35.modeling.vision import VisionConfig, VisionEncoder, image_bucket_inputs  # noqa: E402
 
-from . import stablehlo_contract as contract  # noqa: E402
-from .check_backend import CheckBackend  # noqa: E402
+from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract  # noqa: E402
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend  # noqa: E402
 from .conftest import check_lowered  # noqa: E402
 from .models import EAGER_TOLERANCE, FIXTURES, load_decoder, state  # noqa: E402
 

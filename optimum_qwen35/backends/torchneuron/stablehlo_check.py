@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import time
 from typing import Callable
 
@@ -35,7 +36,18 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
-from .collectives import hide_collectives, lower_collectives
+from optimum_qwen35.errors import MissingDependencyError
+
+from .stablehlo_collectives import hide_collectives, lower_collectives
+
+
+def require_torch_mlir() -> None:
+    """A one-line error without torch-mlir (the optional `stablehlo` extra)."""
+    if importlib.util.find_spec("torch_mlir") is None:
+        raise MissingDependencyError(
+            "the StableHLO check backend needs torch-mlir, not installed here: pip install 'optimum-qwen35[stablehlo]' "
+            "(torch-mlir >= 20261001, from PyPI)"
+        )
 
 # Ops that torch-mlir's decomposition table leaves and its StableHLO lowering does not take, to be decomposed by
 # torch's own decompositions (torch._decomp). None today: the first trial's two (aten.baddbmm, CPU SDPA) were needed
@@ -309,6 +321,7 @@ class CheckBackend:
 
     def __init__(self, decompositions: dict | None = None, group_ranks: dict[str, list[int]] | None = None,
                  name: str = "graph"):
+        require_torch_mlir()
         self.decompositions = decomposition_table(decompositions)
         self.group_ranks = group_ranks or {}
         self.name = name
