@@ -240,8 +240,9 @@ def test_state_dtypes_restored_after_optimum_neurons_load_cast():
         adapter.restore_state_dtypes(list(module.past_key_values)[1:], layout.held_specs)
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "functional"])
-def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place):
+@pytest.mark.parametrize("in_place,graph_form", [(True, False), (True, True), (False, True)],
+                         ids=["in-place", "in-place-graph-form", "functional"])
+def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place, graph_form):
     """A row at position 0 (optimum-neuron's 1-token prompt in the token-generation graph) starts from zero
     DeltaNet states whatever its slot held; a write changes only the active rows' slots; a functional write leaves
     its input as it was and returns a new tensor."""
@@ -249,7 +250,8 @@ def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place
 
     state = torch.rand(4, 3, 5) + 1
     seq_ids = torch.tensor([2, 0, -1], dtype=torch.int32)  # slot 2 starts, slot 0 continues, an inactive row
-    slots = Slots(seq_ids, fresh=torch.tensor([True, False, True]), in_place=in_place)
+    slots = Slots(seq_ids, fresh=torch.tensor([True, False, True]), in_place=in_place, graph_form=graph_form)
+    assert slots.index_dtype == (torch.int32 if graph_form else torch.int64)
     initial = slots.gather_initial(state)
     assert torch.equal(initial[0], torch.zeros(3, 5)) and torch.equal(initial[1], state[0])
     before = state.clone()
@@ -260,15 +262,16 @@ def test_fresh_rows_read_zero_states_and_writes_touch_only_active_slots(in_place
     assert torch.equal(out[2], torch.full((3, 5), 7.0)) and torch.equal(out[0], before[0] + 7)
     assert torch.equal(out[1], before[1]) and torch.equal(out[3], before[3])
     # No active row: nothing changes (every row writes slot 0 with slot 0's own value).
-    idle = Slots(torch.tensor([-1, -1], dtype=torch.int32), in_place=in_place)
+    idle = Slots(torch.tensor([-1, -1], dtype=torch.int32), in_place=in_place, graph_form=graph_form)
     out = idle.write(before.clone(), torch.zeros(2, 3, 5))
     assert torch.equal(out, before)
 
 
 def test_write_positions_in_place_and_functional_agree():
-    """The two forms of `Slots.write_positions` (in place: a gather along T, int64 indices; functional, the Neuron
-    graphs': an index_select over the block's rows, int32 indices) write the same values: windows shifted at the
-    cache's end, rows shorter than the block, an inactive row, and no active row."""
+    """The forms of `Slots.write_positions` (in place: a gather along T, int64 indices; functional, the Neuron
+    graphs': an index_select over the block's rows, int32 indices; in place in that graph form, TorchNeuron's) write
+    the same values: windows shifted at the cache's end, rows shorter than the block, an inactive row, and no active
+    row."""
     from optimum_qwen35.modeling.state import Slots
 
     generator = torch.Generator().manual_seed(0)
@@ -280,7 +283,9 @@ def test_write_positions_in_place_and_functional_agree():
         seq_ids = torch.tensor(seq_ids, dtype=torch.int32)
         in_place = Slots(seq_ids, in_place=True).write_positions(cache.clone(), *args)
         functional = Slots(seq_ids, in_place=False).write_positions(cache.clone(), *args)
-        assert torch.equal(in_place, functional)
+        graph_form = cache.clone()
+        written = Slots(seq_ids, in_place=True, graph_form=True).write_positions(graph_form, *args)
+        assert torch.equal(in_place, functional) and torch.equal(graph_form, functional) and written is graph_form
         assert (in_place != cache).any() == bool((seq_ids >= 0).any())
 
 

@@ -68,13 +68,23 @@ def expand_key_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
     groups = num_value_heads // x.shape[1]
     if groups == 1:
         return x
-    if x.device.type != "xla":
+    if x.device.type != "xla" and not torch.compiler.is_compiling():
         return x.repeat_interleave(groups, dim=1)
-    # On XLA (the Neuron graphs), repeat_interleave on [B, nk, T, d] lowers to rank-5 broadcasts: the same copy with
-    # the trailing dims merged, so that the broadcast stays rank 4 (on CPU this form costs a copy more).
+    # In a graph (XLA's Neuron graphs, a torch.compile graph such as TorchNeuron's), repeat_interleave on
+    # [B, nk, T, d] lowers to rank-5 broadcasts: the same copy with the trailing dims merged, so that the broadcast
+    # stays rank 4 (eager on CPU this form costs a copy more). The same values either way.
     B, nk = x.shape[:2]
     rest = x.shape[2:]
     return x.reshape(B, nk, 1, -1).expand(B, nk, groups, rest.numel()).reshape(B, nk * groups, *rest)
+
+
+def lower_triangle(n: int, diagonal: int, device) -> torch.Tensor:
+    """[n, n] bool, True on and below `diagonal` (as `ones(n, n).tril(diagonal)`). In a traced graph compared from
+    int32 positions: `tril`'s decomposition counts in int64 (torch-mlir's StableHLO: an i64 iota and arithmetic)."""
+    if not torch.compiler.is_compiling():
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril(diagonal)
+    i = torch.arange(n, dtype=torch.int32, device=device)
+    return i[:, None] + diagonal >= i[None, :]
 
 
 def mask_padding(
@@ -138,7 +148,7 @@ def chunk_gated_delta_rule(
     g, beta = (x.reshape(M, C) for x in (g, beta))
 
     gc = g.cumsum(-1)  # [M, C]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    causal = lower_triangle(C, 0, q.device)
     # exp(gc_i - gc_j) for j <= i; the upper triangle is masked before exp so it cannot overflow.
     log_decay = gc[:, :, None] - gc[:, None, :]
     decay = torch.where(causal, log_decay, torch.full((), float("-inf"), dtype=dtype, device=q.device)).exp()
@@ -205,7 +215,7 @@ def invert_unit_lower(A: torch.Tensor, block: int = SOLVE_BLOCK, matmul_dtype: t
     if C % b or (C // b) & (C // b - 1):
         raise ValueError(f"chunk size {C} must be {b} times a power of two")
     nb = C // b
-    strict = torch.ones(b, b, dtype=torch.bool, device=A.device).tril(-1)
+    strict = lower_triangle(b, -1, A.device)
     # The diagonal blocks, [M * nb, b, b]: each chunk's rows i * b .. (i + 1) * b, same columns.
     diag = torch.cat([A[:, i * b : (i + 1) * b, i * b : (i + 1) * b] for i in range(nb)], dim=1)
     diag = torch.where(strict, diag.reshape(M * nb, b, b), torch.zeros((), dtype=A.dtype, device=A.device))

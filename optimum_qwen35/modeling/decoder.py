@@ -81,7 +81,8 @@ class DecoderLayer(nn.Module):
         for start in range(0, T, block):
             end = min(start + block, T)
             # Only the first token block can start a sequence; the next ones continue what it wrote.
-            block_slots = slots if start == 0 else Slots(slots.seq_ids, torch.zeros_like(slots.fresh), slots.in_place)
+            block_slots = slots if start == 0 else Slots(slots.seq_ids, torch.zeros_like(slots.fresh), slots.in_place,
+                                                         slots.graph_form)
             out, state_a, state_b = self._context_block(
                 h[:, start:end], cos[:, :, start:end], sin[:, :, start:end], position_ids[:, start:end],
                 starts + start, (lengths - start).clamp(0, end - start), key_length, block_slots, state_a, state_b,
@@ -154,6 +155,8 @@ class Qwen35Decoder(nn.Module):
                     layer.mlp.bind_rank(self.embed_tokens)
         # In place on CPU (a decode step moves only what it writes), updated copies in the Neuron graphs.
         self.state_in_place = layers.state_in_place
+        # The device graphs' index forms (int32, rank <= 4) with the state written in place: TorchNeuron.
+        self.state_graph_form = getattr(layers, "state_graph_form", False)
 
     def state_specs(self, slots: int, max_length: int) -> list[StateSpec]:
         return state_specs(self.config, self.dims, slots, max_length, self.embed_tokens.weight.dtype)
@@ -172,7 +175,8 @@ class Qwen35Decoder(nn.Module):
         head reads; the logits are the same numbers). `image`: None for text, or (rope_position_ids [B, 3, T], image_embeds [B, T, hidden], image_mask [B, T])
         for prompts holding images: the masked tokens take the vision tower's embeddings instead of their own, and
         every token rotates by its 3-D position (`position_ids` still places tokens in the cache)."""
-        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place,
+                      graph_form=self.state_graph_form)
         lengths = attention_mask.sum(-1, dtype=slots.index_dtype)
         starts = position_ids[:, 0].to(slots.index_dtype)
         key_length = key_length or input_ids.shape[1]
@@ -207,7 +211,8 @@ class Qwen35Decoder(nn.Module):
         DeltaNet states (conv [B, T, C, K - 1], recurrent [B, T * nv, dk, dv]) of each DeltaNet layer in layer order,
         then the state); `commit` writes
         the states after the accepted position."""
-        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place,
+                      graph_form=self.state_graph_form)
         starts = position_ids[:, 0].to(slots.index_dtype)
         lengths = lengths.to(slots.index_dtype)
         key_length = key_length or self._max_length(state)
@@ -227,7 +232,8 @@ class Qwen35Decoder(nn.Module):
         (0 = the first verified token). `tensors`: verify's per-position states, then the state. Returns the state."""
         n = 2 * len(self.config.linear_layers)
         per_position, state = list(tensors[:n]), list(tensors[n:])
-        slots = Slots(seq_ids, in_place=self.state_in_place)
+        slots = Slots(seq_ids, in_place=self.state_in_place,
+                      graph_form=self.state_graph_form)
         B, T = per_position[0].shape[:2]  # conv [B, T, C, K - 1]
         # Row b's accepted position is row b * T + accepted[b] of the states viewed as [B * T, ...] (an index_select
         # of rank-4 rows: the recurrent states come as [B, T * nv, dk, dv], never rank 5).
@@ -249,7 +255,8 @@ class Qwen35Decoder(nn.Module):
         (the main model's, or the head's own for a draft), `lengths` [B] real positions. Writes the head's K/V at
         those positions and returns (logits [B, vocab], out [B, H]) at each row's last real position, then the
         cache."""
-        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place,
+                      graph_form=self.state_graph_form)
         starts = position_ids[:, 0].to(slots.index_dtype)
         lengths = lengths.to(slots.index_dtype)
         key_length = key_length or k_cache.shape[2]
@@ -265,7 +272,8 @@ class Qwen35Decoder(nn.Module):
     def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None, rope_position_ids=None):
         """`rope_position_ids` [B, 1]: the rotary position, when it is not the cache position (after a prompt
         holding images: the position plus the prompt's rope delta; all three components equal for text)."""
-        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place)
+        slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place,
+                      graph_form=self.state_graph_form)
         key_length = key_length or self._max_length(state)
         h = upcast(self.embed_tokens(input_ids))
         cos, sin = self.rotary(position_ids if rope_position_ids is None else rope_position_ids, h.dtype)

@@ -149,7 +149,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.group_name, self.tp_degree = group_name, tp_degree
         # The rank as a tensor, loaded with the weights (as neuronx-distributed's rank_util does), so that the
         # same graph serves every rank. Built on the CPU even under the meta device: it is not a checkpoint tensor.
-        self.register_buffer("rank", torch.tensor([rank], dtype=torch.int64, device="cpu"))
+        self.register_buffer("rank", torch.tensor([rank], dtype=torch.int32, device="cpu"))  # int32: ids stay int32
 
     def reset_parameters(self) -> None:
         # On the meta device (weights loaded afterwards) skip the random init: meta normal_ imports torch._dynamo (~2 s).

@@ -71,6 +71,11 @@ class TorchPrecision:
         return x.to(weight.dtype)
 
     @staticmethod
+    def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        """LayerNorm over the last dimension, in x's dtype (the vision tower's norms, given fp32)."""
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+    @staticmethod
     def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T with operands in the weight's dtype, result in fp32 (float64 for float64 models)."""
         return F.linear(x.to(weight.dtype), weight).to(accumulation_dtype(weight.dtype))

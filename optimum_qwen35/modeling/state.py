@@ -9,9 +9,13 @@ i + 1 is state i, which is how the Neuron backend aliases them): token generatio
 at its position and one conv/recurrent state per active slot; context encoding writes its prompt's positions and its
 slots' states. Nothing else changes.
 
-How a write happens is the backend's choice (`Slots(in_place=...)`, from the layer factory's `state_in_place`):
+How a write happens is the backend's choice (`Slots(in_place=..., graph_form=...)`, from the layer factory's
+`state_in_place` and `state_graph_form`):
 - in place (the CPU runtime, `TorchLayers`): `index_copy_` / `index_put_` into the given tensors, which are returned;
   a decode step costs what it reads, not a copy of every cache;
+- in place in the device-graph form (TorchNeuron, `TorchNeuronLayers`: `graph_form=True`): `index_put_` into the given
+  tensors, with the functional form's int32 indices and index forms (no argmax, no gather along T of a 4-D tensor,
+  which lowers with rank-5 index tensors), so the graph holds no int64 and no rank 5;
 - functional (the Neuron graphs, `NxDLayers`): `index_copy` / `index_put` return new tensors, the inputs are left as
   they were. torch-xla's lowering finds a graph input by the tensor's data (`LoweringContext.tensor_parameter_id`),
   and a tensor written in place is no longer an input there, so its alias to an output could not be resolved; a
@@ -42,12 +46,15 @@ class Slots:
     """Which slot each batch row reads and writes, computed once per graph call (static shapes), and how it writes.
 
     seq_ids [B] (-1: inactive row); fresh [B] bool or None: rows starting a sequence (zero initial DeltaNet states);
-    in_place: write into the given state tensors (True) or return updated copies (False)."""
+    in_place: write into the given state tensors (True) or return updated copies (False); graph_form: the device
+    graphs' index forms (always with in_place=False)."""
 
-    def __init__(self, seq_ids: torch.Tensor, fresh: torch.Tensor | None = None, in_place: bool = True):
-        # Index tensors: int64 in place (the CPU runtime; `index_copy_` takes no other), int32 in the functional
-        # form (the Neuron graphs: int32 as NxD's own models index, no s64 in the HLO).
-        self.index_dtype = torch.int64 if in_place else torch.int32
+    def __init__(self, seq_ids: torch.Tensor, fresh: torch.Tensor | None = None, in_place: bool = True,
+                 graph_form: bool = False):
+        # Index tensors: int64 on the CPU runtime (`index_copy_` takes no other), int32 in the graph form (the Neuron
+        # graphs: int32 as NxD's own models index, no s64 in the HLO).
+        self.graph_form = graph_form or not in_place
+        self.index_dtype = torch.int32 if self.graph_form else torch.int64
         seq_ids = seq_ids.to(self.index_dtype)
         self.in_place = in_place
         self.seq_ids = seq_ids  # [B]: -1 marks an inactive row (the fused kernels take it as is)
@@ -61,7 +68,7 @@ class Slots:
         rows = torch.arange(batch, device=seq_ids.device, dtype=self.index_dtype)
         # The row whose write each row makes: itself when active, else the first active row (row 0 if none). In
         # the graphs a min, not an argmax (whose int64 result is an s64 in the HLO); on CPU the argmax (fewer ops).
-        if in_place:
+        if not self.graph_form:
             first = active.to(self.index_dtype).argmax()
         else:
             # amin(0), not amin(): torch-xla 2.8 reduces nothing for an empty dim list.
@@ -95,9 +102,13 @@ class Slots:
         it moves); functionally, the rows written are slot 0's own: `initial` (the rows `gather_initial` read, which
         are slot 0's then) when given, else read again."""
         rows = rows.to(state.dtype).index_select(0, self.writer)
-        if not self.in_place:
+        if self.graph_form:
+            # In place, `initial` may have been updated by its reader since: read slot 0's rows again.
+            initial = initial if not self.in_place else None
             unchanged = (initial if initial is not None else self.gather(state)).to(state.dtype).index_select(0, self.writer)
             rows = torch.where(self.any_active.view(*([1] * rows.dim())), rows, unchanged)
+            if self.in_place:  # index_put_: int32 indices (index_copy_ takes int64 only)
+                return state.index_put_((self.slot,), rows)
             return state.index_put((self.slot,), rows)  # not index_copy: torch-xla's takes int64 indices only
         slot_0 = state[:1].clone()
         state.index_copy_(0, self.slot, rows)
@@ -121,7 +132,7 @@ class Slots:
         heads = torch.arange(H, device=cache.device, dtype=self.index_dtype)
         token = source.clamp(0, T - 1)
         # The writing row's block token at each window position [B, H, T, D].
-        if self.in_place:  # CPU: one gather along T (fewer ops than the form below)
+        if not self.graph_form:  # CPU: one gather along T (fewer ops than the form below)
             moved = new.gather(2, token[:, None, :, None].expand(B, H, T, D)).index_select(0, self.writer)
         else:
             # Rows of new viewed [B * H * T, D]: an index_select, not a gather along T of the 4-D tensor (which XLA

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from .layers import apply_rotary, upcast
+from .precision import TorchPrecision
 from .torch_layers import TorchLayers
 
 
@@ -167,11 +168,12 @@ def shard_vision_params(params: dict[str, torch.Tensor], tp_degree: int, rank: i
 class LayerNorm(nn.LayerNorm):
     """LayerNorm (eps 1e-6) computed in fp32 whatever the weights' dtype; returns fp32 (the policy's norms)."""
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, precision=None):
         super().__init__(dim, eps=1e-6)
+        self.precision = precision or TorchPrecision()  # the backend's form of the norm (modeling/precision.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(upcast(x), self.normalized_shape, upcast(self.weight), upcast(self.bias), self.eps)
+        return self.precision.layer_norm(upcast(x), upcast(self.weight), upcast(self.bias), self.eps)
 
 
 class VisionRotaryEmbedding(nn.Module):
@@ -228,8 +230,8 @@ class VisionAttention(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, v: VisionConfig, layers, tp_degree: int):
         super().__init__()
-        self.norm1 = LayerNorm(v.hidden_size)
-        self.norm2 = LayerNorm(v.hidden_size)
+        self.norm1 = LayerNorm(v.hidden_size, layers.precision)
+        self.norm2 = LayerNorm(v.hidden_size, layers.precision)
         self.attn = VisionAttention(v, layers, tp_degree)
         inter = v.intermediate_size // tp_degree
         self.mlp = nn.Module()
@@ -250,7 +252,7 @@ class PatchMerger(nn.Module):
     def __init__(self, v: VisionConfig, layers, tp_degree: int):
         super().__init__()
         self.merged = v.hidden_size * v.merge_unit
-        self.norm = LayerNorm(v.hidden_size)
+        self.norm = LayerNorm(v.hidden_size, layers.precision)
         self.linear_fc1 = layers.column_linear(self.merged, self.merged // tp_degree, bias=True)
         self.linear_fc2 = layers.row_linear(self.merged // tp_degree, v.out_hidden_size, bias=True)
 
@@ -331,13 +333,13 @@ def image_bucket_inputs(config: VisionConfig, pixel_rows: torch.Tensor, grid_thw
     weight = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(n, 4)
     patches = torch.zeros(bucket, config.patch_dim, dtype=pixel_rows.dtype)
     patches[:n] = pixel_rows
-    pos_index = torch.zeros(bucket, 4, dtype=torch.int64)
+    pos_index = torch.zeros(bucket, 4, dtype=torch.int32)
     pos_index[:n] = index
     pos_weight = torch.zeros(bucket, 4, dtype=torch.float32)
     pos_weight[:n] = weight
-    rotary_pos = torch.zeros(bucket, 2, dtype=torch.int64)
+    rotary_pos = torch.zeros(bucket, 2, dtype=torch.int32)
     rotary_pos[:n] = torch.stack([rows, cols], dim=-1)
-    segment = torch.full((bucket,), -1, dtype=torch.int64)
+    segment = torch.full((bucket,), -1, dtype=torch.int32)
     segment[:n] = 0
     return patches, pos_index, pos_weight, rotary_pos, segment
 

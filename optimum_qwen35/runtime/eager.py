@@ -105,7 +105,7 @@ def load_decoder(
 
 def rank_tensors(rank: int) -> dict[str, torch.Tensor]:
     """The per-rank tensors that are not checkpoint weights (loaded beside them, one graph for every rank)."""
-    return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int64)}
+    return {"embed_tokens.rank": torch.tensor([rank], dtype=torch.int32)}
 
 
 class EagerGraphs(StateInProcess):

@@ -38,24 +38,27 @@ def reference_census() -> set[str]:
     return REFERENCE["census"]
 
 
-def check_lowered(graph: LoweredGraph, reference: set[str], state_count: int, vision: bool = False) -> set[str]:
-    """The checks of one lowered graph; returns its findings (`contract.KNOWN_FINDINGS` keys), which must be known.
+def check_lowered(graph: LoweredGraph, reference: set[str], state_count: int) -> set[str]:
+    """The checks of one lowered graph; returns its findings (`contract.finding` of each breach), which must be none.
 
     - every state input written, and written through an alias (`state_count` aliases, each input a state tensor's
-      shape; the numerics tests prove they are the right ones);
+      shape; the numerics tests prove they are the right ones), and no state also a graph output;
     - static shapes: no dynamic dimension in the StableHLO;
     - the contract: no f64, no rank >= 5, int32 indices, the census (`contract.violations`), each breach a known
-      finding."""
+      finding: none is allowed (`contract.KNOWN_FINDINGS` is empty)."""
     assert len(graph.aliases) == state_count, f"{graph.name}: {len(graph.aliases)} aliased inputs, {state_count} states"
     assert len(set(graph.aliases.values())) == state_count
+    outputs = list(graph.aten.graph.output_node().args[0])
+    written = set(outputs[graph.user_outputs:])
+    returned = [o for o in outputs[:graph.user_outputs] if o in written]
+    assert not returned, f"{graph.name}: {len(returned)} states written in place are graph outputs as well"
     assert not re.search(r"tensor<[^>]*\?", graph.stablehlo), f"{graph.name}: a dynamic dimension in the StableHLO"
     ops = contract.parse(graph.stablehlo)
     lines = contract.violations(ops, reference)
     outside = [line for line in lines if line.startswith("outside the census")]
     assert not outside, f"{graph.name}: ops outside the reference census with no reason: {outside}"
     found = {contract.finding(line) for line in lines}
-    known = set(contract.KNOWN_FINDINGS) - (set() if vision else contract.VISION_ONLY_FINDINGS)
-    unknown = found - known
-    assert not unknown, f"{graph.name}: new findings {sorted(unknown)}: " + "; ".join(
+    unknown = found - set(contract.KNOWN_FINDINGS)
+    assert not unknown, f"{graph.name}: findings {sorted(unknown)}: " + "; ".join(
         line for line in lines if contract.finding(line) in unknown)[:3000]
     return found

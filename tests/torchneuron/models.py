@@ -44,7 +44,7 @@ def load_decoder(layout: str, dtype: torch.dtype = torch.float32, tp_degree: int
         params = dict(convert_and_shard(CheckpointReader(path), config, tp_degree, rank, dtype))
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
-    params["embed_tokens.rank"] = torch.tensor([rank], dtype=torch.int64)
+    params["embed_tokens.rank"] = torch.tensor([rank], dtype=torch.int32)
     result = decoder.load_state_dict(params, strict=False, assign=True)
     assert not result.missing_keys and not result.unexpected_keys, result
     if config.tie_word_embeddings:

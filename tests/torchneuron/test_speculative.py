@@ -17,6 +17,7 @@ from optimum_qwen35.modeling.speculative_graphs import CommitGraph, MTPGraph, Ve
 from optimum_qwen35.modeling.state import allocate_state
 
 from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract
+from optimum_qwen35.backends.torchneuron.runner import StateInPlaceGraph
 from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import EAGER_TOLERANCE, load_decoder, state
@@ -26,9 +27,10 @@ BATCH, MAX_LENGTH = 2, 96
 SEQ_IDS = torch.tensor([0, 1], dtype=torch.int32)
 
 
-def _compile(module, name):
+def _compile(module, name, state_count):
+    """`module` compiled as the product runner compiles it: its state written in place, not returned as well."""
     backend = CheckBackend(name=name)
-    return torch.compile(module, backend=backend, fullgraph=True, dynamic=False), backend
+    return torch.compile(StateInPlaceGraph(module, state_count), backend=backend, fullgraph=True, dynamic=False), backend
 
 
 def _prefilled(decoder):
@@ -54,7 +56,7 @@ def test_speculative_and_continuing_graphs_lower_and_equal_eager(dtype, referenc
         """The compiled module on (inputs, *mine) against eager on (inputs, *theirs): the first n_out outputs and the
         state lists after the call."""
         nonlocal worst
-        fn, backends[name] = _compile(module, name)
+        fn, backends[name] = _compile(module, name, len(mine))
         got, expected = fn(*inputs, *mine), module(*inputs, *theirs)
         for k in range(n_out):
             worst = max(worst, _close(got[k], expected[k], tol, f"{name} output {k}"))
@@ -75,7 +77,7 @@ def test_speculative_and_continuing_graphs_lower_and_equal_eager(dtype, referenc
                               2 + 2 * len(decoder.config.linear_layers))
         per_position = 2 * len(decoder.config.linear_layers)
         accepted = torch.tensor([0, 2], dtype=torch.int32)
-        fn, backends["commit"] = _compile(CommitGraph(decoder), "commit")
+        fn, backends["commit"] = _compile(CommitGraph(decoder), "commit", len(mine))
         fn(SEQ_IDS, accepted, *got[2 : 2 + per_position], *mine)
         CommitGraph(decoder)(SEQ_IDS, accepted, *expected[2 : 2 + per_position], *theirs)
         for k, (a, b) in enumerate(zip(mine, theirs)):
@@ -94,7 +96,7 @@ def test_speculative_and_continuing_graphs_lower_and_equal_eager(dtype, referenc
         found = check_lowered(graph, reference_census, writes[name])
         ops = contract.parse(graph.stablehlo)
         print(f"\n{name} {str(dtype)[6:]}: {len(ops)} ops, {contract.dtype_census(ops)}, {len(graph.aliases)} aliases, "
-              f"known findings {sorted(found)}")
+              f"findings {sorted(found)}")
     print(f"\n{str(dtype)[6:]}: max |compiled - eager| {worst:.2e} (tolerance {tol} (1 + |eager|))")
 
 

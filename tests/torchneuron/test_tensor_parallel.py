@@ -26,6 +26,7 @@ from optimum_qwen35.errors import UsageError
 from optimum_qwen35.modeling.decoder import ContextEncodingGraph, TokenGenerationGraph
 
 from optimum_qwen35.backends.torchneuron import stablehlo_contract as contract
+from optimum_qwen35.backends.torchneuron.runner import StateInPlaceGraph
 from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import EAGER_TOLERANCE, FIXTURES, meta_decoder, state
@@ -84,7 +85,8 @@ def test_tp_graphs_lower_with_their_collectives(fake_world, layout, dtype, refer
                                              torch.arange(BATCH, dtype=torch.int32))),
         ]:
             backend = CheckBackend(group_ranks=ranks, name=f"{layout}-tp{tp}")
-            torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*inputs, *scratch)
+            torch.compile(StateInPlaceGraph(module, len(scratch)), backend=backend, fullgraph=True,
+                          dynamic=False)(*inputs, *scratch)
             (graph,) = backend.graphs
             assert backend.dynamo_graphs == 1
             collectives = [n for n in graph.aten.graph.nodes if "_c10d_functional" in str(n.target)
@@ -95,17 +97,7 @@ def test_tp_graphs_lower_with_their_collectives(fake_world, layout, dtype, refer
             assert sum(op.name == "stablehlo.all_gather" for op in lowered) == 1  # the lm_head's vocabulary blocks
             group = f"dense<[[{', '.join(str(r) for r in range(tp))}]]> : tensor<1x{tp}xi64>"
             assert all(op.attributes["replica_groups"] == group for op in lowered)
-            FOUND.update(check_lowered(graph, reference_census, len(scratch)))
-
-
-FOUND: set = set()
-
-
-def test_the_tp_only_findings_are_still_found():
-    if len(FOUND) == 0:
-        pytest.skip("needs the TP lowering tests in this run")
-    missing = contract.TP_ONLY_FINDINGS - FOUND
-    assert not missing, f"no longer found (remove from stablehlo_contract.KNOWN_FINDINGS): {sorted(missing)}"
+            assert check_lowered(graph, reference_census, len(scratch)) == set()
 
 
 def _free_port() -> int:

@@ -63,6 +63,21 @@ def _allow_one_entry_per_graph(count: int) -> None:
     config.fail_on_recompile_limit_hit = True
 
 
+class StateInPlaceGraph(torch.nn.Module):
+    """A graph module whose last `state_count` inputs are its state, written in place, and whose last `state_count`
+    outputs are those same tensors: returns the other outputs only. Compiled, each state is an input mutation (an
+    alias of the input, updated in its buffer) and not also a graph output (a second copy of every cache out of the
+    graph). The caller keeps its state tensors."""
+
+    def __init__(self, graph: torch.nn.Module, state_count: int):
+        super().__init__()
+        self.graph, self.state_count = graph, state_count
+
+    def forward(self, *args):
+        out = self.graph(*args)
+        return tuple(out[: len(out) - self.state_count])
+
+
 def check_manifest(manifest: dict, folder) -> None:
     if manifest.get("backend") != TORCHNEURON_BACKEND:
         raise IncompatibleExportError(
@@ -144,8 +159,11 @@ class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         """Graph `name`, compiled on its first call (TorchNeuron: traced, lowered, compiled to a NEFF or taken
         from the compile cache)."""
         if name not in self._compiled:
-            self._compiled[name] = torch.compile(self._module(name), backend=self.compile_backend, fullgraph=True,
-                                                 dynamic=False)
+            kind = self.manifest["graphs"].get(name, {}).get("kind")
+            module = self._module(name)
+            if kind != "vision":  # the state outputs left to the in-place writes (the vision tower has no state)
+                module = StateInPlaceGraph(module, len(self.mtp_state if kind == "mtp" else self.state))
+            self._compiled[name] = torch.compile(module, backend=self.compile_backend, fullgraph=True, dynamic=False)
         return self._compiled[name]
 
     def _to_device(self, inputs) -> list[torch.Tensor]:
@@ -160,8 +178,9 @@ class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
 
     @torch.no_grad()
     def call(self, name: str, *inputs: torch.Tensor, state: list[torch.Tensor]) -> tuple:
-        """A speculative-decoding graph (graphs.json "mtp"): all its outputs, on the device; `state` updated in place."""
-        return self.program(name)(*self._to_device(inputs), *state)
+        """A speculative-decoding graph (graphs.json "mtp"): all its outputs, on the device; `state` updated in place
+        (and given back after the graph's own outputs, as the other runners' graphs return it)."""
+        return (*self.program(name)(*self._to_device(inputs), *state), *state)
 
     @torch.no_grad()
     def vision(self, bucket: int, *inputs: torch.Tensor) -> torch.Tensor:

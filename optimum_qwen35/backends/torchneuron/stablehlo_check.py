@@ -12,7 +12,9 @@ go, and stops at the StableHLO neuronx-cc would receive (docs/torchneuron.md say
    collectives kept as `torch.operator`s and rewritten into StableHLO collectives (`collectives.py`: upstream
    torch-mlir has no lowering for them), then `torch-backend-to-stablehlo-backend-pipeline`;
 5. the dtype conversion: f64 scalar constants folded into the f32 (or bf16) values they are converted to, the one
-   f64 the pipeline leaves (`fold_f64_constants`).
+   f64 the pipeline leaves (`fold_f64_constants`);
+6. the index width: int32 indices that torch-mlir's `aten.index` / `aten.index_put` lowering widened to i64 on
+   their way into a gather or scatter, given back their int32 (`narrow_widened_indices`).
 
 The compiled callable runs the rewritten ATen graph on CPU (the very graph handed to torch-mlir) and then writes each
 aliased output into its input, as a device would by updating the aliased buffer: tests compare it with eager.
@@ -290,6 +292,79 @@ def fold_f64_constants(module) -> int:
     return folded
 
 
+# What torch-mlir's lowering of aten.index.Tensor / aten.index_put widens an int32 index through on its way to a
+# gather's or scatter's index operand: the widening `convert` (i32 -> i64), then data movement only.
+_INDEX_CHAIN = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim", "stablehlo.concatenate")
+_INDEXED = ("stablehlo.gather", "stablehlo.scatter")
+
+
+def narrow_widened_indices(module) -> int:
+    """Give back their int32 to the indices torch-mlir widened: its lowering of `aten.index.Tensor` and
+    `aten.index_put` converts every index tensor to i64 (int32 indices included; `index_select` keeps them i32), then
+    reshapes / broadcasts / concatenates them into the gather's or scatter's index operand. Where such a chain starts at
+    i32 values (the model's int32 indices) and ends only in index operands, it is rebuilt in i32 (the same ops, element
+    type i32). Exact: every value of the chain is one of the i32 values it started from. Returns how many ops were
+    rebuilt. An i64 index computed with (int64 arithmetic, an int64 input) is not touched (and fails the contract)."""
+    from torch_mlir import ir
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in list(block.operations):
+                    yield inner.operation
+                    yield from walk(inner.operation)
+
+    def element(value):
+        return ir.RankedTensorType(value.type).element_type if _isa(ir.RankedTensorType, value.type) else None
+
+    def owner(value):
+        o = value.owner
+        return None if isinstance(o, ir.Block) else o.operation
+
+    def is_int(value, width):
+        e = element(value)
+        return e is not None and _isa(ir.IntegerType, e) and ir.IntegerType(e).width == width
+
+    with module.context:
+        ops = list(walk(module.operation))
+        chain = []  # program order
+        for op in ops:
+            if op.name not in _INDEX_CHAIN or len(op.results) != 1 or not is_int(op.results[0], 64):
+                continue
+            if op.name == "stablehlo.convert":
+                if is_int(op.operands[0], 32):
+                    chain.append(op)
+            elif all(owner(v) in chain for v in op.operands):
+                chain.append(op)
+        changed = True
+        while changed:  # keep only chains every use of which is an index operand (or the chain's next op)
+            changed = False
+            for op in list(chain):
+                for use in op.results[0].uses:
+                    user = use.owner.operation if not isinstance(use.owner, ir.Operation) else use.owner
+                    if user in chain or (user.name in _INDEXED and use.operand_number == 1):
+                        continue
+                    chain.remove(op)
+                    changed = True
+                    break
+            chain = [op for op in chain if op.name == "stablehlo.convert" or all(owner(v) in chain for v in op.operands)]
+        for op in chain:
+            old = op.results[0]
+            if op.name == "stablehlo.convert":
+                old.replace_all_uses_with(op.operands[0])
+                continue
+            with ir.InsertionPoint(op), op.location:
+                i32 = ir.RankedTensorType.get(ir.RankedTensorType(old.type).shape, ir.IntegerType.get_signless(32))
+                new = ir.Operation.create(op.name, results=[i32], operands=list(op.operands),
+                                          attributes={name: op.attributes[name] for name in op.attributes})
+            old.replace_all_uses_with(new.results[0])
+        for op in reversed(chain):
+            op.erase()
+        if chain and not module.operation.verify():
+            raise AssertionError("the narrowed indices left an invalid module")
+    return len(chain)
+
+
 _DUMMY = """func.func @main(%arg0: !torch.vtensor<[1],f32>) -> !torch.vtensor<[1],f32> {
   %0 = torch.aten.neg %arg0 : !torch.vtensor<[1],f32> -> !torch.vtensor<[1],f32>
   return %0 : !torch.vtensor<[1],f32>
@@ -365,6 +440,7 @@ class CheckBackend:
             "Lowering Torch Backend IR -> StableHLO Backend IR",
         )
         fold_f64_constants(module)
+        narrow_widened_indices(module)
         seconds["lower"] = time.perf_counter() - t
         graph = LoweredGraph(
             name=f"{self.name}_{len(self.graphs)}", aten=gm, aliases=aliases, user_outputs=n_user,

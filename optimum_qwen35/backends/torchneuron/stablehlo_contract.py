@@ -181,15 +181,10 @@ FORM_EXCEPTIONS: dict[str, str] = {
     r"op clamp": "index and length clamps (`seq_ids.clamp(min=0)`, lengths): Clamp is in the neuron-cc XLA list",
     r"op minimum": "elementwise min of indices and lengths: Min is in the neuron-cc XLA list",
     r"op not": "`~mask` of the attention and write masks: LogicalNot is in the neuron-cc XLA list",
-    r"op or|reduce combiner=or init=constant": (
-        "predicate logic on masks (`active.any()`, valid | fresh): LogicalAnd / LogicalNot are in the neuron-cc XLA "
-        "list; Or is the same elementwise class, and a reduce with Or is outside the list's Min/Max/Add/Mul (the HLO "
-        "check met the same `any()` as a reduce with a select combiner); open until a neuronx-cc run"
-    ),
-    r"reduce combiner=select init=constant": (
-        "the in-place slot writer's `argmax` over active rows (`Slots`, state.py): a variadic reduce whose combiner "
-        "selects (value, index); outside the list's Min/Max/Add/Mul; the reference census's own top-k / argmax "
-        "forms are absent here because its decoders sample nothing; open until a neuronx-cc run"
+    r"op or": (
+        "elementwise predicate logic on masks (valid | fresh): LogicalAnd / LogicalNot are in the neuron-cc XLA list, "
+        "Or is the same elementwise class (a reduce with Or, outside the list's Min/Max/Add/Mul, is not accepted: "
+        "`any()` is written as a max reduce)"
     ),
     r"op tanh": "the vision tower's GELU (tanh form, `gelu_pytorch_tanh`): Tanh is in the neuron-cc XLA list",
     r"op sqrt": "the vision tower's LayerNorm (decomposed: the standard deviation): Sqrt is in the neuron-cc XLA list",
@@ -198,10 +193,6 @@ FORM_EXCEPTIONS: dict[str, str] = {
     r"op log": (
         "softplus of the DeltaNet gate as log(1 + exp(x)) with torch's threshold branch (kernels/gated_delta_rule/"
         "fused.py `softplus`, issue 42): Log is in the neuron-cc XLA list"
-    ),
-    r"op log_plus_one": (
-        "softplus of the DeltaNet gate (lowered to log1p(exp)): an elementwise transcendental like exp / log in the "
-        "census; not in the old neuron-cc XLA list (the HLO check has the same, open until a neuronx-cc run)"
     ),
     r"op reduce_window|reduce_window combiner=add init=constant": (
         "torch.cumsum of the gates inside a 64-token chunk (the chunked delta rule's PyTorch form): not in the census "
@@ -223,67 +214,11 @@ FORM_EXCEPTIONS: dict[str, str] = {
     ),
 }
 
-# What the contract finds in this model's graphs today, by rule and source file (`finding`), each with its cause. The
-# tests require the findings of every graph to be among these, and every one of these to be found in some graph
-# (a fixed one must leave this table): they are reported, not accepted. docs/torchneuron.md, "What the check finds".
-KNOWN_FINDINGS: dict[str, str] = {
-    "i64 index @ state.py": (
-        "`Slots(in_place=True)` (the in-place state writes TorchNeuron aliases) indexes in int64 (`index_copy_` takes "
-        "int64 indices only) and picks the first active row with argmax; the functional form the NxD graphs use "
-        "indexes in int32. A TorchNeuron backend needs the in-place writes with int32 indices (index_put_ takes "
-        "int32) or an int64 -> int32 conversion (neuronx-cc downcasts int64 by default: --native-int64 / "
-        "--implicit-integer-downcast, Neuron 2.32 compiler release notes)"
-    ),
-    "i64 index @ reference.py": (
-        "kernels/conv1d/reference.py: the conv's final-state rows are indexed in the dtype of `lengths`, which is the slots' index dtype: int64 in "
-        "place (the same cause as state.py's)"
-    ),
-    "i64 index @ decoder.py": (
-        "the rows of each prompt's last token (`Qwen35Decoder.context_encoding`, `last`) in the dtype of `lengths`: "
-        "int64 in place (the same cause)"
-    ),
-    "i64 index @ parallel.py": (
-        "TP > 1: the vocabulary-parallel embedding's rank tensor is int64 (`VocabParallelEmbedding.rank`, "
-        "modeling/parallel.py), so `ids - rank * vocab_per_rank` promotes the int32 token ids to int64 and the "
-        "embedding gather indexes in i64 (an int32 rank tensor would keep them int32)"
-    ),
-    "i64 index @ moe.py": (
-        "TP > 1 with expert parallelism: the MoE block selects this rank's experts with `index_select(1, "
-        "self._rank())`, the embedding's int64 rank tensor (the same cause as parallel.py's)"
-    ),
-    "f64 @ vision.py": (
-        "the vision tower's LayerNorm (`vision.LayerNorm`, F.layer_norm in fp32): the StableHLO computes its variance "
-        "in f64 (the [N, hidden] activations converted to f64, reduced, divided, converted back), from the "
-        "decomposition of the layer norm on this pipeline; no fp64 on the device. A norm written out in fp32 (as the "
-        "decoder's RMSNorm is) would not"
-    ),
-    "f64 @ loc(unknown)": "the same variance's f64 scalar constant, which carries no source location",
-    "i64 index @ vision.py": (
-        "the vision graph's index inputs are int64 (`image_bucket_inputs`: pos_index, rotary_pos, segment), so the "
-        "position-table gather indexes in i64; int32 inputs would not"
-    ),
-    "rank 5 @ __init__.py": (
-        "reported at the prefill seam's call (optimum_qwen35/kernels/__init__.py: the custom op, lowered through the "
-        "torch implementation, carries its call site): the chunked delta rule's `expand_key_heads` "
-        "(kernels/gated_delta_rule/reference.py) repeats the key heads "
-        "per value head (nv = 2 or 3 nk: tiny-nv3x, tiny-moe) with repeat_interleave, a rank-5 broadcast "
-        "[B, nk, g, T, d], except on an `xla` device, where it merges the trailing dims to stay rank 4. TorchNeuron's "
-        "device is `neuron`, not `xla`: it takes the rank-5 form (and so does this CPU check)"
-    ),
-    "rank 5 @ state.py": (
-        "the in-place window write (`Slots.write_window`, CPU branch) gathers the block's tokens along T with "
-        "torch.gather on the rank-4 [B, H, T, D] tensor, which upstream torch-mlir lowers to a stablehlo.gather with a "
-        "[B, H, T, D, 4] index tensor (rank 5); the functional branch reads the same rows with an index_select on "
-        "[B * H * T, D] (rank 2). Upstream transformers' StaticCache graphs have rank-5 index tensors the same way "
-        "(its index_copy_ into [B, KV, S, hd])"
-    ),
-}
-
-
-# Findings only a TP > 1 graph has (found by test_tensor_parallel.py; test_graphs.py checks the others are found).
-TP_ONLY_FINDINGS = frozenset({"i64 index @ parallel.py", "i64 index @ moe.py"})
-# Findings only the vision tower has (found by test_vision.py).
-VISION_ONLY_FINDINGS = frozenset({"f64 @ vision.py", "f64 @ loc(unknown)", "i64 index @ vision.py"})
+# What the contract finds in this model's graphs: nothing is allowed. The table the first check filled (int64 slot
+# and position indices of the in-place writes, rank-5 K/V window writes and key-head repeats, an int64 rank tensor at
+# TP > 1, the vision LayerNorm's f64 variance and int64 vision inputs) was emptied by issue 48 item 5; each cause and
+# its fix: docs/torchneuron.md, "What the check finds". A graph with any finding fails the tests.
+KNOWN_FINDINGS: dict[str, str] = {}
 
 
 def finding(line: str) -> str:
