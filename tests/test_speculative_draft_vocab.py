@@ -62,6 +62,14 @@ def test_rankings_are_permutations(tmp_path):
         rank_by_counts([[VOCAB]], VOCAB)
 
 
+def test_a_model_without_the_head_says_what_to_do(fitted):
+    folder, _, ranking = fitted
+    model = Qwen35Runtime.from_pretrained(folder, batch_size=1, max_length=MAX_LENGTH, buckets=BUCKETS)
+    with pytest.raises(UsageError, match="mtp=True"):
+        use_draft_vocab(model, ranking, 16)
+    model.close()
+
+
 def test_draft_logits_are_the_full_heads_at_those_ids(fitted):
     folder, prompts, ranking = fitted
     model = Qwen35Runtime.from_pretrained(folder, batch_size=1, max_length=MAX_LENGTH, buckets=BUCKETS, mtp=True)
