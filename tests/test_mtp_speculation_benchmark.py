@@ -63,3 +63,15 @@ def test_the_projection_counts_the_decoders_weights_and_states(size):
     specs = Qwen35Decoder.state_specs(decoder, 1, 16)
     want = sum(torch.Size(s.shape).numel() * (4 if "recurrent" in s.name else 2) for s in specs)
     assert 16 * kv_pos + deltanet == want
+
+
+def test_the_draft_vocabulary_projection_reads_fewer_head_rows():
+    """With a draft vocabulary the head reads V_d lm_head rows and writes V_d logits per call (k calls a round, 1 token
+    each but the catch-up's a); the verify and the plain step are unchanged; and the table has its rows."""
+    text = bench.text_config("2B")
+    H, V, k, a, vd = text["hidden_size"], text["vocab_size"], 2, 2.5, 32768
+    full, small = bench.round_bytes(text, 1, k, a), bench.round_bytes(text, 1, k, a, vd)
+    assert full["head"] - small["head"] == pytest.approx(k * (V - vd) * H * 2 + (k - 1 + a) * (V - vd) * 4)
+    assert all(full[p] == small[p] for p in ("plain", "verify", "commit"))
+    lines = bench.draft_vocab_projection()
+    assert sum(line.startswith("| 2B |") for line in lines) == 2 * len(bench.DRAFT_VOCABS)

@@ -969,8 +969,93 @@ def nc_match_replace8(dst, data, vals, imm, dst_idx=None, name=None, **kwargs):
     return dst
 
 
+# -------------------------------------------------------------------------------------------- virtual registers
+class VirtualRegister:
+    """``nki.isa.VirtualRegister``: a 32-bit value held by the engines' sequencers (nki.isa.register_alloc page: "64x
+    32-bit registers per engine sequencer"), set by ``register_move`` / ``register_load`` and read back by
+    ``register_store``; it bounds ``nl.dynamic_range`` / ``nl.fori_loop`` loops and ``while reg:`` loops (the
+    nki.isa.VirtualRegister page), and gives ``.ap(scalar_offset=...)`` runtime offsets. On the emulator its value
+    is known while the kernel runs (the kernel is executed, not traced): a loop bounded by a register runs the
+    number of times the value says, and only those iterations are costed, as a hardware loop runs on the device.
+    Reading a register nothing was written to is an error (an uninitialised register has no defined value)."""
+
+    def __init__(self, value=None):
+        self._value = None if value is None else _register_value(value)
+
+    @property
+    def value(self) -> int:
+        if self._value is None:
+            raise NkiRuleError("uninitialized-read", "a VirtualRegister is read before register_move / register_load set it")
+        return self._value
+
+    def __int__(self):
+        return self.value
+
+    __index__ = __int__
+
+    def __bool__(self):  # `while reg:` (the parser frontend's dynamic while loop)
+        return self.value != 0
+
+    def __repr__(self):
+        return f"VirtualRegister({self._value})"
+
+
+def _register_value(x) -> int:
+    if isinstance(x, VirtualRegister):
+        return x.value
+    if isinstance(x, (bool, float)) or not isinstance(x, (int, np.integer)):
+        raise NkiRuleError("register", f"a register holds a 32-bit integer, got {x!r}")
+    v = int(x)
+    if not -(2**31) <= v < 2**32:
+        raise NkiRuleError("register", f"a register holds 32 bits; {v} does not fit")
+    return v
+
+
 def register_alloc(x=None):
-    return x
+    """``nisa.register_alloc(x=None)``: a new register, set to ``x`` (an int or another register) when given."""
+    return VirtualRegister(x)
+
+
+def register_move(dst, src):
+    """``nisa.register_move(dst, src)``: dst = a constant int or another register's value (no memory access)."""
+    if not isinstance(dst, VirtualRegister):
+        raise NkiRuleError("register", "register_move: dst must be a register from nisa.register_alloc()")
+    dst._value = _register_value(src)  # (sequencer work only: nothing costed)
+    return dst
+
+
+def _one_element(t, what):
+    _tensor(t, what)
+    if t.size != 1:
+        raise NkiRuleError("register", f"{what} holds {t.size} elements: a register moves exactly one ([1] or [1, 1])")
+
+
+def register_load(dst, src):
+    """``nisa.register_load(dst, src)``: dst = the one element of ``src`` (SBUF or HBM, a 32-bit value)."""
+    if not isinstance(dst, VirtualRegister):
+        raise NkiRuleError("register", "register_load: dst must be a register from nisa.register_alloc()")
+    _one_element(src, "register_load src")
+    _no_psum("register_load", "dma", src)
+    if runtime.current().compute:
+        dst._value = _register_value(int(np.asarray(src.read(what="register_load")).reshape(-1)[0]))
+    else:
+        raise NkiRuleError("register", "register_load needs the computed value (estimate(..., compute=True)): the "
+                           "loops it bounds run as many times as it says")
+    runtime.record("dma", "register_load", reads=[src], writes=[], nbytes=4, chunks=1)
+    return dst
+
+
+def register_store(dst, src):
+    """``nisa.register_store(dst, src)``: the one element of ``dst`` (SBUF or HBM) = the register's value."""
+    _one_element(dst, "register_store dst")
+    _no_psum("register_store", "dma", dst)
+    value = _register_value(src)
+    if runtime.current().compute:
+        dst.write(np.full(dst.cshape, value))
+    else:
+        dst._mark_written()
+    runtime.record("dma", "register_store", reads=[], writes=[dst], nbytes=4, chunks=1)
+    return dst
 
 
 def core_barrier(*args, **kwargs):

@@ -223,12 +223,23 @@ def static_range(start, stop=None, step=1, **kwargs):
     return _range(start, stop, step)
 
 
+def _dynamic_step(step, what):
+    if type(step) is not int or step <= 0:  # (a bool or a register is not a step)
+        raise NkiRuleError("loop", f"{what}: step must be a compile-time positive int (not a register), got {step!r}")
+    return step
+
+
 def dynamic_range(start, stop=None, step=1, **kwargs):
-    return _range(start, stop, step)
+    """``nl.dynamic_range``: a hardware loop whose bounds may be VirtualRegisters (nki.isa.register_alloc /
+    register_load): it runs as many iterations as the registers hold when it starts, each one executed and costed
+    (the device runs one copy of the body that many times; no unrolled copies exist to cost)."""
+    return _range(start, stop, _dynamic_step(step, "dynamic_range"))
 
 
 def fori_loop(lower, upper, body_fun, step=1):
-    for i in range(int(lower), int(upper), int(step)):
+    """``nl.fori_loop``: ``body_fun(i)`` for i in [lower, upper), bounds ints or VirtualRegisters (read once, when the
+    loop starts, as the compare-and-branch the loop compiles to does)."""
+    for i in range(int(lower), int(upper), _dynamic_step(step, "fori_loop")):
         body_fun(i)
 
 

@@ -54,6 +54,8 @@ RULES = {
     "uninitialized-read": "an instruction reads only memory that was written before",
     "transpose-size": "nc_transpose on TensorE handles at most 128x128 (32x32 on VectorE)",
     "dtype": "the operand dtypes are supported by the instruction",
+    "register": "a VirtualRegister holds one 32-bit integer, moved from a constant, a register or a one-element tensor",
+    "loop": "a dynamic loop's step is a compile-time positive int (its bounds may be registers)",
 }
 
 

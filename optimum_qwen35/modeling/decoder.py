@@ -254,7 +254,7 @@ class Qwen35Decoder(nn.Module):
         input_ids the tokens after each position, hidden [B, T, H] the final-normed hidden states there
         (the main model's, or the head's own for a draft), `lengths` [B] real positions. Writes the head's K/V at
         those positions and returns (logits [B, vocab], out [B, H]) at each row's last real position, then the
-        cache."""
+        cache. With a draft vocabulary (`MTPHead.set_draft_vocab`) the logits are [B, V_d], over its token ids."""
         slots = Slots(seq_ids, fresh=position_ids[:, 0] == 0, in_place=self.state_in_place,
                       graph_form=self.state_graph_form)
         starts = position_ids[:, 0].to(slots.index_dtype)
@@ -267,7 +267,8 @@ class Qwen35Decoder(nn.Module):
             h, cos, sin, position_ids, starts, lengths, key_length, slots, k_cache, v_cache
         )
         out = self.mtp.norm(_last_rows(h, lengths))
-        return self.lm_head(out), out, k_cache, v_cache
+        head = self.lm_head if self.mtp.draft_head is None else self.mtp.draft_head
+        return head(out), out, k_cache, v_cache
 
     def token_generation(self, input_ids, position_ids, seq_ids, *state, key_length=None, rope_position_ids=None):
         """`rope_position_ids` [B, 1]: the rotary position, when it is not the cache position (after a prompt

@@ -14,6 +14,10 @@ after the final norm are those of vLLM's Qwen3.5 MTP model (vllm/model_executor/
 proposer passes the target model's returned (final-normed) hidden states and, for the next draft, the head's own
 `out_i`. Drafting k tokens re-runs the one layer: draft s + 1 reads (out of draft s, draft s) at the next position.
 
+A draft vocabulary (`MTPHead.set_draft_vocab`, runtime/draft_vocab.py): the head's logits over V_d chosen token ids
+only, from a [V_d, H] copy of those lm_head rows (`draft_head`), so that a draft reads V_d rows instead of the whole
+head; verification keeps the main model's full lm_head, so speculation stays exact (docs/speculative_decoding.md).
+
 The head lives in the one model definition (`Qwen35Decoder(..., mtp=True)`, modeling/decoder.py runs it: it needs
 the shared embedding, rotary tables and lm_head); this module holds its parameters and its state specs.
 """
@@ -26,7 +30,7 @@ from torch import nn
 from ..config import Qwen35Config
 from ..errors import UnsupportedModelError
 from .layers import RMSNorm
-from .parallel import ShardedDims
+from .parallel import ShardedDims, VocabParallelHead
 from .state import StateSpec
 
 
@@ -52,6 +56,27 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.draft_head = None  # the draft vocabulary's rows of lm_head (`set_draft_vocab`); None: the whole lm_head
+
+    def set_draft_vocab(self, lm_head: nn.Module, ids: torch.Tensor | None) -> None:
+        """Score drafts over the token ids `ids` [V_d] only (None: the whole vocabulary again): the head's logits
+        become [B, V_d], logit j being that of token ids[j], computed as lm_head computes its own (the same precision
+        policy, fp32 out) from a contiguous copy of those rows. One rank only: at tp_degree > 1 lm_head holds a vocabulary
+        block per rank."""
+        if ids is None:
+            self.draft_head = None
+            return
+        if getattr(lm_head, "tp_degree", 1) > 1:
+            raise UnsupportedModelError(
+                "a draft vocabulary runs at tp_degree 1 only for now (lm_head is split by vocabulary across ranks): "
+                "load the model with tp_degree=1, or speculate over the whole vocabulary"
+            )
+        weight = lm_head.weight.detach()
+        weight = weight.to_dense() if weight.is_mkldnn else weight
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        head = VocabParallelHead(weight.shape[1], len(ids), len(ids), precision=lm_head.precision)
+        head.weight = nn.Parameter(weight.index_select(0, ids).contiguous(), requires_grad=False)
+        self.draft_head = head
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embeds, hidden [B, T, H] (fp32) -> the layer's input [B, T, H] in fp32 (the residual stream's dtype)."""

@@ -115,6 +115,7 @@ class EagerGraphs(StateInProcess):
     Any context graph continues a sequence (a key length per call), so a prefix cache of any block size fits it."""
 
     prefix_block_size = None  # (a compiled runner names the block size its continuing programs were built for)
+    draft_ids = None  # the MTP head's draft vocabulary (`set_draft_vocab`): token ids [V_d], None for the whole one
 
     def __init__(self, decoder: Qwen35Decoder, batch_size: int, max_length: int, trace: bool = False,
                  pack_weights: bool = False, vision_encoder=None):
@@ -217,8 +218,16 @@ class EagerGraphs(StateInProcess):
         self.state[:] = self.decoder.commit(seq_ids, accepted, *self._verified, *self.state)
         self._verified = None
 
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """The head drafts over the token ids `ids` [V_d] only (runtime/draft_vocab.py); None: the whole vocabulary."""
+        if not self.has_mtp:
+            raise UsageError("a draft vocabulary needs the multi-token-prediction head: load the model with mtp=True")
+        self.decoder.mtp.set_draft_vocab(self.decoder.lm_head, ids)
+        self.draft_ids = None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
+
     def mtp(self, key_length: int | None, ids, hidden, positions, lengths, seq_ids):
-        """The MTP head over T positions per row: (logits [B, vocab], out [B, H]) at each row's last real one."""
+        """The MTP head over T positions per row: (logits [B, vocab], out [B, H]) at each row's last real one
+        ([B, V_d] over `draft_ids` with a draft vocabulary)."""
         logits, out, *self.mtp_state[:] = self.decoder.mtp_forward(ids, hidden, positions, lengths, seq_ids,
                                                                    *self.mtp_state, key_length=key_length)
         return logits, out

@@ -20,6 +20,13 @@ holds positions < p, the head's KV cache positions < p. One round:
    them (the accepted drafts and the new token), replacing what the drafts wrote; its last output drafts the next
    round's d1.
 
+With a draft vocabulary (runtime/draft_vocab.py: the head scores V_d token ids only), the head's logits are widened
+to the whole vocabulary with -inf outside those ids (`_widen`) before a draft is picked: a greedy draft is the argmax
+over the subset, a sampled one is drawn from q, which is 0 outside it. The rule above needs nothing more: it holds for
+any q that the draft was drawn from (the residual max(p - q, 0) is p itself outside the subset, so the tokens the
+head cannot propose are reached through the residual, with the right probability); verification reads the full
+vocabulary, so the tokens are still plain decoding's.
+
 A row stops at EOS (inside the accepted tokens too: what follows it is dropped) or at its own max_new_tokens. With
 min_new_tokens, EOS is masked out of every logits row that picks a new token before that many (drafts and verified
 positions alike, as plain decoding masks its steps), so greedy speculation still returns plain greedy's tokens.
@@ -103,6 +110,16 @@ class _Picker:
         return _sample(q, self.generator), q
 
 
+def _widen(logits: torch.Tensor, runtime) -> torch.Tensor:
+    """The head's logits [..., V_d] over the runner's draft vocabulary (`runtime.graphs.draft_ids`) as logits [..., vocab]
+    that are -inf outside it (the picker's softmax gives those tokens probability 0); unchanged without one."""
+    ids = getattr(runtime.graphs, "draft_ids", None)
+    if ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], runtime.config.vocab_size), float("-inf"))
+    return full.index_copy_(-1, ids, logits)
+
+
 def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
     """The head over every prompt position (position i reads the prompt's hidden state i and token i + 1; the last
     position the first generated token), in the context buckets. Returns (logits [n, vocab], out [B, H]) at each
@@ -136,7 +153,7 @@ def _mtp_prefill(runtime, prompts, hiddens, first_tokens, slots):
             done[i] = c.stop
     out = torch.zeros(B, hidden_size, dtype=last_out[0].dtype)
     out[:n] = torch.stack(last_out)
-    return torch.stack(last_logits), out
+    return _widen(torch.stack(last_logits), runtime), out
 
 
 class _StepReplay:
@@ -220,6 +237,7 @@ def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, ge
                 ids[i, 0], positions[i, 0] = drafts[i][s - 1], p[i] + s - 1
             step_logits, out = graphs.mtp(key_length, ids, out[:, None], positions, torch.ones(B, dtype=torch.int32),
                                           seq_ids)
+            step_logits = _widen(step_logits, runtime)
             for i in active:
                 drafts[i][s], q[i][s] = picker.pick(step_logits[i], len(outputs[i]) + s)
         # 2. verify
@@ -285,4 +303,5 @@ def generate_wave(runtime, prompts, slots, limits, eos, k, distribution=None, ge
         draft_logits, draft_out = graphs.mtp(
             key_length, catch_up, verify_hidden, positions, (accepted + 1).to(torch.int32), live
         )
+        draft_logits = _widen(draft_logits, runtime)
     return outputs

@@ -114,6 +114,17 @@ def k_dtype(x):
     nisa.nc_transpose(dst=out, data=sb((64, 64)), engine=nisa.engine.tensor)
 
 
+def k_register(x):  # a register loads one element, not a [128, 64] tile
+    t = nl.ndarray((128, 64), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=t, value=1)
+    nisa.register_load(nisa.register_alloc(), t)
+
+
+def k_loop(x):  # a dynamic loop's step is a constant, not a register
+    for _ in nl.dynamic_range(0, 4, nisa.register_alloc(2)):
+        pass
+
+
 BREAKERS = {
     "partition-dim": (k_partition_dim, "trn2"),
     "matmul-contraction": (k_matmul_contraction, "trn2"),
@@ -133,6 +144,8 @@ BREAKERS = {
     "uninitialized-read": (k_uninitialized_read, "trn2"),
     "transpose-size": (k_transpose_size, "trn2"),
     "dtype": (k_dtype, "trn2"),
+    "register": (k_register, "trn2"),
+    "loop": (k_loop, "trn2"),
 }
 
 
