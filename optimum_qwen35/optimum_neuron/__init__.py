@@ -1,5 +1,5 @@
 """Qwen3.5 inside optimum-neuron: the model class (modeling.py), its neuron config, generation and scoring adapters,
-its registration (registration.py) and the `optimum-cli export neuron` command (optimum_cli.py).
+its registration (registration.py); `optimum-cli export neuron` without the SDK is optimum_qwen35/cli/optimum_cli.py.
 
 Importing this package imports nothing of optimum-neuron; `Qwen35NeuronModelForCausalLM` (which does) is loaded on
 first use.
