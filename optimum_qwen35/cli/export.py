@@ -94,15 +94,11 @@ def export_dtype(args) -> str | None:
 
 
 def model_class():
-    """The class that exports on this stack: optimum-neuron's subclass on the NxD stack, this package's own on the
-    TorchNeuron stack."""
-    if optimum_neuron_installed():
-        from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # start-up time: export only
+    """The class that exports on this stack (`optimum_qwen35.NeuronModelForCausalLM`): optimum-neuron's subclass on
+    the NxD stack, this package's own on the TorchNeuron stack."""
+    from optimum_qwen35.neuron_model import neuron_model_class  # start-up time: export only
 
-        return Qwen35NeuronModelForCausalLM
-    from optimum_qwen35 import NeuronModelForCausalLM  # start-up time: export only (the TorchNeuron stack's class)
-
-    return NeuronModelForCausalLM
+    return neuron_model_class()
 
 
 def check_export(args):
