@@ -243,8 +243,9 @@ def pyenv_python(version: str) -> str:
 NO_OPTIMUM_NEURON = ("import importlib.util, sys; sys.exit('optimum-neuron is installed: the TorchNeuron stack has "
                      "none' if importlib.util.find_spec('optimum.neuron') else 0)")
 # What the torchneuron session runs besides tests/torchneuron: the stack's entry points (tests/torchneuron_stack),
-# the command line without optimum-neuron, the README's TorchNeuron quick start as written.
-TORCHNEURON_STACK_TESTS = ["tests/torchneuron_stack", "tests/test_cli_stacks.py", "tests/test_readme_quick_starts.py"]
+# the command line without optimum-neuron, the README's TorchNeuron quick start as written (test_doc_snippets.py runs
+# the parts of the docs whose environment is "torchneuron").
+TORCHNEURON_STACK_TESTS = ["tests/torchneuron_stack", "tests/test_cli_stacks.py", "tests/test_doc_snippets.py"]
 
 
 @nox.session(python=pyenv_python("3.13"))
@@ -257,8 +258,8 @@ def torchneuron(session):
     _freeze_pins(session)
     session.run("python", "-c", NO_OPTIMUM_NEURON)
     # Two workers, one test file each (test_graphs.py, test_tensor_parallel.py: each compiles its graphs once).
-    tests = ["tests/torchneuron", *(path for path in TORCHNEURON_STACK_TESTS if Path(path).exists())]
-    session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, *tests, *session.posargs, env=ONE_THREAD)
+    session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, "tests/torchneuron", *TORCHNEURON_STACK_TESTS,
+                *session.posargs, env=ONE_THREAD)
 
 
 # The Python 3.12 smoke run: a plain (not editable) install of the TorchNeuron stack, then the smallest export and
