@@ -13,8 +13,12 @@ The fourth, `vllm`, is that environment plus vLLM 0.11.0 (optimum-neuron 0.4.5's
 `vllm.LLM` on exports through optimum-neuron's vLLM platform (docs/serving.md). On 2 cores shared with other jobs
 its tests took 17 minutes of wall time (3.8 minutes of CPU: vLLM's start-ups wait on imports and processes).
 
-The fifth, `torchneuron`, is torch 2.13 (CPU) with upstream torch-mlir from PyPI: the model's graphs through a
-torch.compile check backend that follows TorchNeuron's pipeline down to StableHLO (tests/torchneuron, docs/torchneuron.md).
+The fifth, `torchneuron`, is the TorchNeuron stack as AWS ships it (issue 48): Python 3.13, torch 2.14 (PyPI's build,
+about 5 GB with its CUDA wheels; it runs on CPU), transformers 5.25, optimum 2.x's base CLI, upstream torch-mlir
+from PyPI, and no optimum-neuron (asserted): the model's graphs through a torch.compile check backend that follows
+TorchNeuron's pipeline down to StableHLO (tests/torchneuron, docs/torchneuron.md), the stack's entry points
+(tests/torchneuron_stack, the command line) and the README's TorchNeuron quick start as written. The sixth,
+`torchneuron_smoke`, is the same stack's smallest run on Python 3.12: install, export, generate.
 """
 
 import hashlib
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron", "vllm", "torchneuron"]
+nox.options.sessions = ["reference", "optimum", "neuron", "vllm", "torchneuron", "torchneuron_smoke"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -219,20 +223,65 @@ def vllm(session):
 
 
 # upstream torch-mlir from PyPI (its fx importer and the torch -> StableHLO pipeline): what TorchNeuron's compile
-# pipeline does up to its closed torch-mlir fork and Neuron passes (docs/torchneuron.md).
+# pipeline does up to its closed torch-mlir fork and Neuron passes (docs/torchneuron.md). Its cp312-abi3 wheel serves
+# Python 3.12 to 3.14.
 TORCH_MLIR = "torch-mlir==20261001"
+# TorchNeuron's newest torch (torch-neuronx 2.14, Neuron SDK 2.34), PyPI's build: it runs on CPU.
+TORCHNEURON_TORCH = "torch==2.14.0"
+PYENV_ROOT = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
 
 
-@nox.session
+def pyenv_python(version: str) -> str:
+    """pyenv's interpreter of `version` ("3.13"), by path: its `python3.13` shim answers only with PYENV_VERSION set,
+    so nox would not find it on PATH. Without pyenv, `version` itself: nox looks for `python3.13` on PATH and, where
+    there is none, skips the session in one line ("Python interpreter 3.13 not found"; an error on CI systems)."""
+    found = [path for path in PYENV_ROOT.glob(f"versions/{version}.*/bin/python{version}") if path.is_file()]
+    patch = lambda path: int(path.parent.parent.name.split(".")[2]) if path.parent.parent.name.split(".")[2].isdigit() else -1  # noqa: E731
+    return str(max(found, key=patch)) if found else version
+
+
+NO_OPTIMUM_NEURON = ("import importlib.util, sys; sys.exit('optimum-neuron is installed: the TorchNeuron stack has "
+                     "none' if importlib.util.find_spec('optimum.neuron') else 0)")
+# What the torchneuron session runs besides tests/torchneuron: the stack's entry points (tests/torchneuron_stack),
+# the command line without optimum-neuron, the README's TorchNeuron quick start as written (test_doc_snippets.py runs
+# the parts of the docs whose environment is "torchneuron").
+TORCHNEURON_STACK_TESTS = ["tests/torchneuron_stack", "tests/test_cli_stacks.py", "tests/test_doc_snippets.py"]
+
+
+@nox.session(python=pyenv_python("3.13"))
 def torchneuron(session):
-    """The model's graphs through a torch.compile check backend that follows TorchNeuron's pipeline (Dynamo ->
-    AOT Autograd -> torch-mlir -> StableHLO) on CPU, checked against the compiler contract and run against eager and
-    transformers' recorded outputs (tests/torchneuron, docs/torchneuron.md)."""
-    _install(session, TORCH, TORCH_MLIR, "-e", ".[tests,reference]", HF_KERNELS, "pytest-xdist>=3.5")
+    """The TorchNeuron stack (Python 3.13, torch 2.14, transformers 5.25, no optimum-neuron): the model's graphs
+    through a torch.compile check backend that follows TorchNeuron's pipeline (Dynamo -> AOT Autograd -> torch-mlir
+    -> StableHLO) on CPU, checked against the compiler contract and run against eager and transformers' recorded
+    outputs (tests/torchneuron, docs/torchneuron.md); the stack's entry points and the README's quick start."""
+    _install(session, TORCHNEURON_TORCH, TORCH_MLIR, "-e", ".[tests,torchneuron]", HF_KERNELS, "pytest-xdist>=3.5")
     _freeze_pins(session)
+    session.run("python", "-c", NO_OPTIMUM_NEURON)
     # Two workers, one test file each (test_graphs.py, test_tensor_parallel.py: each compiles its graphs once).
-    session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, "tests/torchneuron", *session.posargs,
-                env=ONE_THREAD)
+    session.run("pytest", "-q", "-rsx", "--durations=15", *PARALLEL, "tests/torchneuron", *TORCHNEURON_STACK_TESTS,
+                *session.posargs, env=ONE_THREAD)
+
+
+# The Python 3.12 smoke run: a plain (not editable) install of the TorchNeuron stack, then the smallest export and
+# generate through the installed commands, in a fresh folder.
+SMOKE_COMMANDS = [
+    ["optimum-qwen35", "build-tiny", "tiny-qwen3.5/"],
+    ["optimum-qwen35", "export", "--model", "tiny-qwen3.5/", "--sequence_length", "64", "--instance_type", "cpu",
+     "qwen35-export/"],
+    ["optimum-qwen35", "generate", "--model", "tiny-qwen3.5/", "--prompt", "Hello", "--max-new-tokens", "4"],
+]
+
+
+@nox.session(python=pyenv_python("3.12"))
+def torchneuron_smoke(session):
+    """The TorchNeuron stack on Python 3.12 (torch 2.14, transformers 5.25, no optimum-neuron): install, export,
+    generate."""
+    _install(session, TORCHNEURON_TORCH, ".[torchneuron]")
+    _freeze_pins(session)
+    session.run("python", "-c", NO_OPTIMUM_NEURON)
+    with tempfile.TemporaryDirectory() as folder, session.chdir(folder):
+        for command in SMOKE_COMMANDS:
+            session.run(*command, env=ONE_THREAD)
 
 
 # ------------------------------------------------------------------------------------------------ mutation testing

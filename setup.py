@@ -22,10 +22,11 @@ packages += list(KERNEL_PACKAGES)
 # editable install (pip install -e, below) carry it (see docs/optimum_neuron.md).
 STARTUP_FILE = "optimum_qwen35.pth"
 # optimum-cli loads every optimum/commands/register/*.py (a PEP 420 namespace): this one makes `optimum-cli export
-# neuron` say what to run where the Neuron SDK is missing (optimum_qwen35/optimum_neuron/optimum_cli.py). A file, not a
+# neuron` work where optimum-neuron's own command is missing: no SDK, or no optimum-neuron (the TorchNeuron stack;
+# optimum_qwen35/cli/optimum_cli.py). A file, not a
 # package of this distribution: an editable install's finder would map the whole namespace to one folder.
 OPTIMUM_CLI_FILE = os.path.join("optimum", "commands", "register", "register_optimum_qwen35.py")
-OPTIMUM_CLI_SOURCE = "from optimum_qwen35.optimum_neuron.optimum_cli import REGISTER_COMMANDS  # noqa: F401  (optimum-qwen35)\n"
+OPTIMUM_CLI_SOURCE = "from optimum_qwen35.cli.optimum_cli import REGISTER_COMMANDS  # noqa: F401  (optimum-qwen35)\n"
 
 
 class BuildPyWithStartupFile(build_py):

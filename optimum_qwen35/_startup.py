@@ -2,7 +2,8 @@
 
 Standard library only. Once the program imports `transformers` or `optimum.neuron` (or right away, for
 those already imported), Qwen3.5 is registered there (see `optimum_neuron/registration.py`). A program that imports
-neither pays nothing; one that imports transformers >= 5 (which has Qwen3.5) pays a version check.
+neither pays nothing; one that imports transformers >= 5 (which has Qwen3.5) pays a version check, and, once its Auto
+model classes import, the wrapper that sends exports (not checkpoints) to this package's class (`neuron_model/auto.py`).
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ import warnings
 
 REGISTRATION = "optimum_qwen35.optimum_neuron.registration"
 MODEL_MODULE = "optimum_qwen35.optimum_neuron.modeling"  # registers its class in optimum-neuron's registry
-# watched module -> (module to import, function of it to call or None)
+AUTO_EXPORTS = "optimum_qwen35.neuron_model.auto"
+# watched module -> (module to import, function of it to call or None, the transformers major version it is for or None)
 _HOOKS = {
-    "transformers": (REGISTRATION, "register_transformers"),
-    "transformers.pipelines": (REGISTRATION, "register_pipeline_loader"),
-    "optimum.neuron": (MODEL_MODULE, None),
+    "transformers": (REGISTRATION, "register_transformers", "4"),
+    "transformers.pipelines": (REGISTRATION, "register_pipeline_loader", "4"),
+    # transformers >= 5 has Qwen3.5 itself: only exports need this package's class (neuron_model/auto.py).
+    "transformers.models.auto.modeling_auto": (AUTO_EXPORTS, "register_auto_model", "5+"),
+    "optimum.neuron": (MODEL_MODULE, None, None),
 }
 
 
 def _run(watched: str, module) -> None:
-    target, function = _HOOKS[watched]
+    target, function, major = _HOOKS[watched]
     transformers = sys.modules.get("transformers", module)
-    if watched != "optimum.neuron" and not getattr(transformers, "__version__", "5").startswith("4."):
-        return  # transformers >= 5 has Qwen3.5 itself
+    if major is not None and getattr(transformers, "__version__", "5").startswith("4.") != (major == "4"):
+        return
     try:
         # A module already importing (the model module importing optimum.neuron) is returned as it is: it registers
         # its class when it is done.

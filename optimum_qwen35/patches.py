@@ -34,6 +34,14 @@ call to the original, unchanged; idempotent):
 - `missing_models_in_one_line`: `NeuronModelForCausalLM.from_pretrained(name)` where `name` is no local folder is
   checked first by `check_model_id` (one request, no retries: huggingface_hub retries transformers' HEAD five times
   over 23 s before its OSError).
+transformers 5 (5.25; the TorchNeuron stack):
+- `exports_through_auto_model`: `AutoModelForCausalLM.from_pretrained(id)` (and so `pipeline("text-generation",
+  model=id)`, which loads through it) maps an export's text config (`qwen3_5_text`) to transformers' own
+  `Qwen3_5ForCausalLM`, which would read the export as a checkpoint; transformers' registry maps config classes, not
+  folders, and registering a class for `qwen3_5_text` would take checkpoints away from transformers' class. The
+  wrapper answers exports only (`neuron_model/auto.py` `is_export`: a neuron_config.json in the folder or the Hub
+  repo) with this package's class; every other call goes to the original, unchanged.
+
 vLLM 0.11 with optimum-neuron's platform:
 - `platform_settings_first`: `settings(vllm_config)` runs before optimum-neuron's `check_and_update_config`.
 - `vllm_worker_without_neuron_sdk`: optimum-neuron's vLLM worker reads the neuronx-cc version and imports
@@ -66,6 +74,7 @@ SUPPORTED = {
     "optimum-neuron": ("0.4.5",),
     "vllm": ("0.11.",),
     "transformers": ("4.57.",),
+    "transformers 5": ("5.25.",),
     "huggingface_hub": ("0.", "1.", "2."),
 }
 
@@ -74,7 +83,7 @@ SUPPORTED = {
 def _supported(package: str, patch: str) -> bool:
     """Whether `package`'s installed version is one `patch` was written against; one warning where it is not."""
     try:
-        version = metadata.version(package)
+        version = metadata.version(package.split()[0])  # "transformers 5": transformers, another version range
     except metadata.PackageNotFoundError:
         return False
     if version.startswith(SUPPORTED[package]):
@@ -199,13 +208,13 @@ def hub_retries():
         logger.removeFilter(announce)
 
 
-def image_text_to_text_pipeline(class_names: list[str]) -> None:
+def image_text_to_text_pipeline(class_names: list[str], task: str = "image-text-to-text") -> None:
     """For the life of the process (the user builds the pipeline, not this package): no "The model '...' is not
-    supported for image-text-to-text" error for the named classes. Idempotent; `--verbose` keeps it."""
+    supported for image-text-to-text" (or `task`) error for the named classes. Idempotent; `--verbose` keeps it."""
     if verbose():
         return
     logger = logging.getLogger(PIPELINE_LOGGER)
-    fragments = tuple(f"The model '{name}' is not supported for image-text-to-text" for name in class_names)
+    fragments = tuple(f"The model '{name}' is not supported for {task}" for name in class_names)
     if not any(isinstance(f, _DropMessages) and f.fragments == fragments for f in logger.filters):
         logger.addFilter(_DropMessages(*fragments))
 
@@ -353,3 +362,21 @@ def vllm_worker_without_neuron_sdk() -> None:
         module.NeuronSampler = HostSampler
         module.__doc__ = "vLLM's sampler for a cpu export where neuronx-distributed is not installed (optimum_qwen35)"
         sys.modules[module.__name__] = module
+
+
+def exports_through_auto_model(is_export, load_export) -> None:
+    """transformers 5: `AutoModelForCausalLM.from_pretrained(export)` loads it with `load_export` (see the module
+    docstring); `is_export(model_id, kwargs)` tells an export. Idempotent."""
+    if not _supported("transformers 5", "exports_through_auto_model"):
+        return
+    from transformers import AutoModelForCausalLM  # what this patch changes
+
+    def make(original):
+        def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+            if not model_args and is_export(pretrained_model_name_or_path, kwargs):
+                return load_export(pretrained_model_name_or_path, **kwargs)
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+        return from_pretrained
+
+    _wrap_classmethod(AutoModelForCausalLM, "from_pretrained", make)

@@ -2,8 +2,10 @@
 doc that drifts from the code fails here).
 
 Each document names the environment it runs in (`DOCUMENTS`): "optimum" (optimum-neuron 0.4.5, transformers 4.57:
-the nox `optimum` session), "reference" (transformers 5: the `reference` session) or "vllm" (docs/serving.md, whose
-blocks tests/vllm runs: `RUN_BY_OTHER_TESTS`); a document with no runnable
+the nox `optimum` session), "reference" (transformers 5: the `reference` session), "torchneuron" (the TorchNeuron
+stack: Python 3.13, torch 2.14, transformers 5, optimum 2.x without optimum-neuron: the `torchneuron` session) or "vllm"
+(docs/serving.md, whose blocks tests/vllm runs: `RUN_BY_OTHER_TESTS`); a section of a document may run in another
+environment than the rest of it (`SECTIONS`: README's TorchNeuron quick start); a document with no runnable
 block says None, and a new document fails `test_every_document_names_its_environment` until it is listed. Each
 document runs in its own empty folder: its ```bash blocks line by line through bash (`python` and the
 `optimum-qwen35` command are this environment's), its ```python blocks in one Python process that keeps its names
@@ -30,6 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_PIN = "torch==2.13.0"  # the noxfile's pin: a looser one pulls a CUDA build
+TORCH_PINS = {"torchneuron": "torch==2.14.0"}  # the TorchNeuron stack's (the noxfile's TORCHNEURON_TORCH)
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where a user's pip finds its CPU build
 # `python -m venv DIR && source DIR/bin/activate`: checked (the same folder), not run: the snippets run in the nox
 # session's environment, which is what such a venv holds after the documented installs.
@@ -45,6 +48,8 @@ def _environment() -> str | None:
     import transformers  # noqa: PLC0415
 
     if int(transformers.__version__.split(".")[0]) >= 5:
+        if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.commands") is not None:
+            return "torchneuron"  # optimum 2.x's CLI with transformers 5: no optimum-neuron can be there
         return "reference"
     if importlib.util.find_spec("optimum.neuron") is not None:
         return "optimum"
@@ -70,7 +75,11 @@ DOCUMENTS = {
     "docs/prefix_caching.md": "reference",
     "docs/speculative_decoding.md": "optimum",  # its export + generate blocks go through optimum-neuron's class
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
+    "docs/torchneuron_stack.md": None,  # its flow runs as tests/torchneuron_stack (Python 3.13, no optimum-neuron)
 }
+# Sections (document, the heading they start with, up to the next heading of level 2 or 3) whose blocks run in
+# another environment than the rest of the document.
+SECTIONS = {("README.md", "### TorchNeuron stack"): "torchneuron"}
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
     "docs/serving.md": "tests/vllm (the nox `vllm` session) runs its commands and its Python block as written, "
@@ -157,9 +166,31 @@ for line in sys.stdin:
 """
 
 
-def blocks(document: str) -> list[tuple[str, str]]:
-    """(language, code) of each fenced bash/python block, in order."""
-    return re.findall(r"^```(bash|python)\n(.*?)^```", (ROOT / document).read_text(), re.S | re.M)
+def blocks(document: str, environment: str | None = None) -> list[tuple[str, str]]:
+    """(language, code) of each fenced bash/python block, in order; with `environment`, only those that run there."""
+    text = (ROOT / document).read_text()
+    found = [(m.start(), m.group(1), m.group(2)) for m in re.finditer(r"^```(bash|python)\n(.*?)^```", text, re.S | re.M)]
+    if environment is None:
+        return [(language, code) for _, language, code in found]
+    return [(language, code) for start, language, code in found if block_environment(document, text, start) == environment]
+
+
+def block_environment(document: str, text: str, start: int) -> str | None:
+    """The environment of the block starting at `start`: its section's (SECTIONS), else its document's."""
+    for (doc, heading), environment in SECTIONS.items():
+        if doc == document:
+            begin = text.index("\n" + heading) + 1
+            following = re.search(r"^#{2,3} ", text[begin + len(heading):], re.M)
+            end = begin + len(heading) + following.start() if following else len(text)
+            if begin <= start < end:
+                return environment
+    return DOCUMENTS[document]
+
+
+def runs() -> list[tuple[str, str]]:
+    """(document, environment) of every document part that has blocks to run."""
+    parts = [(d, e) for d, e in DOCUMENTS.items() if e is not None]
+    return parts + [(d, e) for (d, _), e in SECTIONS.items() if (d, e) not in parts]
 
 
 def substituted(document: str, code: str, used: set) -> str:
@@ -170,14 +201,15 @@ def substituted(document: str, code: str, used: set) -> str:
     return code
 
 
-def check_pip_line(line: str) -> None:
+def check_pip_line(line: str, environment: str | None = None) -> None:
     """A `pip install` line: torch pinned as the noxfile pins it, the rest accepted by pip for this checkout."""
     args = shlex.split(line, comments=True)
     assert args[:2] == ["pip", "install"], line
     args = args[2:]
+    pin = TORCH_PINS.get(environment, TORCH_PIN)
     if any(a.startswith("torch") for a in args):
-        assert TORCH_PIN in args, f"{line}: torch must be pinned as {TORCH_PIN}"
-        args = [a for a in args if a != TORCH_PIN]
+        assert pin in args, f"{line}: torch must be pinned as {pin}"
+        args = [a for a in args if a != pin]
     if "--index-url" in args:  # torch alone, from PyTorch's CPU index; the rest comes from PyPI in the next line
         assert args == ["--index-url", TORCH_CPU_INDEX], f"{line}: only torch comes from {TORCH_CPU_INDEX}"
         return
@@ -261,10 +293,10 @@ WRITES = [
 ]
 
 
-def written_paths(document: str) -> set[str]:
-    """The top-level files and folders a document's blocks create in the folder they run in."""
+def written_paths(document: str, environment: str | None = None) -> set[str]:
+    """The top-level files and folders a document's blocks (those of `environment`) create in the folder they run in."""
     found = set()
-    for language, code in blocks(document):
+    for language, code in blocks(document, environment):
         lines = [line.split(" #")[0] for line in shell_lines(code)] if language == "bash" else [code]
         for line in lines:
             for pattern, kind in WRITES:
@@ -280,16 +312,17 @@ def test_documents_read_in_order_in_one_folder_do_not_collide():
     """A reader runs README.md and then the docs in one folder of one environment: a page that writes a folder an
     earlier page wrote (docs/vision.md's `out/` after docs/optimum_neuron.md's) fails for them after minutes of
     compiling, although each page passes alone in its own folder (test_every_snippet_runs_as_written)."""
-    for environment in {e for e in DOCUMENTS.values() if e is not None}:
+    for environment in {e for _, e in runs()}:
         seen: dict[str, str] = {}
-        for document in (d for d, e in DOCUMENTS.items() if e == environment):
-            for path in sorted(written_paths(document)):
+        for document in (d for d, e in runs() if e == environment):
+            for path in sorted(written_paths(document, environment)):
                 assert path not in seen, f"{document} writes {path}/, which {seen[path]} wrote before it: rename one"
                 seen[path] = document
 
 
 def test_the_collision_check_sees_what_each_page_writes():
-    assert {"tiny-qwen3.5", "qwen35-export", "shards"} <= written_paths("README.md")
+    assert {"tiny-qwen3.5", "qwen35-export", "shards"} <= written_paths("README.md", "optimum")
+    assert written_paths("README.md", "torchneuron") == {"tiny-qwen3.5", "qwen35-trn2"}
     assert {"tiny-vl", "vision-export", "vision-cli-export", "photo.png"} <= written_paths("docs/vision.md")
     assert {"tiny", "out", "out-python"} <= written_paths("docs/optimum_neuron.md")
 
@@ -316,12 +349,12 @@ def _check_output(document: str, code: str, output: str, met: set) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("document", [d for d, e in DOCUMENTS.items() if e is not None])
-def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
+@pytest.mark.parametrize("document, environment", runs())
+def test_every_snippet_runs_as_written(document, environment, tmp_path, doc_hub):
     if document in RUN_BY_OTHER_TESTS:
         pytest.skip(f"{document}: {RUN_BY_OTHER_TESTS[document]}")
-    if DOCUMENTS[document] != ENVIRONMENT:
-        pytest.skip(f"{document} runs in the {DOCUMENTS[document]} environment (this is {ENVIRONMENT})")
+    if environment != ENVIRONMENT:
+        pytest.skip(f"{document} ({environment} part) runs in the {environment} environment (this is {ENVIRONMENT})")
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -342,7 +375,7 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
     venv = None  # the folder of the last `python -m venv` line
     ran = 0
     try:
-        for language, code in blocks(document):
+        for language, code in blocks(document, environment):
             first = code.strip().splitlines()[0]
             if first in NOT_RUN:
                 continue
@@ -356,7 +389,7 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
                 for line in shell_lines(code):
                     for part in line.split(" && "):
                         if part.strip().startswith("pip install"):
-                            check_pip_line(part.strip())
+                            check_pip_line(part.strip(), environment)
                             continue
                         if VENV.fullmatch(part.strip()):
                             venv = VENV.fullmatch(part.strip()).group(1)
@@ -376,7 +409,9 @@ def test_every_snippet_runs_as_written(document, tmp_path, doc_hub):
         if python is not None:
             python.close()
     assert ran >= 1
-    stale = [s[:3] for i, s in enumerate(SUBSTITUTIONS) if s[0] == document and i not in used]
+    elsewhere = "".join(code for e in {e for d, e in runs() if d == document} - {environment}
+                        for _, code in blocks(document, e))  # (the blocks of the document's other environments)
+    stale = [s[:3] for i, s in enumerate(SUBSTITUTIONS) if s[0] == document and i not in used and s[1] not in elsewhere]
     assert stale == [], f"substitutions that no longer apply (the doc changed): {stale}"
     unmet = [e[:3] for i, e in enumerate(EXPECTED_OUTPUT) if e[0] == document and i not in met]
     assert unmet == [], f"expected outputs of commands the doc no longer has: {unmet}"

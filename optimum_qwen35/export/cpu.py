@@ -29,7 +29,7 @@ from optimum_qwen35.export.compile import compile_graphs, save_vision_weights
 from optimum_qwen35.export.writer import copy_side_files
 from optimum_qwen35.hub.cache import fetch_cached_graphs
 from optimum_qwen35.modeling.vision import VisionConfig
-from optimum_qwen35.optimum_neuron import neuron_config as nc
+from optimum_qwen35.neuron_model import neuron_config as nc
 from optimum_qwen35.processing import copy_processor_files
 from optimum_qwen35.runtime.buckets import default_buckets
 from optimum_qwen35.runtime.exported import read_graphs_manifest
@@ -138,6 +138,8 @@ def graphs_from_cache(folder: Path) -> bool:
     """The compiled graphs of this configuration from the compile-cache repo (as optimum-neuron takes NEFFs
     from its cache), for an export of a Hub model; False (compile) on a miss, offline, or any Hub error."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    if nc.optimum_neuron_version() is None:  # the registry is optimum-neuron's (the NxD stack): compile here
         return False
     try:
         found = fetch_cached_graphs(folder)

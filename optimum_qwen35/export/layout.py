@@ -83,7 +83,10 @@ MTP_EXPORT_KEY = "qwen35_mtp_export"
 
 # The files of an export (what a Hub download of one fetches): configs, tokenizer, graphs, per-rank weights.
 # README.md (the model card) and .gitattributes are not part of it.
-EXPORT_PATTERNS = ["*.json", "*.jinja", "*.txt", "tokenizer*", f"{COMPILED_DIR}/*", f"{CHECKPOINT_DIR}/*", NXD_MODEL_FILE]
+# A TorchNeuron export's Hub repo may also hold the NEFF compile cache it was pushed with (neuron_model/compile_cache.py).
+NEFF_CACHE_DIR = "neff_cache"
+EXPORT_PATTERNS = ["*.json", "*.jinja", "*.txt", "tokenizer*", f"{COMPILED_DIR}/*", f"{CHECKPOINT_DIR}/*", NXD_MODEL_FILE,
+                   f"{NEFF_CACHE_DIR}/*"]
 # Files that mark a folder as a model or an export this package (or transformers, optimum-neuron) wrote.
 MODEL_MARKERS = (CONFIG_FILE, TP_SHARDS_FILE, NEURON_CONFIG_FILE, "model.safetensors.index.json", NXD_MODEL_FILE)
 # Never pushed: local metadata folders (the Hugging Face local_dir cache, git, editor files).

@@ -73,6 +73,7 @@ def push_to_hub(
     token: str | bool | None = None,
     endpoint: str | None = None,
     commit_message: str | None = None,
+    extra_files: dict[str, Path] | None = None,
 ) -> PushResult:
     """Push an exported folder to the Hub model repo `repo_id` in one commit, with a generated model card.
 
@@ -82,7 +83,8 @@ def push_to_hub(
     parent, so a concurrent push fails instead of mixing two exports; a failed commit leaves the repo as it was.
     The folder is only read: the card goes into the commit from memory.
     `token`: a Hub token (default: huggingface_hub's, i.e. HF_TOKEN or the stored login); `endpoint`: the Hub
-    URL (default: huggingface_hub's, i.e. HF_ENDPOINT)."""
+    URL (default: huggingface_hub's, i.e. HF_ENDPOINT). `extra_files`: path in repo -> local file, pushed in the same
+    commit (a TorchNeuron export's compile cache)."""
     folder = Path(folder)
     nc = layout.read_neuron_config(folder)
     check_repo_id(repo_id)
@@ -100,7 +102,7 @@ def push_to_hub(
             for f in api.list_repo_tree(repo_id, recursive=True, revision=head, repo_type="model")
             if isinstance(f, RepoFile)
         }
-        sources: dict[str, Path | bytes] = dict(local)
+        sources: dict[str, Path | bytes] = {**local, **(extra_files or {})}
         if card is not None:
             sources["README.md"] = card
         changed = [p for p, src in sources.items() if p not in remote or not same_as_remote(src, remote[p])]

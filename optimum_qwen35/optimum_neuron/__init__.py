@@ -1,5 +1,5 @@
 """Qwen3.5 inside optimum-neuron: the model class (modeling.py), its neuron config, generation and scoring adapters,
-its registration (registration.py) and the `optimum-cli export neuron` command (optimum_cli.py).
+its registration (registration.py); `optimum-cli export neuron` without the SDK is optimum_qwen35/cli/optimum_cli.py.
 
 Importing this package imports nothing of optimum-neuron; `Qwen35NeuronModelForCausalLM` (which does) is loaded on
 first use.
@@ -12,9 +12,8 @@ __all__ = ["Qwen35NeuronModelForCausalLM", "register"]
 # Where optimum (optimum-neuron) is not installed, e.g. the transformers 5 environment: one line saying where it is.
 NEEDS_OPTIMUM_NEURON = (
     "optimum_qwen35.optimum_neuron (exports: Qwen35NeuronModelForCausalLM, NeuronModelForCausalLM) needs optimum-neuron, "
-    "which is not installed in this environment: optimum-neuron pins transformers 4.57, so it has its own environment "
-    "(pip install \"optimum-qwen35[optimum]\"); this one loads checkpoints (optimum_qwen35.runtime.Qwen35Runtime, or "
-    "transformers' own Qwen3.5 classes with transformers >= 5), not exports"
+    "which is not installed in this environment (the TorchNeuron stack): use `from optimum_qwen35 import "
+    "NeuronModelForCausalLM`, the same API without optimum-neuron (docs/torchneuron_stack.md)"
 )
 
 

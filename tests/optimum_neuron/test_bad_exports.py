@@ -96,7 +96,7 @@ def test_interrupted_export_leaves_no_work_folder(monkeypatch, tmp_path):
 
 
 def test_interrupted_save_leaves_nothing_that_loads(export_dir, tmp_path, monkeypatch):
-    import optimum_qwen35.optimum_neuron.modeling as modeling
+    import optimum_qwen35.neuron_model.base as modeling
 
     model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
     real_copy = shutil.copy2

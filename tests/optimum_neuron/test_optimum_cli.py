@@ -1,4 +1,4 @@
-"""`optimum-cli export neuron` without the Neuron SDK (optimum_qwen35/optimum_neuron/optimum_cli.py), in process: optimum-neuron's
+"""`optimum-cli export neuron` without the Neuron SDK (optimum_qwen35/cli/optimum_cli.py), in process: optimum-neuron's
 flags are translated, a Neuron instance type gets one line whose suggested cpu command passes the export's own
 checks, and a command that would fail is refused with the export's own message instead of being suggested."""
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
-from optimum_qwen35.optimum_neuron import optimum_cli  # noqa: E402
+from optimum_qwen35.cli import optimum_cli  # noqa: E402
 from optimum_qwen35.cli import check_export, export_parser  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402

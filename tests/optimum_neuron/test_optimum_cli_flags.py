@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `optimum` session)")
 
-from optimum_qwen35.optimum_neuron import optimum_cli  # noqa: E402
+from optimum_qwen35.cli import optimum_cli  # noqa: E402
 
 from ..conftest import FIXTURES  # noqa: E402
 

@@ -34,7 +34,7 @@ def older_export(folder, tmp_path):
 
 def test_an_older_export_runs_without_a_prefix_cache_and_refuses_one(export_dir, tmp_path, caplog):
     folder = older_export(export_dir("tiny-2b", 1), tmp_path)
-    with caplog.at_level(logging.INFO, logger=modeling.__name__):
+    with caplog.at_level(logging.INFO, logger="optimum_qwen35.neuron_model.running"):
         model = Qwen35NeuronModelForCausalLM.from_pretrained(folder)
         assert model.runtime.prefix_cache is None  # "auto": off where the graphs cannot resume a sequence
     said = [r.getMessage() for r in caplog.records if "prefix caching off" in r.getMessage()]

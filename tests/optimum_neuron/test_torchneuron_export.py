@@ -17,7 +17,7 @@ pytest.importorskip("optimum.neuron", reason="needs optimum-neuron (the nox `opt
 from optimum_qwen35.errors import IncompatibleExportError, MissingDependencyError  # noqa: E402
 from optimum_qwen35.hub.card import model_card  # noqa: E402
 from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM as Model  # noqa: E402
-from optimum_qwen35.optimum_neuron import optimum_cli  # noqa: E402
+from optimum_qwen35.cli import optimum_cli  # noqa: E402
 
 from ..conftest import FIXTURES, load_reference  # noqa: E402
 from .conftest import last_json_line, run_python  # noqa: E402

@@ -1,13 +1,15 @@
-"""`optimum-cli export neuron` where the Neuron SDK is not installed.
+"""`optimum-cli export neuron` where optimum-neuron's own command is not there.
 
-optimum-cli registers `export neuron` only when torch-neuronx imports, so without the SDK it answers
-"unrecognized arguments: neuron" and nothing else. optimum-cli loads every `optimum/commands/register/*.py` of any
-installed distribution; a regular install of this package puts one there (`register_optimum_qwen35.py`, written by
-setup.py, importing this module), which registers, only where torch-neuronx is absent, an `export neuron` taking
+optimum-cli gets `export neuron` from optimum-neuron, which registers it only when torch-neuronx imports. So it is
+missing in two places: optimum-neuron without the Neuron SDK (the NxD stack on a machine without Neuron devices), and
+the TorchNeuron stack (Python 3.12+, optimum 2.x's base CLI, no optimum-neuron; torch-neuronx may be there, as
+TorchNeuron's package has that name). optimum-cli loads every `optimum/commands/register/*.py` of any installed
+distribution; an install of this package puts one there (`register_optimum_qwen35.py`, written by setup.py,
+importing this module), which registers, unless optimum-neuron's own command is there, an `export neuron` taking
 optimum-neuron's flags: with `--instance_type cpu` it exports Qwen3.5 for the cpu target (`optimum-qwen35 export`);
-with `--instance_type trn2` for TorchNeuron, whose export needs no SDK (the device compiles it on first load); with
-trn1, inf2 or no instance type it says in one line that the SDK is missing and gives the cpu command, checked first
-as the export would check it. With the SDK it registers nothing: optimum-neuron's own command runs. Light at
+with `--instance_type trn2` for TorchNeuron, whose export needs no SDK (the device compiles it on first load). trn1,
+inf2 or no instance type: with optimum-neuron, one line saying that the SDK is missing and giving the cpu command
+(checked first as the export would check it); without it, one line naming the NxD stack they need. Light at
 start-up: standard library and optimum's command base classes only (optimum-cli imports it for every command).
 """
 
@@ -65,8 +67,14 @@ class ArgumentError(ValueError):
     pass
 
 
-def neuron_sdk_available() -> bool:
-    return importlib.util.find_spec("torch_neuronx") is not None
+def optimum_neuron_installed() -> bool:
+    return importlib.util.find_spec("optimum.neuron") is not None
+
+
+def optimum_neuron_command_registered() -> bool:
+    """optimum-neuron registers its `export neuron` where torch-neuronx imports (optimum-neuron's
+    commands/register/register_export.py); torch-neuronx alone (TorchNeuron, no optimum-neuron) registers nothing."""
+    return optimum_neuron_installed() and importlib.util.find_spec("torch_neuronx") is not None
 
 
 def translate(arguments: list[str]) -> tuple[list[str], str | None, list[str]]:
@@ -136,14 +144,22 @@ def cpu_command(kept: list[str]) -> str:
 
 def check_cpu_export(export: list[str]) -> None:
     """What `optimum-qwen35 export --target cpu` checks before compiling (folder, sizes, TP degree, source)."""
-    from optimum_qwen35.cli import export_parser, check_export  # start-up time: optimum-cli imports this module for every command
+    from optimum_qwen35.cli.export import check_export, export_parser  # start-up time: optimum-cli imports this module for every command
 
     check_export(export_parser().parse_args([*export, "--target", "cpu"]))
 
 
 def message(arguments: list[str]) -> str:
-    """The one line printed without the SDK for a Neuron instance type (or none): why, and the cpu command."""
+    """The one line printed without the SDK for a Neuron instance type (or none): why, and the cpu command; without
+    optimum-neuron (the TorchNeuron stack), the stack trn1 and inf2 need."""
     _, instance_type, kept = translate(arguments)
+    if not optimum_neuron_installed() and instance_type is not None:
+        from optimum_qwen35.cli.export import NXD_STACK  # start-up time: optimum-cli imports this module for every command
+
+        return (
+            f"{PROG}: error: --instance_type {instance_type} needs {NXD_STACK}; this environment has no optimum-neuron "
+            f"(the TorchNeuron stack): export for trn2 (TorchNeuron) or for this machine: {cpu_command(kept)}"
+        )
     needs = f"--instance_type {instance_type}" if instance_type else "an export without --instance_type (for this Neuron instance)"
     return (
         f"{PROG}: error: {needs} needs the Neuron SDK (torch-neuronx, neuronx-distributed), not installed here: on a "
@@ -180,13 +196,13 @@ def run(arguments: list[str]) -> int:
 
 
 def _commands():
-    if neuron_sdk_available():
+    if optimum_neuron_command_registered():
         return []
     from optimum.commands.base import BaseOptimumCLICommand, CommandInfo  # start-up time: optimum-cli imports this module for every command
     from optimum.commands.export.base import ExportCommand  # start-up time: optimum-cli imports this module for every command
 
     class NeuronExportWithoutSDK(BaseOptimumCLICommand):
-        COMMAND = CommandInfo(name="neuron", help="export Qwen3.5 (--instance_type cpu here; Neuron types need the Neuron SDK)")
+        COMMAND = CommandInfo(name="neuron", help="export Qwen3.5 (--instance_type cpu or trn2 here; trn1 and inf2 need the Neuron SDK)")
 
         @staticmethod
         def parse_args(parser):

@@ -1,0 +1,56 @@
+"""Decoding on the TorchNeuron stack's class: sampling (seeded, transformers' warpers), a prefix-cache hit (on by
+default) with the same tokens as a cold run, transformers' stopping criteria and streamer, per-row limits."""
+
+from __future__ import annotations
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from optimum_qwen35.runtime.prefix_cache import PrefixCache
+
+
+def test_sampling_is_seeded_and_takes_generation_config(tp1_model):
+    from transformers import GenerationConfig
+
+    prompt = torch.tensor([[3, 17, 42, 99, 7], [5, 6, 7, 8, 9]])
+    config = GenerationConfig(do_sample=True, top_k=20, top_p=0.9, temperature=0.8, max_new_tokens=10)
+    torch.manual_seed(0)
+    first = tp1_model.generate(prompt, generation_config=config, eos_token_id=None)
+    torch.manual_seed(0)
+    again = tp1_model.generate(prompt, generation_config=config, eos_token_id=None)
+    assert first.shape == (2, 15) and torch.equal(first, again)
+    greedy = tp1_model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert not torch.equal(first, greedy)
+
+
+def test_a_prefix_cache_hit_gives_the_cold_tokens(tp1_model):
+    assert isinstance(tp1_model.runtime.prefix_cache, PrefixCache)  # on by default
+    block = tp1_model.runtime.prefix_cache.block_size
+    shared = torch.arange(3, 3 + block + 8).remainder(500).unsqueeze(0)
+    tp1_model.generate(shared, max_new_tokens=2, do_sample=False, eos_token_id=None)
+    longer = torch.cat([shared, torch.tensor([[11, 12, 13]])], dim=1)
+    hits = tp1_model.runtime.prefix_cache.hits
+    warm = tp1_model.generate(longer, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert tp1_model.runtime.prefix_cache.hits > hits
+    tp1_model.set_prefix_cache(None)
+    try:
+        cold = tp1_model.generate(longer, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    finally:
+        tp1_model.set_prefix_cache("auto")
+    assert torch.equal(warm, cold)
+
+
+class _StopAfter(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_stopping_criteria_and_per_row_limits(tp1_model):
+    prompt = torch.tensor([[3, 17, 42, 99, 7]])
+    full = tp1_model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    stopped = tp1_model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                 stopping_criteria=StoppingCriteriaList([_StopAfter(8)]))
+    assert stopped.shape[1] == 8 and torch.equal(stopped, full[:, :8])
