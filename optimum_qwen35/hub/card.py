@@ -98,13 +98,15 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
         "## Load it",
         "",
         "```python",
-        "from optimum_qwen35.hub import resolve_export",
-        "from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM",
+        "from optimum_qwen35 import NeuronModelForCausalLM",
         "",
-        f'model = Qwen35NeuronModelForCausalLM.from_pretrained(resolve_export("{repo_id}"))',
+        f'model = NeuronModelForCausalLM.from_pretrained("{repo_id}")',
         "```",
         "",
-        "The graphs load only with the same optimum-neuron (and, on Neuron, neuronx-cc) versions as above.",
+        "`NeuronModelForCausalLM` is optimum-neuron's subclass where optimum-neuron is installed, this package's own"
+        " class elsewhere (transformers 5's `AutoModelForCausalLM` and text-generation pipeline load it too)."
+        + (" An NxD export loads only with the same optimum-neuron and neuronx-cc versions as above."
+           if layout.export_backend(nc) == layout.NXD_BACKEND else ""),
         "",
     ]
     return "\n".join(lines)

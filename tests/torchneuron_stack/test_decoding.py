@@ -54,3 +54,38 @@ def test_stopping_criteria_and_per_row_limits(tp1_model):
     stopped = tp1_model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None,
                                  stopping_criteria=StoppingCriteriaList([_StopAfter(8)]))
     assert stopped.shape[1] == 8 and torch.equal(stopped, full[:, :8])
+
+
+class _Collect:
+    """A transformers streamer (put / end): the prompt first, then each new token."""
+
+    def __init__(self):
+        self.calls, self.ended = [], False
+
+    def put(self, value):
+        self.calls.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_a_streamer_sees_the_prompt_then_every_new_token(tp1_model):
+    prompt = torch.tensor([[3, 17, 42, 99, 7]])
+    streamer = _Collect()
+    tokens = tp1_model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, streamer=streamer)
+    assert streamer.calls[0] == prompt[0].tolist() and streamer.ended
+    assert sum(streamer.calls[1:], []) == tokens[0, prompt.shape[1]:].tolist()
+
+
+def test_a_row_that_reaches_the_compiled_length_stops_there_and_the_other_runs_on(tp1_model):
+    long_prompt = torch.arange(3, 3 + 124).remainder(500)  # 124 of the 128 compiled positions: room for 4
+    short_prompt = torch.tensor([3, 17, 42, 99, 7])
+    mask = torch.zeros(2, 124, dtype=torch.long)
+    mask[0] = 1
+    mask[1, -5:] = 1  # left padding
+    ids = torch.zeros(2, 124, dtype=torch.long)
+    ids[0], ids[1, -5:] = long_prompt, short_prompt
+    out = tp1_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    alone = tp1_model.generate(short_prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert out[1, 124:].tolist() == alone[0, 5:].tolist()
+    assert len(out[0, 124:].tolist()) == 10 and out[0, 128:].eq(out[0, 128]).all()  # stopped at 4, then padded
