@@ -186,6 +186,10 @@ FORM_EXCEPTIONS: dict[str, str] = {
         "Or is the same elementwise class (a reduce with Or, outside the list's Min/Max/Add/Mul, is not accepted: "
         "`any()` is written as a max reduce)"
     ),
+    r"reduce combiner=minimum init=constant": (
+        "the first active row of the state writes (`Slots`, graph form: `amin` over the rows, in place of an argmax's "
+        "select-combiner reduce): Reduce with Min and a constant init is in the neuron-cc XLA list"
+    ),
     r"op tanh": "the vision tower's GELU (tanh form, `gelu_pytorch_tanh`): Tanh is in the neuron-cc XLA list",
     r"op sqrt": "the vision tower's LayerNorm (decomposed: the standard deviation): Sqrt is in the neuron-cc XLA list",
     r"op pad": "the causal conv1d's left padding of the DeltaNet mixer (kernels/conv1d/reference.py): Pad is "
