@@ -262,13 +262,17 @@ def torchneuron(session):
                 *session.posargs, env=ONE_THREAD)
 
 
-# The Python 3.12 smoke run: a plain (not editable) install of the TorchNeuron stack, then the smallest export and
-# generate through the installed commands, in a fresh folder.
+# The Python 3.12 smoke run: a plain (not editable) install of the TorchNeuron stack, then, in a fresh folder, the
+# smallest export and generate: from the checkpoint (the command line) and from the export (NeuronModelForCausalLM).
 SMOKE_COMMANDS = [
     ["optimum-qwen35", "build-tiny", "tiny-qwen3.5/"],
     ["optimum-qwen35", "export", "--model", "tiny-qwen3.5/", "--sequence_length", "64", "--instance_type", "cpu",
      "qwen35-export/"],
     ["optimum-qwen35", "generate", "--model", "tiny-qwen3.5/", "--prompt", "Hello", "--max-new-tokens", "4"],
+    ["python", "-c", "import torch; from optimum_qwen35 import NeuronModelForCausalLM; "
+     "model = NeuronModelForCausalLM.from_pretrained('qwen35-export/'); "
+     "tokens = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False); "
+     "assert tokens.shape == (1, 7), tokens.shape; print('generated from the export:', tokens.tolist())"],
 ]
 
 
