@@ -33,11 +33,16 @@ def export(tmp_path_factory):
     with the export."""
     source = build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3.8"), "tiny-nv3x", family="qwen3.8")
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(
-        source, batch_size=1, sequence_length=512, tensor_parallel_size=1, dtype="float32", target="cpu")
+        source, batch_size=1, sequence_length=1024, tensor_parallel_size=1, dtype="float32", target="cpu")
     folder = tmp_path_factory.mktemp("export") / "qwen3.8-export"
     Qwen35NeuronModelForCausalLM.export(source, neuron_config).save_pretrained(folder)
     assert (folder / "chat_template.jinja").is_file()
     return folder
+
+
+@pytest.fixture(scope="module")
+def model(export):
+    return Qwen35NeuronModelForCausalLM.from_pretrained(export)
 
 
 @pytest.mark.parametrize(
@@ -50,8 +55,7 @@ def export(tmp_path_factory):
         ("qwen3.6", {"enable_thinking": False}, "<think>\n\n</think>\n\n"),
     ],
 )
-def test_pipeline_chat_with_tools_and_template_options(export, tmp_path, family, options, expected):
-    model = Qwen35NeuronModelForCausalLM.from_pretrained(export)
+def test_pipeline_chat_with_tools_and_template_options(export, model, tmp_path, family, options, expected):
     tokenizer = (AutoTokenizer.from_pretrained(export) if family == "qwen3.8"
                  else AutoTokenizer.from_pretrained(build_tiny_tokenizer(tmp_path, CHAT_TEMPLATES[family])))
     # transformers 4.57's pipeline takes tools and template options through tokenizer_encode_kwargs (5.x also as
