@@ -24,6 +24,13 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_
 # The nested (vision-language) model types and the text config type each one holds.
 NESTED_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# Model types of the same family's names that are other architectures: refused with what they are.
+OTHER_ARCHITECTURES = {
+    "qwen4_exp": "Qwen3.8-Flash-Next (`qwen4_exp`) is a different architecture, not Qwen3.5's hybrid decoder",
+}
+# The dtype the DeltaNet recurrent state is kept in (`mamba_ssm_dtype` of the text config): every published Qwen3.5,
+# Qwen3.6 and Qwen3.8 config says float32, which is what every target keeps, whatever the model dtype.
+STATE_DTYPES = ("float32", "torch.float32")
 # expert_parallel_mode's rule: the fewest intermediate rows of an expert a rank may hold when experts are split.
 MIN_EXPERT_ROWS_PER_RANK = 128
 
@@ -176,6 +183,8 @@ class Qwen35Config:
     def from_dict(cls, config: dict[str, Any]) -> "Qwen35Config":
         """Parse a Qwen3.5 config dict: nested (`qwen3_5` with `text_config`) or bare (`qwen3_5_text`)."""
         model_type = config.get("model_type")
+        if model_type in OTHER_ARCHITECTURES:
+            raise UnsupportedModelError(f"{OTHER_ARCHITECTURES[model_type]}: this package does not run it")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not a Qwen3.5 model; expected one of {SUPPORTED_MODEL_TYPES}"
@@ -227,6 +236,12 @@ class Qwen35Config:
         if rope_type != "default":
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (only 'default')")
 
+        state_dtype = get("mamba_ssm_dtype", "float32")
+        if state_dtype not in STATE_DTYPES:
+            raise UnsupportedModelError(
+                f"mamba_ssm_dtype {state_dtype!r}: this package keeps the DeltaNet recurrent state in float32 (what "
+                "every Qwen3.5 / 3.6 / 3.8 config asks for); set mamba_ssm_dtype to \"float32\" in config.json"
+            )
         tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
         eos = get("eos_token_id", None)
         moe_fields = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from optimum_qwen35.tiny.chat_templates import CHAT_TEMPLATES
 from optimum_qwen35.tiny.configs import (
     MOE_EXPERT_FORMS,
     TINY_LAYOUTS,
@@ -46,6 +47,7 @@ from optimum_qwen35.tiny.weights import _DTYPES, tiny_state_dict, write_safetens
 
 __all__ = [
     "CHAT_MESSAGES",
+    "FAMILIES",
     "ENDOFTEXT_ID",
     "IM_END_ID",
     "MOE_EXPERT_FORMS",
@@ -79,9 +81,14 @@ PREPROCESSOR_CONFIG = {
 }
 
 
+# The checkpoint families of this architecture a tiny checkpoint can be built as: they share the model (Qwen3.6-27B
+# and Qwen3.8-27B are `tiny-nv3x`'s shape, Qwen3.6-35B-A3B `tiny-moe`'s) and differ in the chat template.
+FAMILIES = ("qwen3.5", *CHAT_TEMPLATES)
+
+
 def build_tiny_checkpoint(
     path: str | os.PathLike, layout: str = "tiny-2b", seed: int = 0, dtype: str = "float32",
-    expert_form: str | None = None,
+    expert_form: str | None = None, family: str = "qwen3.5",
 ) -> Path:
     """Write a tiny random Qwen3.5 checkpoint into folder `path`, in the exact format of a real Hub snapshot.
 
@@ -89,10 +96,13 @@ def build_tiny_checkpoint(
     `model.safetensors.index.json` for sharded layouts, else `model.safetensors`), tokenizer.json,
     tokenizer_config.json, preprocessor_config.json. `dtype` is the on-disk dtype: "float32", "bfloat16" or "float16".
     `expert_form` (MoE layouts): "fused" or "per_expert" expert tensors (default: the layout's, MOE_EXPERT_FORMS).
+    `family`: "qwen3.5", or "qwen3.6" / "qwen3.8" for that release's chat template (in `chat_template.jinja`).
     Deterministic: the same arguments give byte-identical files on every machine.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(_DTYPES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown checkpoint family {family!r}; choose one of {list(FAMILIES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     for stale in path.glob("model*.safetensors*"):
@@ -126,6 +136,6 @@ def build_tiny_checkpoint(
             "weight_map": dict(sorted(weight_map.items())),
         }
         _write_json(path / "model.safetensors.index.json", index)
-    build_tiny_tokenizer(path)
+    build_tiny_tokenizer(path, CHAT_TEMPLATES.get(family))
     _write_json(path / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return path

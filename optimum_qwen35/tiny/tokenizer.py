@@ -120,11 +120,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer(path: str | os.PathLike) -> Path:
+def build_tiny_tokenizer(path: str | os.PathLike, chat_template: str | None = None) -> Path:
     """Train a small byte-level BPE on an embedded corpus and save it, Qwen-style, into folder `path`.
 
     Writes `tokenizer.json` and `tokenizer_config.json` (ChatML `chat_template`, eos `<|im_end|>`, pad
-    `<|endoftext|>`). The vocabulary has exactly `TOKENIZER_BASE_VOCAB` byte-level entries followed by the
+    `<|endoftext|>`). With `chat_template` (a newer checkpoint family's, tiny/chat_templates.py), that template goes
+    to `chat_template.jinja` instead, as the Qwen3.6 and Qwen3.8 snapshots ship it. The vocabulary has exactly `TOKENIZER_BASE_VOCAB` byte-level entries followed by the
     `SPECIAL_TOKENS` (512 in all). Deterministic. Loads with `transformers.AutoTokenizer` (4.57 and 5.x).
     """
     path = Path(path)
@@ -190,7 +191,7 @@ def build_tiny_tokenizer(path: str | os.PathLike) -> Path:
             "<|video_pad|>",
         ],
         "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        **({} if chat_template is not None else {"chat_template": CHAT_TEMPLATE}),
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
@@ -201,6 +202,11 @@ def build_tiny_tokenizer(path: str | os.PathLike) -> Path:
         "unk_token": None,
     }
     _write_json(path / "tokenizer_config.json", tokenizer_config)
+    stale = path / "chat_template.jinja"
+    if chat_template is not None:
+        stale.write_text(chat_template, encoding="utf-8")
+    elif stale.exists():
+        stale.unlink()
     return path
 
 
