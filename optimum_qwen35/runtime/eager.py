@@ -79,12 +79,12 @@ def load_decoder(
     if sharded_export:
         pass
     elif tp_degree == 1:
-        reader = CheckpointReader(path, mtp=mtp)
+        reader = CheckpointReader(path, mtp=mtp, dequantize_dtype=dtype)
         params = dict(convert_checkpoint(reader, config, dtype))
         if mtp:
             params.update(convert_mtp(reader, config, dtype))
     else:
-        reader = CheckpointReader(path, mtp=mtp)
+        reader = CheckpointReader(path, mtp=mtp, dequantize_dtype=dtype)
         params = dict(convert_and_shard(reader, config, tp_degree, rank, dtype))
         if mtp:
             params.update(convert_and_shard_mtp(reader, config, tp_degree, rank, dtype))

@@ -1,0 +1,268 @@
+"""Qwen's block-FP8 checkpoints (checkpoint/fp8.py, tiny/fp8.py): the format our tiny FP8 checkpoints are written in,
+dequantization at load (partial blocks, MoE expert forms, the MTP head, tensor-parallel shards), accuracy against the
+float64 oracle of the dequantized model, and every bad input refused in one line (docs/fp8.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from optimum_qwen35.checkpoint import CheckpointReader, fp8
+from optimum_qwen35.checkpoint.convert import convert_mtp
+from optimum_qwen35.checkpoint.shard import convert_and_shard
+from optimum_qwen35.checkpoint.sharded_files import save_sharded
+from optimum_qwen35.config import Qwen35Config
+from optimum_qwen35.errors import CheckpointError
+from optimum_qwen35.runtime import Qwen35Runtime
+from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
+
+from . import oracle
+
+F64 = torch.float64
+# Our fp32 path against the float64 oracle of the same dequantized weights: fp32 rounding only (the parity
+# tolerance of tests/test_oracle.py; the fp32 product fp8 x scale adds ~6e-8 relative to each weight).
+FP32_ATOL = 1e-4
+# Our float64 path against the float64 oracle: both exact up to float64 rounding (the product is taken in float64).
+F64_ATOL = 1e-9
+POSITIONS = 520  # teacher-forced positions of one sequence (>= 512)
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def exact_dequantized(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an FP8 folder in float64, each float8 weight times its block's scale, written independently
+    of checkpoint/fp8.py: element (r, c) takes scale[r // 128, c // 128] (the ceiling grid)."""
+    raw = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            raw.update({k: f.get_tensor(k) for k in f.keys()})
+    out = {}
+    for key, tensor in raw.items():
+        if key.endswith("_scale_inv"):
+            continue
+        if key + "_scale_inv" in raw:
+            s = raw[key + "_scale_inv"].to(F64)
+            rows, cols = tensor.shape[-2:]
+            s = s[..., torch.arange(rows) // 128, :][..., torch.arange(cols) // 128]
+            out[key] = tensor.to(F64) * s
+        else:
+            assert tensor.dtype != torch.float8_e4m3fn, key
+            out[key] = tensor.to(F64)
+    return out
+
+
+def write_unquantized(fp8_folder: Path, out: Path) -> Path:
+    """The same model without quantization: the exactly dequantized weights in float64, config without
+    quantization_config."""
+    out.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(fp8_folder / f, out / f)
+    config = json.loads((fp8_folder / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in exact_dequantized(fp8_folder).items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{name: (FP8 folder, unquantized float64 folder)}: dense (all dims multiples of 128), dense with 96 / 192 dims
+    (partial blocks), MoE per-expert and MoE fused."""
+    root = tmp_path_factory.mktemp("fp8")
+    cases = {"tiny-2b": ("tiny-2b", None), "tiny-nv3x": ("tiny-nv3x", None),
+             "tiny-moe": ("tiny-moe", "per_expert"), "tiny-moe-top1": ("tiny-moe-top1", "fused")}
+    out = {}
+    for name, (layout, form) in cases.items():
+        q = build_tiny_fp8_checkpoint(root / name, layout, expert_form=form)
+        out[name] = (q, write_unquantized(q, root / f"{name}-f64"))
+    return out
+
+
+# ---- quantization ------------------------------------------------------------------------------------------------
+
+def test_quantize_partial_blocks_on_the_ceiling_grid():
+    w = torch.randn(200, 72, generator=torch.Generator().manual_seed(1), dtype=F64)
+    w[128:, :] *= 10  # the second (short) row block has its own scale
+    q, s = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (2, 1)
+    assert s[0, 0] == pytest.approx(w[:128].abs().max().item() / 448, rel=1e-6)
+    assert s[1, 0] == pytest.approx(w[128:].abs().max().item() / 448, rel=1e-6)
+    back = fp8.dequantize(q, s, F64)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each element (normals), <= 2^-9 * scale (subnormals).
+    scale = fp8.expand_scale(s.to(F64), tuple(w.shape))
+    assert ((back - w).abs() <= w.abs() * 2.0**-4 + scale * 2.0**-9).all()
+    q2, s2 = fp8.quantize(back)  # a dequantized weight quantizes back to itself
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.allclose(s2, s)
+    q3, s3 = fp8.quantize(torch.zeros(4, 3, 5))  # fused [E, rows, cols]; an all-zero block keeps scale 1
+    assert s3.shape == (4, 1, 1) and (s3 == 1).all()
+
+
+def test_tiny_fp8_checkpoint_is_in_qwens_format(folders):
+    folder = folders["tiny-moe"][0]
+    config = json.loads((folder / "config.json").read_text())
+    q = config["quantization_config"]
+    assert {k: q[k] for k in ("quant_method", "fmt", "activation_scheme", "weight_block_size")} == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert "lm_head" in q["modules_to_not_convert"] and "model.language_model.layers.0.mlp.gate" in q["modules_to_not_convert"]
+    headers = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            headers.update({k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()})
+    lm = "model.language_model.layers.0."
+    assert headers[lm + "mlp.experts.0.gate_proj.weight"] == ("F8_E4M3", (32, 64))
+    assert headers[lm + "mlp.experts.0.gate_proj.weight_scale_inv"] == ("F32", (1, 1))
+    assert headers[lm + "mlp.shared_expert.down_proj.weight"][0] == "F8_E4M3"
+    for bf16 in ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "linear_attn.in_proj_a.weight",
+                 "linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight", "input_layernorm.weight"):
+        assert headers[lm + bf16][0] == "BF16", bf16
+    assert headers["lm_head.weight"][0] == "BF16" and headers["model.language_model.embed_tokens.weight"][0] == "BF16"
+    assert headers["mtp.fc.weight"][0] == "F8_E4M3" and headers["mtp.layers.0.self_attn.q_proj.weight"][0] == "F8_E4M3"
+    assert headers["mtp.layers.0.mlp.experts.5.down_proj.weight_scale_inv"] == ("F32", (1, 1))
+    assert not any(k.startswith("model.visual.") and d == "F8_E4M3" for k, (d, _) in headers.items())
+    fused = CheckpointReader(folders["tiny-moe-top1"][0])
+    assert "layers.0.mlp.experts.gate_up_proj" in fused._files  # fused experts, scale `gate_up_proj_scale_inv`
+    dense = json.loads((folders["tiny-nv3x"][0] / "config.json").read_text())["text_config"]
+    assert dense["intermediate_size"] == 192  # a partial block: scale grid 2 x 1 for up_proj [192, 96]
+
+
+# ---- reading (a): dequantized at load ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-2b", "tiny-nv3x", "tiny-moe", "tiny-moe-top1"])
+def test_reader_dequantizes_every_tensor_exactly(folders, name):
+    """Text tensors and the MTP head, MoE experts per expert and fused: the FP8 folder read in float64 is the exact
+    dequantization, under the same names and shapes as the unquantized checkpoint's."""
+    q, f64 = folders[name]
+    a, b = CheckpointReader(q, mtp=True, dequantize_dtype=F64), CheckpointReader(f64, mtp=True)
+    assert sorted(a.names()) == sorted(b.names()) and sorted(a.mtp_names()) == sorted(b.mtp_names())
+    for n in a.names():
+        assert a.shape(n) == b.shape(n) and torch.equal(a.get(n), b.get(n).to(a.get(n).dtype)), n
+    for n in a.mtp_names():
+        assert torch.equal(a.get_mtp(n), b.get_mtp(n)), n
+    assert CheckpointReader(q).dtype("layers.0.mlp.down_proj.weight" if "moe" not in name else
+                                     "layers.0.mlp.shared_expert.down_proj.weight") == torch.bfloat16
+
+
+@pytest.mark.parametrize("name,tp", [("tiny-2b", 2), ("tiny-2b", 4), ("tiny-nv3x", 2), ("tiny-nv3x", 4), ("tiny-moe", 2)])
+def test_tensor_parallel_shards_of_fp8_checkpoints(folders, name, tp):
+    """Each rank's shard equals the shard of the dequantized weight: 128-row blocks split across ranks and 96 / 192
+    dims at TP 2 / 4 take each element's own block scale (blocks are dequantized before the split)."""
+    q, f64 = folders[name]
+    config = Qwen35Config.from_pretrained(q)
+    for rank in range(tp):
+        got = dict(convert_and_shard(CheckpointReader(q, dequantize_dtype=F64), config, tp, rank))
+        want = dict(convert_and_shard(CheckpointReader(f64), config, tp, rank))
+        assert got.keys() == want.keys()
+        for n in got:
+            assert torch.equal(got[n], want[n]), f"{name} TP {tp} rank {rank}: {n}"
+
+
+def test_mtp_head_loads_dequantized(folders):
+    q, f64 = folders["tiny-2b"]
+    config = Qwen35Config.from_pretrained(q)
+    got = dict(convert_mtp(CheckpointReader(q, mtp=True, dequantize_dtype=F64), config, F64))
+    want = dict(convert_mtp(CheckpointReader(f64, mtp=True), config, F64))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+    assert got["mtp.fc.weight"].dtype == F64
+
+
+# ---- accuracy against the float64 oracle ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-2b", "tiny-nv3x"])
+def test_dense_fp8_matches_the_oracle_over_520_positions(folders, name):
+    """Truth: the oracle (tests/oracle.py, float64) on the exactly dequantized weights. Our float64 path is held to
+    float64 rounding, our fp32 path to fp32 rounding, at every one of 520 teacher-forced positions."""
+    q, _ = folders[name]
+    text = json.loads((q / "config.json").read_text())["text_config"]
+    weights = {k[len("model.language_model."):] if k.startswith("model.language_model.") else k: v
+               for k, v in exact_dequantized(q).items() if k.startswith("model.language_model.") or k == "lm_head.weight"}
+    weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
+    tokens = _tokens(POSITIONS)
+    want = oracle.logits((text, weights), tokens)
+    for dtype, atol in ((F64, F64_ATOL), (torch.float32, FP32_ATOL)):
+        model = Qwen35Runtime.from_pretrained(q, batch_size=1, max_length=POSITIONS + 8, dtype=dtype)
+        got = model.prefill([tokens], [0], all_logits=True)[0, :POSITIONS].to(F64)
+        diff = (got - want).abs().max().item()
+        assert diff <= atol, f"{name} {dtype}: |model - oracle| {diff:.2e} over {POSITIONS} positions"
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "tiny-moe-top1"])
+def test_moe_fp8_matches_its_dequantized_model_over_520_positions(folders, name):
+    """MoE (no MoE in the oracle): the FP8 folder against the unquantized float64 folder of the exactly dequantized
+    weights, in float64 (equal to rounding) and in fp32 (fp32 rounding)."""
+    q, f64 = folders[name]
+    tokens = _tokens(POSITIONS, seed=1)
+    want = Qwen35Runtime.from_pretrained(f64, batch_size=1, max_length=POSITIONS + 8, dtype=F64).prefill(
+        [tokens], [0], all_logits=True)[0, :POSITIONS]
+    for dtype, atol in ((F64, F64_ATOL), (torch.float32, FP32_ATOL)):
+        model = Qwen35Runtime.from_pretrained(q, batch_size=1, max_length=POSITIONS + 8, dtype=dtype)
+        got = model.prefill([tokens], [0], all_logits=True)[0, :POSITIONS].to(F64)
+        diff = (got - want).abs().max().item()
+        assert diff <= atol, f"{name} {dtype}: |fp8 - dequantized| {diff:.2e}"
+
+
+# ---- bad input: one line each, nothing written -------------------------------------------------------------------
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "bad"
+    shutil.copytree(folder, out)
+    return out
+
+
+def _rewrite(folder: Path, edit) -> None:
+    file = folder / "model.safetensors"
+    with safe_open(file, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _quant(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _refused(folder: Path, tmp_path: Path, *needles: str) -> None:
+    out = tmp_path / "export"
+    for attempt in (lambda: CheckpointReader(folder), lambda: save_sharded(folder, None, 2, out, progress=False)):
+        with pytest.raises(CheckpointError) as e:
+            attempt()
+        line = str(e.value)
+        assert "\n" not in line and all(n in line for n in needles), line
+    assert not out.exists()  # nothing half-written
+
+
+def test_missing_scale_is_refused(folders, tmp_path):
+    bad = _copy(folders["tiny-moe-top1"][0], tmp_path)
+    _rewrite(bad, lambda t: t.pop("model.language_model.layers.1.mlp.shared_expert.up_proj.weight_scale_inv"))
+    _refused(bad, tmp_path, "without their weight_scale_inv", "layers.1.mlp.shared_expert.up_proj.weight")
+
+
+def test_scale_of_the_wrong_shape_is_refused(folders, tmp_path):
+    bad = _copy(folders["tiny-moe-top1"][0], tmp_path)
+    key = "model.language_model.layers.2.mlp.experts.gate_up_proj_scale_inv"
+    _rewrite(bad, lambda t: t.__setitem__(key, torch.ones(4, 2, 1)))
+    _refused(bad, tmp_path, "wrong shape", key, "(4, 1, 1)")
+
+
+@pytest.mark.parametrize("block", [[64, 64], [1, 128], None])
+def test_other_block_sizes_are_refused(folders, tmp_path, block):
+    bad = _copy(folders["tiny-moe-top1"][0], tmp_path)
+    _quant(bad, weight_block_size=block)
+    _refused(bad, tmp_path, "weight_block_size", "[128, 128]")
+
+
+@pytest.mark.parametrize("method,name", [("gptq", "GPTQ"), ("awq", "AWQ"), ("bitsandbytes", "bitsandbytes"),
+                                         ("compressed-tensors", "compressed-tensors"), ("mystery", "'mystery'")])
+def test_other_quantizations_are_refused_by_name(folders, tmp_path, method, name):
+    bad = _copy(folders["tiny-moe-top1"][0], tmp_path)
+    _quant(bad, quant_method=method)
+    _refused(bad, tmp_path, name, "not supported")
