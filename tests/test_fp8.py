@@ -290,3 +290,54 @@ def test_transformers_on_the_fp8_folder_agrees_with_our_fp32_path(folders, name)
         [tokens], [0], all_logits=True)[0, :POSITIONS].to(F64)
     diff = (ours - theirs).abs().max().item()
     assert diff <= FP32_ATOL, f"{name}: |ours - transformers| {diff:.2e}"
+
+
+# ---- (b) FP8 weights kept as float8, dequantized next to the matmul ---------------------------------------------
+
+@pytest.mark.parametrize("name,tp", [("tiny-2b", 1), ("tiny-2b", 4), ("tiny-nv3x", 2), ("tiny-nv3x", 4),
+                                     ("tiny-moe", 2), ("tiny-moe-top1", 2)])
+def test_kept_fp8_shards_dequantize_to_the_dequantized_shards(folders, name, tp):
+    """Each rank's float8 shard with its expanded scale shard (blocks split across ranks, permuted DeltaNet rows,
+    padded MLP / expert rows, fused and per-expert experts) gives exactly the shard of the weight dequantized at load."""
+    from optimum_qwen35.checkpoint.fp8 import dequantize_expanded
+    from optimum_qwen35.checkpoint.fp8_shard import convert_and_shard_fp8
+
+    q, _ = folders[name]
+    config = Qwen35Config.from_pretrained(q)
+    for rank in range(tp):
+        kept = dict(convert_and_shard_fp8(CheckpointReader(q), config, tp, rank, torch.bfloat16))
+        want = dict(convert_and_shard(CheckpointReader(q, dequantize_dtype=torch.bfloat16), config, tp, rank))
+        fp8_names = [n for n in kept if kept[n].dtype == torch.float8_e4m3fn]
+        assert fp8_names and set(kept) - {n + "_scale" for n in fp8_names} == set(want)
+        for n in want:
+            got = dequantize_expanded(kept[n], kept[n + "_scale"], torch.bfloat16) if n in fp8_names else kept[n]
+            assert torch.equal(got, want[n]), f"{name} TP {tp} rank {rank}: {n}"
+
+
+@pytest.mark.parametrize("name", ["tiny-2b", "tiny-nv3x", "tiny-moe", "tiny-moe-top1"])
+def test_kept_fp8_model_equals_the_dequantized_bf16_model(folders, name):
+    """The model holding float8 weights (bf16 activations, fp32 DeltaNet state, the MTP head loaded too) gives the
+    logits of the model dequantized to bf16 at load, bit for bit on this CPU, over 520 positions (the dequantized
+    weight is the same bf16 tensor; only the matmul kernel could differ, and does not here)."""
+    from optimum_qwen35.runtime.eager import load_decoder
+
+    q, _ = folders[name]
+    tokens = _tokens(POSITIONS, seed=3)
+    out = {}
+    for weights_dtype in (None, "fp8"):
+        decoder = load_decoder(q, torch.bfloat16, weights_dtype=weights_dtype, mtp=True)
+        dtypes = {t.dtype for t in decoder.state_dict().values()}
+        assert (torch.float8_e4m3fn in dtypes) == (weights_dtype == "fp8")
+        model = Qwen35Runtime.from_decoder(decoder, 1, POSITIONS + 8)
+        out[weights_dtype] = model.prefill([tokens], [0], all_logits=True)[0, :POSITIONS]
+    assert torch.equal(out[None], out["fp8"]), (out[None] - out["fp8"]).abs().max().item()
+
+
+def test_keeping_fp8_needs_an_fp8_checkpoint(folders):
+    from optimum_qwen35.errors import UnsupportedModelError, UsageError
+    from optimum_qwen35.runtime.eager import load_decoder
+
+    with pytest.raises(UnsupportedModelError, match="holds no FP8 weights.*quantize it first"):
+        load_decoder(folders["tiny-2b"][1], torch.bfloat16, weights_dtype="fp8")
+    with pytest.raises(UsageError, match="weights_dtype 'int4' is not supported"):
+        load_decoder(folders["tiny-2b"][0], torch.bfloat16, weights_dtype="int4")

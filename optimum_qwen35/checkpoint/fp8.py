@@ -94,6 +94,32 @@ def expand_scale(scale_inv: torch.Tensor, shape: tuple[int, ...], block: tuple[i
     return scale_inv.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
 
 
+def expand_along(scale_inv: torch.Tensor, shape: tuple[int, ...], along: str, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """The block scales repeated along the weight's rows ("rows": [..., rows, ceil(cols / 128)]) or columns ("cols":
+    [..., ceil(rows / 128), cols]): a form that any split, permutation or padding of that dimension (tensor-parallel
+    sharding, checkpoint/shard.py) keeps exact, where a 128-row block may straddle two ranks."""
+    if along == "rows":
+        return scale_inv.repeat_interleave(block[0], dim=-2)[..., : shape[-2], :]
+    if along == "cols":
+        return scale_inv.repeat_interleave(block[1], dim=-1)[..., : shape[-1]]
+    raise ValueError(f"along must be 'rows' or 'cols', got {along!r}")
+
+
+def dequantize_expanded(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                        block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """A float8 weight (shard) [..., rows, cols] times its `expand_along` scale, in float32 (float64 for float64),
+    cast to `dtype`: what an FP8-weight layer computes next to its matmul."""
+    rows, cols = weight.shape[-2:]
+    if scale.shape[-2] == rows and scale.shape[-1] == math.ceil(cols / block[1]):
+        full = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    elif scale.shape[-1] == cols and scale.shape[-2] == math.ceil(rows / block[0]):
+        full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    else:
+        raise ValueError(f"scale {tuple(scale.shape)} fits neither form of a weight {tuple(weight.shape)}")
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (weight.to(wide) * full.to(wide)).to(dtype)
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,
                block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """fp8 weight x its block scale, multiplied in float32 (as transformers does; in float64 for a float64 model,

@@ -237,15 +237,36 @@ class CheckpointReader:
             return self.dequantize_dtype
         return _torch_dtype(self._info(name)[1]["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}")
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor into its own memory with plain file reads.
+    def get(self, name: str, raw: bool = False) -> torch.Tensor:
+        """Read one tensor into its own memory with plain file reads (`raw`: a float8 weight as stored, not
+        dequantized; its scale is `get_scale`).
 
         Not through a memory map: the pages of a mapping that stays open count in the process's RSS, so
         reading a whole checkpoint through one would hold all of it in memory.
         """
+        read = self._read_raw if raw else self._read
         if name in self._fused:
-            return experts.fuse(name, [self._read(*self._part_locations[p]) for p in self._fused[name]])
-        return self._read(self._files[name], self._keys[name])
+            return experts.fuse(name, [read(*self._part_locations[p]) for p in self._fused[name]])
+        return read(self._files[name], self._keys[name])
+
+    def _locations(self, name: str) -> list[tuple[str, str]]:
+        if name in self._fused:
+            return [self._part_locations[p] for p in self._fused[name]]
+        return [(self._files[name], self._keys[name])]
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether text tensor `name` is stored as float8 with a block scale (all its parts, for fused experts)."""
+        return all(key in self._scale_of for _, key in self._locations(name))
+
+    def get_scale(self, name: str, along: str) -> torch.Tensor:
+        """The block scale of float8 tensor `name`, repeated along its weight's rows (`along="rows"`: [..., rows,
+        ceil(cols / 128)]) or columns (`"cols"`: [..., ceil(rows / 128), cols]); per-expert parts are expanded first,
+        then fused as their weights are (checkpoint/experts.py), so that every row / column keeps its own block's scale."""
+        parts = []
+        for file, key in self._locations(name):
+            shape = tuple(self._header(file)[1][key]["shape"])
+            parts.append(fp8.expand_along(self._read_raw(*self._scale_of[key]), shape, along, self.fp8_block))
+        return experts.fuse(name, parts) if name in self._fused else parts[0]
 
     def _read(self, file: str, key: str) -> torch.Tensor:
         """One tensor; a float8 weight of an FP8 checkpoint dequantized with its scale (checkpoint/fp8.py)."""
