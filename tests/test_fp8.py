@@ -370,3 +370,52 @@ def test_kept_fp8_is_no_worse_than_transformers_bf16(folders, name):
     (our_mae, our_top1), (hf_mae, hf_top1) = error_and_top1(ours), error_and_top1(theirs)
     print(f"\n{name}: FP8 weights mean |dlogit| {our_mae:.4f}, top-1 {our_top1:.3f}; transformers bf16 {hf_mae:.4f}, {hf_top1:.3f}")
     assert our_mae <= hf_mae and our_top1 >= hf_top1 - 0.005
+
+
+# ---- quantizing a bf16 / fp32 checkpoint -------------------------------------------------------------------------
+
+def test_quantize_checkpoint_writes_qwens_format(tmp_path):
+    """A (sharded, MoE per-expert) fp32 checkpoint quantized file by file gives the same tensors as the tiny FP8
+    builder, with its index and config; the folder is about half the bf16 one (measured below); an FP8 source and an
+    existing target are refused in one line, and nothing is left behind."""
+    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+    from optimum_qwen35.errors import UsageError
+    from tests.kit import build_tiny_checkpoint
+
+    src = build_tiny_checkpoint(tmp_path / "src", "tiny-moe", dtype="float32")
+    out = quantize_checkpoint(src, tmp_path / "fp8")
+    want = build_tiny_fp8_checkpoint(tmp_path / "want", "tiny-moe")
+    got_t, want_t = exact_dequantized(out), exact_dequantized(want)
+    assert got_t.keys() == want_t.keys() and all(torch.equal(got_t[k], want_t[k]) for k in got_t)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.language_model.layers.0.mlp.experts.0.up_proj.weight_scale_inv" in index
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert Qwen35Config.from_pretrained(out).is_moe and CheckpointReader(out).fp8_block == (128, 128)
+    with pytest.raises(UsageError, match="already an FP8 checkpoint"):
+        quantize_checkpoint(out, tmp_path / "again")
+    with pytest.raises(UsageError, match="exists"):
+        quantize_checkpoint(src, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "src", "want"]
+
+
+def test_fp8_folder_is_about_half_the_bf16_one(tmp_path):
+    """Weight bytes of the tiny-2b checkpoint (hidden 128: every linear a whole number of blocks; the bf16 embedding
+    is 512 x 128 of its ~2 MB): the FP8 folder's weights against the bf16 folder's."""
+    from tests.kit import build_tiny_checkpoint
+
+    bf16 = build_tiny_checkpoint(tmp_path / "bf16", "tiny-2b", dtype="bfloat16")
+    q = build_tiny_fp8_checkpoint(tmp_path / "fp8", "tiny-2b")
+
+    def text_bytes(folder):  # the text decoder and MTP head (the vision tower stays bf16 in both)
+        total = 0
+        for file in folder.glob("*.safetensors"):
+            with safe_open(file, "pt") as f:
+                for k in f.keys():
+                    if not k.startswith("model.visual."):
+                        s = f.get_slice(k)
+                        total += torch.Size(s.get_shape()).numel() * {"BF16": 2, "F32": 4, "F8_E4M3": 1}[s.get_dtype()]
+        return total
+
+    ratio = text_bytes(q) / text_bytes(bf16)
+    print(f"\ntiny-2b text weights: FP8 {text_bytes(q)} B, bf16 {text_bytes(bf16)} B, ratio {ratio:.3f}")
+    assert 0.5 < ratio < 0.6

@@ -13,56 +13,22 @@ gives the sources). Experts are stored as the layout stores them: per expert (`e
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from optimum_qwen35.checkpoint import fp8
+from optimum_qwen35.checkpoint.quantize import quantization_config, quantize_tensors
 from optimum_qwen35.tiny.configs import _SHARDS, _generation_config, tiny_full_config
 from optimum_qwen35.tiny.tokenizer import _write_json, build_tiny_tokenizer
 from optimum_qwen35.tiny.weights import tiny_state_dict
 
-# Module-name suffixes kept in bf16 besides lm_head and the vision tower (listed in full, per layer, in config.json).
-NOT_CONVERTED_SUFFIXES = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
-_FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-
-
-def is_quantized(key: str, ndim: int) -> bool:
-    """Whether the FP8 release stores this checkpoint tensor as float8 (with a scale)."""
-    if key.startswith("model.visual.") or key == "lm_head.weight" or not key.startswith(("model.language_model.", "mtp.")):
-        return False
-    if _FUSED_EXPERTS.search(key):
-        return ndim == 3
-    if not key.endswith(".weight") or ndim != 2 or key.endswith("embed_tokens.weight"):
-        return False
-    return not key[: -len(".weight")].endswith(NOT_CONVERTED_SUFFIXES)
-
-
-def quantization_config(names: list[str]) -> dict:
-    """The `quantization_config` of config.json, with every bf16 linear module of `names` listed."""
-    kept = sorted({n[: -len(".weight")] for n in names if n.endswith(".weight") and n[: -len(".weight")].endswith(NOT_CONVERTED_SUFFIXES)})
-    return {
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "quant_method": "fp8",
-        "weight_block_size": list(fp8.BLOCK),
-        "modules_to_not_convert": ["lm_head", "model.visual", *kept],
-    }
-
 
 def fp8_state_dict(layout: str, seed: int = 0, expert_form: str | None = None) -> dict[str, torch.Tensor]:
     """The tiny checkpoint's tensors as the FP8 release stores them: float8 + float32 scales, the rest bf16."""
-    out: dict[str, torch.Tensor] = {}
-    for key, array in tiny_state_dict(layout, seed, expert_form).items():
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        if is_quantized(key, tensor.ndim):
-            out[key], out[fp8.scale_name(key)] = fp8.quantize(tensor)
-        else:
-            out[key] = tensor.to(torch.bfloat16)
-    return out
+    sd = tiny_state_dict(layout, seed, expert_form)
+    return quantize_tensors({k: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for k, a in sd.items()})
 
 
 def build_tiny_fp8_checkpoint(path: str | os.PathLike, layout: str = "tiny-2b", seed: int = 0,
