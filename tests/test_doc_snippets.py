@@ -70,6 +70,7 @@ DOCUMENTS = {
     "docs/prefix_caching.md": "reference",
     "docs/speculative_decoding.md": "optimum",  # its export + generate blocks go through optimum-neuron's class
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
+    "docs/fp8.md": "reference",
 }
 # Documents whose blocks other tests run as written, and where: a server must be started, queried and stopped.
 RUN_BY_OTHER_TESTS = {
