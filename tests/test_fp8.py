@@ -419,3 +419,21 @@ def test_fp8_folder_is_about_half_the_bf16_one(tmp_path):
     ratio = text_bytes(q) / text_bytes(bf16)
     print(f"\ntiny-2b text weights: FP8 {text_bytes(q)} B, bf16 {text_bytes(bf16)} B, ratio {ratio:.3f}")
     assert 0.5 < ratio < 0.6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-nv3x", "tiny-moe"])
+def test_kept_fp8_at_tensor_parallel_2_equals_the_dequantized_model(folders, name):
+    """Two gloo ranks each holding only their float8 shards (a 192-row MLP split through a block; MoE experts split
+    as `auto` splits them) generate with the logits of the same two ranks loading the dequantized bf16 weights, bit for
+    bit, prefill and greedy decode."""
+    from tests.kit.tp import run_tensor_parallel
+
+    q, _ = folders[name]
+    prompts = [_tokens(70, seed=5), _tokens(9, seed=6)]
+    runs = {w: run_tensor_parallel(q, 2, prompts, max_new_tokens=6, dtype=torch.bfloat16, weights_dtype=w)
+            for w in (None, "fp8")}
+    for a, b in zip(runs[None].prefill_logits, runs["fp8"].prefill_logits):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[None].decode_logits, runs["fp8"].decode_logits)
+    assert torch.equal(runs[None].tokens, runs["fp8"].tokens)
