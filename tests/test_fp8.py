@@ -437,3 +437,17 @@ def test_kept_fp8_at_tensor_parallel_2_equals_the_dequantized_model(folders, nam
         assert torch.equal(a, b)
     assert torch.equal(runs[None].decode_logits, runs["fp8"].decode_logits)
     assert torch.equal(runs[None].tokens, runs["fp8"].tokens)
+
+
+def test_selected_experts_are_gathered_as_float8_before_dequantizing(folders):
+    """The routed experts of a kept-FP8 MoE layer: `Experts.select` gathers the chosen experts' float8 rows and scale
+    rows, then dequantizes (the bytes of the selected experts, not of all), equal to the whole tensor's rows."""
+    from optimum_qwen35.runtime.eager import load_decoder
+
+    decoder = load_decoder(folders["tiny-moe"][0], torch.bfloat16, weights_dtype="fp8")
+    experts = decoder.layers[0].mlp.experts
+    assert experts.parametrizations.gate_up_proj.original.dtype == torch.float8_e4m3fn
+    index = torch.tensor([4, 1, 4])
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(experts.select(name, index), getattr(experts, name).index_select(0, index))
+        assert torch.equal(experts.select(name, 3), getattr(experts, name)[3])

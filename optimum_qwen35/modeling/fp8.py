@@ -54,6 +54,17 @@ def hold_fp8_weights(module: nn.Module, fp8_params: dict[str, torch.Tensor], dty
     return count
 
 
+def select_experts(module: nn.Module, name: str, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (dim 0: experts) of `module`'s weight `name`; a float8 one gathered with its scale rows first (its
+    bytes moved as uint8: CPU float8 tensors have no index_select), then dequantized."""
+    if not parametrize.is_parametrized(module, name):
+        return getattr(module, name).index_select(0, index)
+    chain = getattr(module.parametrizations, name)
+    dequantize = chain[0]
+    weight = chain.original.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)
+    return dequantize_expanded(weight, dequantize.scale.index_select(0, index), dequantize.dtype)
+
+
 def is_fp8(module: nn.Module) -> bool:
     """Whether `module` holds a float8 weight (such a layer is not prepacked: `torch_layers.pack_linears`)."""
     return parametrize.is_parametrized(module)
