@@ -76,6 +76,7 @@ DOCUMENTS = {
     "docs/speculative_decoding.md": "optimum",  # its export + generate blocks go through optimum-neuron's class
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
     "docs/torchneuron_stack.md": None,  # its flow runs as tests/torchneuron_stack (Python 3.13, no optimum-neuron)
+    "docs/fp8.md": "reference",
 }
 # Sections (document, the heading they start with, up to the next heading of level 2 or 3) whose blocks run in
 # another environment than the rest of the document.

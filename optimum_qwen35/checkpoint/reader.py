@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, MissingWeightsError
-from . import experts
+from . import experts, fp8
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -63,9 +63,14 @@ def text_name(key: str) -> str | None:
 
 class CheckpointReader:
     """Maps text tensor names to their file and reads each tensor only when asked. With `mtp=True` the
-    multi-token-prediction head's tensors are served too, by their name under `mtp.` (`mtp_names`, `get_mtp`)."""
+    multi-token-prediction head's tensors are served too, by their name under `mtp.` (`mtp_names`, `get_mtp`).
 
-    def __init__(self, folder: str | os.PathLike, mtp: bool = False):
+    A block-FP8 checkpoint (config.json's `quantization_config`, checkpoint/fp8.py) is served dequantized: each
+    float8 weight is read with its `weight_scale_inv`, multiplied in float32 and cast to `dequantize_dtype` (default:
+    the dtype config.json declares, bfloat16 for Qwen's FP8 releases); the scales are not served as tensors. Any other
+    quantization, a float8 weight without its scale, or a scale of the wrong shape is refused here, in one line."""
+
+    def __init__(self, folder: str | os.PathLike, mtp: bool = False, dequantize_dtype: torch.dtype | None = None):
         self.folder = Path(folder)
         self._headers: dict[str, tuple[int, dict]] = {}
         index = self.folder / "model.safetensors.index.json"
@@ -93,6 +98,7 @@ class CheckpointReader:
             raise MissingWeightsError(
                 f"{self.folder} is incomplete: the index names missing files {missing_files}; download them again"
             )
+        weight_map = self._fp8_scales(weight_map, dequantize_dtype)
         self._files: dict[str, str] = {}
         self._keys: dict[str, str] = {}
         self._vision: dict[str, tuple[str, str]] = {}  # name under model.visual. -> (file, key)
@@ -115,6 +121,43 @@ class CheckpointReader:
         for parts in self._fused.values():
             for part in parts:
                 self._part_locations[part] = (self._files.pop(part), self._keys.pop(part))
+
+    def _fp8_scales(self, weight_map: dict[str, str], dequantize_dtype: torch.dtype | None) -> dict[str, str]:
+        """Pair each float8 weight of a block-FP8 checkpoint with its scale (checked against the weight's shape);
+        returns the weight map without the scales."""
+        config_file = self.folder / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.fp8_block = fp8.fp8_format(config)
+        self._scale_of: dict[str, tuple[str, str]] = {}  # weight key -> (file, scale key)
+        if self.fp8_block is None:
+            return weight_map
+        declared = config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("dtype")
+        self.dequantize_dtype = dequantize_dtype or getattr(torch, str(declared), None) or torch.bfloat16
+        weights = {k: f for k, f in weight_map.items() if not k.endswith(fp8.SCALE_SUFFIX)}
+        orphans, unscaled, wrong = [], [], []
+        for key, file in weight_map.items():
+            if key.endswith(fp8.SCALE_SUFFIX):
+                if key[: -len(fp8.SCALE_SUFFIX)] in weights:
+                    self._scale_of[key[: -len(fp8.SCALE_SUFFIX)]] = (file, key)
+                else:
+                    orphans.append(key)
+        for key, file in weights.items():
+            info = self._header(file)[1][key]
+            if key in self._scale_of:
+                s_file, s_key = self._scale_of[key]
+                s_info = self._header(s_file)[1][s_key]
+                expected = fp8.scale_grid(tuple(info["shape"]), self.fp8_block)
+                if tuple(s_info["shape"]) != expected or s_info["dtype"] != "F32":
+                    wrong.append(f"{s_key} {s_info['dtype']} {tuple(s_info['shape'])} (F32 {expected} expected)")
+            elif info["dtype"] in ("F8_E4M3", "F8_E5M2"):
+                unscaled.append(key)
+        if orphans or unscaled or wrong:
+            problems = [f"{title} ({len(items)}): {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+                        for title, items in (("float8 weights without their weight_scale_inv", unscaled),
+                                             ("scales of the wrong shape", wrong), ("scales without a weight", orphans))
+                        if items]
+            raise CheckpointError(f"FP8 checkpoint {self.folder} is inconsistent: {'; '.join(problems)}; download it again")
+        return weights
 
     def vision_names(self) -> list[str]:
         """The vision tower's tensors, by name under `model.visual.` (empty for a text-only checkpoint)."""
@@ -187,20 +230,52 @@ class CheckpointReader:
         if name in self._fused:
             part = self._fused[name][0]
             file, key = self._part_locations[part]
+            if key in self._scale_of:
+                return self.dequantize_dtype
             return _torch_dtype(self._part_info(part)["dtype"], f"{self.folder / file}: {key}")
+        if self._keys[name] in self._scale_of:
+            return self.dequantize_dtype
         return _torch_dtype(self._info(name)[1]["dtype"], f"{self.folder / self._files[name]}: {self._keys[name]}")
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor into its own memory with plain file reads.
+    def get(self, name: str, raw: bool = False) -> torch.Tensor:
+        """Read one tensor into its own memory with plain file reads (`raw`: a float8 weight as stored, not
+        dequantized; its scale is `get_scale`).
 
         Not through a memory map: the pages of a mapping that stays open count in the process's RSS, so
         reading a whole checkpoint through one would hold all of it in memory.
         """
+        read = self._read_raw if raw else self._read
         if name in self._fused:
-            return experts.fuse(name, [self._read(*self._part_locations[p]) for p in self._fused[name]])
-        return self._read(self._files[name], self._keys[name])
+            return experts.fuse(name, [read(*self._part_locations[p]) for p in self._fused[name]])
+        return read(self._files[name], self._keys[name])
+
+    def _locations(self, name: str) -> list[tuple[str, str]]:
+        if name in self._fused:
+            return [self._part_locations[p] for p in self._fused[name]]
+        return [(self._files[name], self._keys[name])]
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether text tensor `name` is stored as float8 with a block scale (all its parts, for fused experts)."""
+        return all(key in self._scale_of for _, key in self._locations(name))
+
+    def get_scale(self, name: str, along: str) -> torch.Tensor:
+        """The block scale of float8 tensor `name`, repeated along its weight's rows (`along="rows"`: [..., rows,
+        ceil(cols / 128)]) or columns (`"cols"`: [..., ceil(rows / 128), cols]); per-expert parts are expanded first,
+        then fused as their weights are (checkpoint/experts.py), so that every row / column keeps its own block's scale."""
+        parts = []
+        for file, key in self._locations(name):
+            shape = tuple(self._header(file)[1][key]["shape"])
+            parts.append(fp8.expand_along(self._read_raw(*self._scale_of[key]), shape, along, self.fp8_block))
+        return experts.fuse(name, parts) if name in self._fused else parts[0]
 
     def _read(self, file: str, key: str) -> torch.Tensor:
+        """One tensor; a float8 weight of an FP8 checkpoint dequantized with its scale (checkpoint/fp8.py)."""
+        tensor = self._read_raw(file, key)
+        if key in self._scale_of:
+            tensor = fp8.dequantize(tensor, self._read_raw(*self._scale_of[key]), self.dequantize_dtype, self.fp8_block)
+        return tensor
+
+    def _read_raw(self, file: str, key: str) -> torch.Tensor:
         base, header = self._header(file)
         info = header[key]
         start, end = info["data_offsets"]

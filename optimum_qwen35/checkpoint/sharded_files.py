@@ -126,8 +126,8 @@ def save_sharded(
                 f"{source} is a sharded export (it has {MANIFEST} or rank files), not a checkpoint: shard the original "
                 "checkpoint folder instead"
             )
-    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     dtype = None if dtype is None else validation.parse_dtype(dtype)
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source, dequantize_dtype=dtype)
     config = config or Qwen35Config.from_pretrained(reader.folder)
     config.check_tp_degree(tp_degree)
     check_checkpoint(reader, config)
@@ -269,7 +269,7 @@ def save_mtp_weights(source: str | os.PathLike, config: Qwen35Config, dtype: tor
     """The multi-token-prediction head's converted weights (`mtp.*` decoder names, checkpoint/convert.py
     `convert_mtp`), each rank's share (sharded as the main layers: checkpoint/shard.py) in
     `out_dir/<layout.mtp_weights_file(rank, tp_degree)>`, beside the rank's weights. The head is converted once."""
-    whole = dict(convert_mtp(CheckpointReader(source, mtp=True), config, dtype))
+    whole = dict(convert_mtp(CheckpointReader(source, mtp=True, dequantize_dtype=dtype), config, dtype))
     check_finite(whole, str(source))
     files = []
     for rank in range(tp_degree):

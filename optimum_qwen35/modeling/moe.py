@@ -50,6 +50,7 @@ from torch import nn
 
 from ..config import Qwen35Config
 from ..errors import UsageError
+from .fp8 import is_fp8, select_experts
 from .parallel import Linear
 from .precision import accumulation_dtype, upcast
 
@@ -131,6 +132,16 @@ class Experts(nn.Module):
             setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
         self.packed_for = batch_size
 
+    def select(self, name: str, index) -> torch.Tensor:
+        """Experts `index` (an int, or an index tensor) of fused weight `name`. FP8 weights kept as float8
+        (modeling/fp8.py) are gathered as float8 with their scales and only then dequantized: the selected experts'
+        bytes, not the whole tensor's."""
+        if isinstance(index, int):
+            if not is_fp8(self):
+                return getattr(self, name)[index]  # a view, as before: nothing copied
+            return select_experts(self, name, torch.tensor([index]))[0]
+        return select_experts(self, name, index)
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2 I_r, H], down [H, I_r]) as plain tensors (views of the fused ones unless packed)."""
         if self._packed:
@@ -161,7 +172,7 @@ class Experts(nn.Module):
         for e in chosen.unique().tolist():  # sorted
             pick = chosen == e
             r = rows[pick]
-            gate_up, down = self._packed[e] if self._packed else (self.gate_up_proj[e], self.down_proj[e])
+            gate_up, down = self._packed[e] if self._packed else (self.select("gate_up_proj", e), self.select("down_proj", e))
             gate, up = _linear(x[r], gate_up).split(self.intermediate, dim=-1)
             out = _linear(F.silu(gate) * up, down)
             y.index_add_(0, r, upcast(out) * upcast(weights[r, slots[pick]])[:, None])
@@ -170,9 +181,9 @@ class Experts(nn.Module):
     def blocks(self, x: torch.Tensor, block_expert: torch.Tensor) -> torch.Tensor:
         """x [nb, B, H] (rows grouped by expert), block_expert [nb] int32 -> [nb, B, H] in x's dtype: each block through
         its expert's gathered weights, one batched matmul per projection."""
-        h = torch.bmm(x, self.gate_up_proj.index_select(0, block_expert).transpose(1, 2))  # [nb, B, 2 I_r]
+        h = torch.bmm(x, self.select("gate_up_proj", block_expert).transpose(1, 2))  # [nb, B, 2 I_r]
         gate, up = h.split(self.intermediate, dim=-1)
-        return torch.bmm(F.silu(gate) * up, self.down_proj.index_select(0, block_expert).transpose(1, 2))
+        return torch.bmm(F.silu(gate) * up, self.select("down_proj", block_expert).transpose(1, 2))
 
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k], local expert ids [N, k] (weight 0 for a pair another rank serves) -> [N, H] fp32:
@@ -180,9 +191,9 @@ class Experts(nn.Module):
         N, k = ids.shape
         flat = ids.reshape(-1)
         xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [N k, H, 1]
-        h = torch.bmm(self.gate_up_proj.index_select(0, flat), xk)[..., 0]  # [N k, 2 I_r]
+        h = torch.bmm(self.select("gate_up_proj", flat), xk)[..., 0]  # [N k, 2 I_r]
         gate, up = h.split(self.intermediate, dim=-1)
-        out = torch.bmm(self.down_proj.index_select(0, flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
+        out = torch.bmm(self.select("down_proj", flat), (F.silu(gate) * up)[:, :, None])[..., 0]  # [N k, H]
         return weighted_sum(weights, out.view(N, k, -1))
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .fp8 import is_fp8
 from .moe import Experts, SharedExpert
 from .parallel import Linear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, all_reduce, can_pack
 from .precision import TorchPrecision
@@ -23,10 +24,11 @@ def pack_linears(module: nn.Module, batch_size: int) -> int:
     or re-loaded afterwards). Returns how many modules were packed. A packed weight replaces the plain one, except where the plain one is also used elsewhere: the lm_head
     of a model with tied embeddings gets a packed copy (vocab x hidden more in the model dtype), the embedding keeps
     the plain rows it looks up."""
-    linears = [m for m in module.modules() if isinstance(m, Linear) and can_pack(m.weight.dtype)]
+    # A layer holding float8 weights (modeling/fp8.py) dequantizes them at each call: it is not packed.
+    linears = [m for m in module.modules() if isinstance(m, Linear) and not is_fp8(m) and can_pack(m.weight.dtype)]
     for m in linears:
         m.pack(batch_size)
-    experts = [m for m in module.modules() if isinstance(m, Experts) and can_pack(m.gate_up_proj.dtype)]
+    experts = [m for m in module.modules() if isinstance(m, Experts) and not is_fp8(m) and can_pack(m.gate_up_proj.dtype)]
     for m in experts:
         m.pack(batch_size)
     return len(linears) + len(experts)

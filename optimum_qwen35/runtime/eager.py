@@ -16,6 +16,7 @@ import torch
 from optimum_qwen35 import validation
 from optimum_qwen35.checkpoint import CheckpointReader, convert_checkpoint
 from optimum_qwen35.checkpoint.convert import check_finite, convert_mtp
+from optimum_qwen35.checkpoint.fp8_shard import convert_and_shard_fp8
 from optimum_qwen35.checkpoint.shard import convert_and_shard, convert_and_shard_mtp
 from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, load_mtp_weights, load_sharded
 from optimum_qwen35.config import Qwen35Config
@@ -28,6 +29,7 @@ from optimum_qwen35.modeling.decoder import (
     Qwen35Decoder,
     TokenGenerationGraph,
 )
+from optimum_qwen35.modeling.fp8 import hold_fp8_weights, split_fp8
 from optimum_qwen35.modeling.state import allocate_state
 from optimum_qwen35.modeling.torch_layers import TorchLayers, pack_linears
 from optimum_qwen35.runtime.prefix_cache import StateInProcess
@@ -44,6 +46,7 @@ def load_decoder(
     config: Qwen35Config | None = None,
     check_weights: bool = True,
     mtp: bool = False,
+    weights_dtype: str | None = None,
 ) -> Qwen35Decoder:
     """Build the decoder (this rank's share of it) and load its weights.
 
@@ -53,6 +56,8 @@ def load_decoder(
     the tensor (`check_weights=False` skips that check; it exists to measure its cost). `mtp`: build and load the
     multi-token-prediction head too (modeling/mtp.py; from a checkpoint folder, sharded as the main layers at
     tp_degree > 1, or from an export made with mtp=True, which holds each rank's share), for speculative decoding.
+    `weights_dtype="fp8"` (a block-FP8 checkpoint folder): keep its float8 weights as float8, dequantized next to
+    each matmul (modeling/fp8.py); by default they are dequantized to `dtype` at load (docs/fp8.md).
     """
     dtype = validation.parse_dtype(dtype)
     path = validation.model_folder(path, "load_decoder")
@@ -78,13 +83,18 @@ def load_decoder(
         decoder = Qwen35Decoder(config, tp_degree, layers, mtp=mtp)
     if sharded_export:
         pass
+    elif weights_dtype is not None:
+        reader = fp8_reader(path, weights_dtype, dtype, mtp)
+        params = dict(convert_and_shard_fp8(reader, config, tp_degree, rank, dtype))
+        if mtp:
+            params.update(convert_and_shard_mtp(reader, config, tp_degree, rank, dtype))
     elif tp_degree == 1:
-        reader = CheckpointReader(path, mtp=mtp)
+        reader = CheckpointReader(path, mtp=mtp, dequantize_dtype=dtype)
         params = dict(convert_checkpoint(reader, config, dtype))
         if mtp:
             params.update(convert_mtp(reader, config, dtype))
     else:
-        reader = CheckpointReader(path, mtp=mtp)
+        reader = CheckpointReader(path, mtp=mtp, dequantize_dtype=dtype)
         params = dict(convert_and_shard(reader, config, tp_degree, rank, dtype))
         if mtp:
             params.update(convert_and_shard_mtp(reader, config, tp_degree, rank, dtype))
@@ -93,14 +103,31 @@ def load_decoder(
     if config.tie_word_embeddings:
         params["lm_head.weight"] = params["embed_tokens.weight"]
     params.update(rank_tensors(rank))
+    fp8_params = split_fp8(params)
     result = decoder.load_state_dict(params, strict=False, assign=True)
-    if result.missing_keys or result.unexpected_keys:
+    missing = [k for k in result.missing_keys if k not in fp8_params]
+    if missing or result.unexpected_keys:
         raise CheckpointError(
-            f"{path}: decoder weights do not match: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+            f"{path}: decoder weights do not match: missing {missing}, unexpected {result.unexpected_keys}"
         )
+    hold_fp8_weights(decoder, fp8_params, dtype)
     if config.tie_word_embeddings:
         decoder.lm_head.weight = decoder.embed_tokens.weight
     return decoder.eval()
+
+
+def fp8_reader(path, weights_dtype: str, dtype: torch.dtype, mtp: bool = False) -> CheckpointReader:
+    """The reader of a checkpoint whose FP8 weights are to be kept as float8; refuses, in one line, any other
+    weights_dtype and a checkpoint without FP8 weights."""
+    if weights_dtype != "fp8":
+        raise UsageError(f"weights_dtype {weights_dtype!r} is not supported: 'fp8' (keep FP8 weights) or None (the model dtype)")
+    reader = CheckpointReader(path, mtp=mtp, dequantize_dtype=dtype)
+    if reader.fp8_block is None:
+        raise UnsupportedModelError(
+            f"{path} holds no FP8 weights (no quantization_config): quantize it first "
+            "(optimum_qwen35.checkpoint.quantize.quantize_checkpoint) or load it without weights_dtype"
+        )
+    return reader
 
 
 def rank_tensors(rank: int) -> dict[str, torch.Tensor]:

@@ -139,10 +139,10 @@ def speculative_run(decoder, prompts, max_new_tokens: int, ks: Sequence[int], ma
 
 
 def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-            moe_parallel="auto", speculative=None):
+            moe_parallel="auto", speculative=None, weights_dtype=None):
     try:
         _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-                  moe_parallel, speculative)
+                  moe_parallel, speculative, weights_dtype)
     except Qwen35Error as error:
         # Handed to the caller, which raises it with its own type (mp.spawn would wrap it in its own exception).
         with open(f"{out_file}.error-{rank}", "wb") as f:
@@ -151,7 +151,7 @@ def _worker(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, m
 
 
 def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype, max_length, out_file, threads,
-              moe_parallel="auto", speculative=None):
+              moe_parallel="auto", speculative=None, weights_dtype=None):
     torch.set_num_threads(threads)
     # A file store, not a TCP store: with TCP, rank 0 hosts the store's server and could exit while another
     # rank's store client is still closing, which aborts that rank ("terminate called without an active
@@ -162,7 +162,7 @@ def _run_rank(rank, tp_degree, store_file, path, prompts, max_new_tokens, dtype,
         results = []
         for one_dtype in dtype:
             decoder = load_decoder(path, one_dtype, tp_degree, rank, TorchLayers(tp_degree, rank, group),
-                                   _config(path, moe_parallel), mtp=speculative is not None)
+                                   _config(path, moe_parallel), mtp=speculative is not None, weights_dtype=weights_dtype)
             if speculative is not None:  # (ks, buckets, sampled): speculative_run, compared across ranks below
                 ks, buckets, sampled = speculative
                 result = speculative_run(decoder, prompts, max_new_tokens, ks, max_length, buckets, sampled)
@@ -207,6 +207,7 @@ def run_tensor_parallel(
     dtype: torch.dtype | str | Sequence[torch.dtype | str] = torch.float32,
     max_length: int | None = None,
     moe_parallel: str = "auto",
+    weights_dtype: str | None = None,
     **renamed,
 ) -> TensorParallelResult | list[TensorParallelResult]:
     """Run prefill + greedy steps up to `max_new_tokens` new tokens with `tp_degree` gloo processes.
@@ -219,6 +220,7 @@ def run_tensor_parallel(
     are started with the `spawn` method, so a calling script needs the usual `if __name__ == "__main__":` guard.
     `moe_parallel` ("auto", "ep", "tp"): how a MoE model's ranks split the routed experts
     (`Qwen35Config.expert_parallel_mode`; a sharded export keeps the split it was written with).
+    `weights_dtype="fp8"`: an FP8 checkpoint's weights kept as float8 on every rank (`load_decoder`).
     """
     from optimum_qwen35.checkpoint.sharded_files import is_sharded_export, read_manifest  # noqa: PLC0415
     from optimum_qwen35.config import Qwen35Config  # noqa: PLC0415
@@ -253,13 +255,14 @@ def run_tensor_parallel(
             f"max_length {max_length} is too short for the longest prompt + max_new_tokens ({needed}); raise it or omit it"
         )
     if tp_degree == 1:
-        results = [greedy_run(load_decoder(path, d, config=config), prompts, max_new_tokens, max_length) for d in dtypes]
+        results = [greedy_run(load_decoder(path, d, config=config, weights_dtype=weights_dtype), prompts, max_new_tokens,
+                              max_length) for d in dtypes]
         return results[0] if single else results
     threads = max(1, (os.cpu_count() or 1) // tp_degree)
     with tempfile.TemporaryDirectory(prefix="qwen35-tp-") as tmp:
         out_file, store_file = os.path.join(tmp, "rank0.pt"), os.path.join(tmp, "store")
         args = (tp_degree, store_file, os.fspath(path), prompts, max_new_tokens, dtypes, max_length, out_file, threads,
-                moe_parallel)
+                moe_parallel, None, weights_dtype)
         try:
             mp.spawn(_worker, args=args, nprocs=tp_degree, join=True)
         except ProcessException:
