@@ -64,3 +64,13 @@ def test_waves_are_logged_once(caplog):
         "generate: 3 prompts on a model of batch size 1 run in 3 successive waves of at most 1 rows (logged once); "
         "build or export the model with a larger batch size to run them together"
     ]
+
+
+def test_every_wave_takes_its_own_rows_limits():
+    """More prompts than slots (waves): each wave's rows keep their own max_new_tokens, not the first wave's (issue 50:
+    `limits[: len(group)]` in place of `limits[start : start + batch_size]` gave [2, 2] here, with no error)."""
+    model = Qwen35Runtime.from_pretrained(LAYOUT, batch_size=1, max_length=MAX_LENGTH, buckets=[32, 64])
+    prompts = [random_prompt(10, 4), random_prompt(12, 5), random_prompt(9, 6)]
+    rows = model.generate(prompts, max_new_tokens=[2, 6, 3])
+    assert [len(r) for r in rows] == [2, 6, 3]
+    assert rows == [model.generate([p], max_new_tokens=n)[0] for p, n in zip(prompts, (2, 6, 3))]

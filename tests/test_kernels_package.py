@@ -36,4 +36,4 @@ def test_transformers_qwen35_imports_from_the_repository_root_beside_hf_kernels(
     )
     hf_file, backends = out.splitlines()
     assert Path(hf_file).resolve() != ROOT / "kernels" / "__init__.py" and "site-packages" in Path(hf_file).parts, hf_file
-    assert backends == "torch ['nki', 'torch']"
+    assert backends == "torch ['nki', 'torch', 'torch_for_neuron']"

@@ -56,6 +56,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..conv1d.reference import causal_conv1d_step
 from .reference import chunk_gated_delta_rule, recurrent_gated_delta_rule_step, recurrent_gated_delta_rule_step_
@@ -78,7 +79,11 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     """torch's softplus (beta 1, threshold 20: x itself above the threshold, log(1 + exp(x)) below), written with
     exp, add, subtract, log, divide and select, which neuronx-cc's XLA operator list holds (torch-xla lowers
     F.softplus to log-plus-one, which it does not). log1p(u), u = exp(x) <= e^20, as log(1 + u) * u / ((1 + u) - 1),
-    within a few ulp of log1p (the rounding of 1 + u cancels), and u itself where 1 + u rounds to 1."""
+    within a few ulp of log1p (the rounding of 1 + u cancels), and u itself where 1 + u rounds to 1.
+
+    Only the graphs that go to a Neuron compiler take this form (the "torch_for_neuron" kernel backend, which the NxD
+    and TorchNeuron layer factories name): its few ulp, through a fast-decaying head's state, doubled the fp32 error
+    of a model against float64 on an nv = 3 nk layout (issue 50). Everywhere else the gates take `rounded_softplus`."""
     # No Python scalar meets x in a compare or a select (torch-xla would make it an f64 or s64 constant).
     capped = x.clamp(max=threshold)  # keeps the branch the select drops finite
     u = torch.exp(capped)
@@ -89,8 +94,19 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     return torch.where(capped < x, x, log1p)  # capped < x: x above the threshold
 
 
-def gates(a, b, A_log, dt_bias):
-    """Raw projections -> (g, beta), as the model computes them: beta = sigmoid(b) in b's dtype; g in fp32."""
+def rounded_softplus(x: torch.Tensor) -> torch.Tensor:
+    """torch's softplus computed in float64 and rounded once to x's dtype: within half an ulp of the exact softplus
+    (F.softplus in fp32 is within about 1.5 ulp, this module's `softplus` within about 3). The gate's softplus on CPU:
+    [rows, tokens, value heads] values, a negligible cost next to the projections (issue 50)."""
+    if x.dtype == torch.float64:
+        return F.softplus(x)
+    return F.softplus(x.double()).to(x.dtype)
+
+
+def gates(a, b, A_log, dt_bias, softplus=rounded_softplus):
+    """Raw projections -> (g, beta), as the model computes them: beta = sigmoid(b) in b's dtype; g in fp32.
+    `softplus`: `rounded_softplus` (the CPU models), or this module's `softplus` in a graph for a Neuron compiler
+    (no float64 there)."""
     beta = torch.sigmoid(b)
     g = -_upcast(A_log).exp() * softplus(_upcast(a) + dt_bias)
     return g, beta
@@ -99,7 +115,7 @@ def gates(a, b, A_log, dt_bias):
 # ------------------------------------------------------------------------------------------------------ references
 def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, *,
                               lnc=None, donate_initial=False, conv_step=causal_conv1d_step,
-                              rule_step=recurrent_gated_delta_rule_step):
+                              rule_step=recurrent_gated_delta_rule_step, softplus=rounded_softplus):
     """The decode seam over the unfused `conv_step` / `rule_step` (the dispatch passes its backend's)."""
     B, C = mixed_qkv.shape
     _, nv, dk, dv = initial_recurrent.shape
@@ -109,7 +125,7 @@ def deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, init
     q = l2norm(_upcast(q.reshape(B, nk, 1, dk))) * dk**-0.5
     k = l2norm(_upcast(k.reshape(B, nk, 1, dk)))
     v = _upcast(v.reshape(B, nv, 1, dv))
-    g, beta = gates(a, b, A_log, dt_bias)  # [B, nv]
+    g, beta = gates(a, b, A_log, dt_bias, softplus)  # [B, nv]
     if donate_initial and rule_step is recurrent_gated_delta_rule_step:
         # The CPU fast path: initial_recurrent is the caller's own copy (`Slots.gather_initial`), so the reference
         # step decays and updates it in place, the same numbers without another state-sized tensor (an allocation
@@ -136,7 +152,7 @@ def deltanet_verify_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, init
 
 
 def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, *, lnc=None,
-                               chunk_rule=chunk_gated_delta_rule):
+                               chunk_rule=chunk_gated_delta_rule, softplus=rounded_softplus):
     """The prefill seam over the unfused `chunk_rule` (the dispatch passes its backend's). With the reference rule and
     bf16 activations, the rule's products named in `reference.BF16_PRODUCTS` take bf16 operands (fp32 accumulation);
     the norms, gates, state and the rest stay fp32. Another backend's rule gets the seven tensors only."""
@@ -146,7 +162,7 @@ def deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent,
     q = l2norm(_upcast(q)) * dk**-0.5
     k = l2norm(_upcast(k))
     v = _upcast(v)
-    g, beta = gates(a, b, A_log, dt_bias)  # [B, T, nv]
+    g, beta = gates(a, b, A_log, dt_bias, softplus)  # [B, T, nv]
     return chunk_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), initial_recurrent, lengths, **low)
 
 

@@ -103,6 +103,18 @@ def implementation(entry: str, backend: str | None) -> Callable:
 
 
 register_backend("torch", {})
+# The PyTorch references in the form the Neuron compilers take, which the Neuron layer factories name (NxD:
+# `adapter.kernel_backend`; TorchNeuron: `TorchNeuronLayers`): the same seams with the DeltaNet gate's softplus written
+# from exp / log (`fused.softplus`; torch-xla lowers F.softplus to log-plus-one, outside neuronx-cc's operator list).
+# Everywhere else the gates take F.softplus, whose fp32 error against float64 is half as large on a fast-decaying head
+# (issue 50).
+FOR_NEURON = "torch_for_neuron"
+_neuron_decode = partial(_fused.deltanet_decode_reference, softplus=_fused.softplus)
+register_backend(FOR_NEURON, {
+    "deltanet_prefill": partial(_fused.deltanet_prefill_reference, softplus=_fused.softplus),
+    "deltanet_decode": _neuron_decode,
+    "deltanet_verify": partial(_fused.deltanet_verify_reference, decode=_neuron_decode),
+})
 # The NKI kernels behind the fused seams (the unfused entry points stay the references'). Where the real `nki`
 # package is importable (NKI >= 0.3, Neuron SDK 2.29+; see nki_import) they are `nki.jit` launches on the tensors as
 # given: inside the Neuron graphs, torch-xla tensors, where the Neuron model builder selects this backend on request

@@ -131,11 +131,14 @@ def _stop_callback(criteria, input_ids: torch.Tensor, pad: int, vocab_size: int)
     return stop
 
 
-def row_limits(prompts: list[list[int]], max_length: int, max_new_tokens: int, config) -> tuple[list[int], int]:
-    """Each row's own limit of new tokens: `max_new_tokens`, or fewer where its prompt + new tokens reach the compiled
-    sequence length (that row stops there, with a warning; the other rows run on); and `min_new_tokens` (transformers'
-    `min_new_tokens`, or `min_length` counted with the padded prompt). A request no row could serve raises a
-    UsageError in one line: a prompt that fills the compiled length, or a minimum a row has no room for."""
+def row_limits(prompts: list[list[int]], max_length: int, max_new_tokens: int, config,
+               stop_at_sequence_length: bool = False) -> tuple[list[int], int]:
+    """Each row's limit of new tokens, and `min_new_tokens` (transformers' `min_new_tokens`, or `min_length` counted
+    with the padded prompt). A row whose prompt + `max_new_tokens` does not fit the compiled sequence length is refused
+    in one line naming the row, its room, the length and the fixes (issue 50: a silently shorter answer is scored as
+    if complete); with `stop_at_sequence_length=True` (the caller's opt-in) such a row stops at the compiled length
+    instead, with a warning naming the rows, while the others run on. Also refused in one line: a prompt that fills the
+    compiled length, a minimum a row has no room for."""
     rooms = [max_length - len(p) for p in prompts]
     full = [row for row, room in enumerate(rooms) if room < 1]
     if full:
@@ -159,10 +162,18 @@ def row_limits(prompts: list[list[int]], max_length: int, max_new_tokens: int, c
         )
     limits = [min(max_new_tokens, room) for room in rooms]
     cut = [row for row, limit in enumerate(limits) if limit < max_new_tokens]
+    if cut and not stop_at_sequence_length:
+        row = cut[0]
+        raise UsageError(
+            f"row {row} asks for {max_new_tokens} new tokens but its prompt ({len(prompts[row])} tokens) leaves room "
+            f"for {rooms[row]} in the export's sequence length ({max_length}): export the model with a larger "
+            f"sequence_length, ask for at most {rooms[row]} new tokens (max_new_tokens, or a max_length that fits), "
+            "or pass stop_at_sequence_length=True to stop such rows there"
+        )
     if cut:
         logger.warning(
-            "rows %s stop before max_new_tokens (%d): their prompt + new tokens reach the compiled sequence length %d "
-            "(at most %s new tokens); the other rows run on",
+            "rows %s stop before max_new_tokens (%d) at the compiled sequence length %d (at most %s new tokens, "
+            "stop_at_sequence_length=True); the other rows run on",
             cut, max_new_tokens, max_length, [limits[row] for row in cut],
         )
     return limits, min_new_tokens
@@ -172,12 +183,17 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
              stopping_criteria=None, **kwargs):
     """Generate with `runtime` (a `Qwen35Runtime`); the caller's keyword arguments override the config.
     `stopping_criteria` (transformers') is called after every step (`_stop_callback`); `token_type_ids` is accepted
-    and ignored (Qwen3.5 has no token types)."""
+    and ignored (Qwen3.5 has no token types). A row asking for more new tokens than the compiled sequence length
+    leaves it is refused, unless `stop_at_sequence_length=True` (then it stops there, with a warning: `row_limits`)."""
     config = copy.deepcopy(generation_config if generation_config is not None else default_config)
     criteria = _stopping_criteria(stopping_criteria)
     kwargs.pop("token_type_ids", None)
     # Speculative decoding with the MTP head (not a GenerationConfig field in transformers 4.57): 0 is off.
     speculative = kwargs.pop("num_speculative_tokens", 0)
+    # The opt-in to rows stopping at the compiled length instead of a refusal (`row_limits`; not transformers').
+    stop_at_sequence_length = kwargs.pop("stop_at_sequence_length", False)
+    if not isinstance(stop_at_sequence_length, bool):
+        raise UsageError(f"stop_at_sequence_length must be True or False, got {stop_at_sequence_length!r}")
     # Images (a vision export): the processor's outputs, passed to the runtime; mm_token_type_ids is implied by
     # the image tokens of input_ids.
     images = {k: kwargs.pop(k) for k in ("pixel_values", "image_grid_thw") if kwargs.get(k) is not None}
@@ -210,7 +226,7 @@ def generate(runtime, default_config, input_ids, attention_mask=None, generation
     max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    limits, min_new_tokens = row_limits(prompts, runtime.max_length, max_new_tokens, config)
+    limits, min_new_tokens = row_limits(prompts, runtime.max_length, max_new_tokens, config, stop_at_sequence_length)
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)

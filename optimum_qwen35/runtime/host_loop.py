@@ -648,12 +648,13 @@ class Qwen35Runtime:
             limits = [validation.positive_int(n, "max_new_tokens") for n in max_new_tokens]
         else:
             limits = [validation.positive_int(max_new_tokens, "max_new_tokens")] * len(prompts)
-        for p, limit in zip(prompts, limits):
+        for row, (p, limit) in enumerate(zip(prompts, limits)):
             self._check_length(len(p))  # a prompt longer than max_length gets that error first
             if len(p) + limit > self.max_length:
                 raise UsageError(
-                    f"prompt ({len(p)} tokens) + max_new_tokens ({limit}) exceeds max_length "
-                    f"{self.max_length}; lower max_new_tokens or build the model with a larger max_length"
+                    f"row {row}: prompt ({len(p)} tokens) + max_new_tokens ({limit}) exceeds max_length "
+                    f"{self.max_length} (room for {self.max_length - len(p)} new tokens); lower max_new_tokens or "
+                    "build (export) the model with a larger max_length"
                 )
         return limits
 

@@ -72,10 +72,11 @@ def test_a_model_naming_no_backend_follows_the_process_wide_one():
 
 @pytest.mark.parametrize("target", ["trn2", "trn3", "trn1", "inf2", None])
 def test_kernel_backend_of_the_neuron_graphs(monkeypatch, target):
-    # The graphs trace the references unless asked for the kernels, on every target.
+    # The graphs trace the references (in the compiler's form: the gate's softplus from exp / log) unless asked for
+    # the kernels, on every target.
     for real_nki in (True, False):
-        assert adapter.kernel_backend(None, target, real_nki) == "torch"
-        assert adapter.kernel_backend("torch", target, real_nki) == "torch"
+        assert adapter.kernel_backend(None, target, real_nki) == "torch_for_neuron"
+        assert adapter.kernel_backend("torch", target, real_nki) == "torch_for_neuron"
         with pytest.raises(ValueError, match="'nki' or 'torch'"):
             adapter.kernel_backend("emulator", target, real_nki)
     if target not in ("trn2", "trn3"):

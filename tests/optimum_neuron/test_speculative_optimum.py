@@ -108,7 +108,7 @@ class _Recorder(BaseStreamer):
 
 def test_speculation_takes_row_limits_min_new_tokens_and_a_streamer(fitted, export):
     """generate's other options, as plain decoding takes them: a row whose prompt leaves less room than max_new_tokens
-    stops at the compiled length while the other runs on; min_new_tokens keeps EOS out until then; a streamer gets
+    is refused, or, opted in (stop_at_sequence_length=True), stops at the compiled length while the other runs on; min_new_tokens keeps EOS out until then; a streamer gets
     the prompt and then each new token, one prompt on a batch-2 export (a wave with an unused row)."""
     model = NeuronModelForCausalLM.from_pretrained(export)
     ids, mask = _batch(fitted, model)
@@ -117,9 +117,13 @@ def test_speculation_takes_row_limits_min_new_tokens_and_a_streamer(fitted, expo
     rows, rows_mask = torch.zeros(2, len(long), dtype=torch.long), torch.zeros(2, len(long), dtype=torch.long)
     rows[0, -len(fitted_row):], rows_mask[0, -len(fitted_row):] = fitted_row, 1
     rows[1], rows_mask[1] = long, 1  # room for 10 new tokens
-    plain = model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    with pytest.raises(UsageError, match=r"^row 1 asks for \d+ new tokens but its prompt \(\d+ tokens\) leaves room for 10"):
+        model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, num_speculative_tokens=3)
+    # Opted in (stop_at_sequence_length=True), the long row stops at the compiled length, as in plain decoding
+    plain = model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                           stop_at_sequence_length=True)
     out = model.generate(rows, attention_mask=rows_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                         num_speculative_tokens=3)
+                         num_speculative_tokens=3, stop_at_sequence_length=True)
     assert torch.equal(out, plain) and model.runtime.speculation.accepted > 0
     one, one_mask = ids[:1], mask[:1]
     plain = model.generate(one, attention_mask=one_mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from optimum_qwen35.kernels.backends import FOR_NEURON
 from optimum_qwen35.modeling.precision import FP32_PARAMETERS
 from optimum_qwen35.modeling.state import StateSpec
 
@@ -270,7 +271,8 @@ NKI_TARGETS = ("trn2", "trn3")
 def kernel_backend(requested: str | None = None, target: str | None = None, real_nki: bool | None = None) -> str:
     """The kernel backend (`optimum_qwen35.kernels`) the traced module's DeltaNet layers call on `target`.
 
-    "torch" (the PyTorch references, traced op by op into the graph) unless "nki" is requested, which gives the NKI
+    "torch_for_neuron" (the PyTorch references in the form neuronx-cc takes, traced op by op into the graph:
+    `kernels.backends.FOR_NEURON`) unless "nki" is requested, which gives the NKI
     kernels (one custom call per launch; their state outputs go into the slots by the same functional scatter as the
     references', so the graph aliases them alike) on trn2 and later, and is refused:
     - on trn1 / inf2: NKI 0.3+, the API of the kernels, compiles for trn2 and later only, so they always run the
@@ -283,7 +285,7 @@ def kernel_backend(requested: str | None = None, target: str | None = None, real
     if requested not in (None, "nki", "torch"):
         raise ValueError(f"kernel backend {requested!r}: the Neuron graphs take 'nki' or 'torch'")
     if requested != "nki":
-        return "torch"
+        return FOR_NEURON
     if target not in NKI_TARGETS:
         raise ValueError(
             f"kernel backend 'nki' on target {target!r}: the NKI kernels run on trn2 and later only "

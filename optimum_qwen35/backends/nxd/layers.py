@@ -40,6 +40,7 @@ from neuronx_distributed.parallel_layers.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
+from optimum_qwen35.kernels.backends import FOR_NEURON
 from optimum_qwen35.modeling.moe import weighted_sum
 from optimum_qwen35.modeling.precision import NeuronPrecision
 
@@ -111,9 +112,10 @@ class NxDLayers:
     # Functional state updates: each state output must be a new value aliased to its input (modeling/state.py).
     state_in_place = False
 
-    def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = "torch", kernel_lnc: int = 1):
-        # kernel_backend: what the DeltaNet layers of the traced module call (`glue.kernel_backend`): "nki" launches
-        # the `nki.jit` kernels inside the graph, "torch" traces the PyTorch references. kernel_lnc: the LNC degree
+    def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = FOR_NEURON, kernel_lnc: int = 1):
+        # kernel_backend: what the DeltaNet layers of the traced module call (`adapter.kernel_backend`): "nki" launches
+        # the `nki.jit` kernels inside the graph, "torch_for_neuron" traces the PyTorch references in neuronx-cc's
+        # form (the gate's softplus from exp / log). kernel_lnc: the LNC degree
         # of the compiled target the kernels are launched with (`adapter.kernel_lnc`: 2 on trn2, 1 on trn1/inf2).
         self.tp_degree, self.dtype, self.kernel_backend, self.kernel_lnc = tp_degree, dtype, kernel_backend, kernel_lnc
 

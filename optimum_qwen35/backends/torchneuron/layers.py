@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from optimum_qwen35.kernels.backends import FOR_NEURON
 from optimum_qwen35.modeling.precision import NeuronPrecision
 from optimum_qwen35.modeling.torch_layers import TorchLayers
 
@@ -33,8 +34,13 @@ class TorchNeuronLayers(TorchLayers):
       with `enable_gqa`), decomposed, broadcasts K/V to rank-5 tensors, which neuronx-cc's contract refuses
       (docs/torchneuron.md, measured on tiny-2b);
     - the state writes in the device graphs' form (`state_graph_form`, `Slots` in modeling/state.py): int32 indices
-      and rank <= 4 index forms, still in place."""
+      and rank <= 4 index forms, still in place;
+    - the DeltaNet kernels in the form the Neuron compiler takes (`kernels.backends.FOR_NEURON`: the gate's softplus
+      from exp / log) unless another backend is named."""
 
     token_block = None
     precision = TorchNeuronPrecision()
     state_graph_form = True
+
+    def __init__(self, tp_degree: int = 1, rank: int = 0, group=None, kernel_backend: str | None = FOR_NEURON):
+        super().__init__(tp_degree, rank, group, kernel_backend)

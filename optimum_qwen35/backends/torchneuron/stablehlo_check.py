@@ -78,19 +78,26 @@ def kernel_seam_decompositions() -> dict:
         S = S + k.transpose(-1, -2) @ delta  # S += k delta^T
         return (q @ S).to(v.dtype), S
 
+    def softplus(backend):
+        # The gate's softplus of the backend the op names: the Neuron form (exp / log) in the TorchNeuron layers'
+        # graphs (`backends.FOR_NEURON`), the CPU one (float64, rounded once) otherwise.
+        return fused.softplus if backend == backends.FOR_NEURON else fused.rounded_softplus
+
     def decode(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
         out = fused.deltanet_decode_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv,
-                                              initial_recurrent, lnc=lnc, rule_step=functional_step)
+                                              initial_recurrent, lnc=lnc, rule_step=functional_step,
+                                              softplus=softplus(backend))
         return tuple(t.contiguous() for t in out)
 
     def verify(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv, initial_recurrent, backend, lnc):
-        step = functools.partial(fused.deltanet_decode_reference, rule_step=functional_step)
+        step = functools.partial(fused.deltanet_decode_reference, rule_step=functional_step, softplus=softplus(backend))
         out = fused.deltanet_verify_reference(mixed_qkv, a, b, A_log, dt_bias, conv_weight, initial_conv,
                                               initial_recurrent, lnc=lnc, decode=step)
         return tuple(t.contiguous() for t in out)
 
     def prefill(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, backend, lnc):
-        out = backends.implementation("deltanet_prefill", "torch")(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, lnc=lnc)
+        out = fused.deltanet_prefill_reference(q, k, v, a, b, A_log, dt_bias, initial_recurrent, lengths, lnc=lnc,
+                                               softplus=softplus(backend))
         return tuple(t.contiguous() for t in out)
 
     ops = torch.ops.optimum_qwen35
