@@ -196,7 +196,9 @@ def run(arguments: list[str]) -> int:
 
 
 def _commands():
-    if optimum_neuron_command_registered():
+    # Nothing to register where optimum-neuron's command is there, or where optimum's CLI itself is not installed
+    # (this package's register file alone makes `optimum.commands` a namespace package).
+    if optimum_neuron_command_registered() or importlib.util.find_spec("optimum.commands.base") is None:
         return []
     from optimum.commands.base import BaseOptimumCLICommand, CommandInfo  # start-up time: optimum-cli imports this module for every command
     from optimum.commands.export.base import ExportCommand  # start-up time: optimum-cli imports this module for every command
