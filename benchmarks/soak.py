@@ -19,7 +19,7 @@ random checkpoint, the export code for the export, `Qwen35Runtime` for the rest)
   rows cannot share a `generate` call with plain rows (`num_speculative_tokens` is one per call): they run in their
   own calls of 1 .. B rows, interleaved with the plain calls on the same loaded model, so slots, the prefix cache and
   the speculative state churn together. The prefix cache (on for every plain call; speculative prefill bypasses it)
-  gets a budget of eight blocks' snapshots (every prompt of 64 tokens or more stores one to three): eviction
+  gets a budget of 24 blocks' snapshots (every prompt of 64 tokens or more stores one to three): eviction
   happens all the time.
 - **The checks.** Every greedy row (plain or speculative) equals its solo run with the cache off (the same model, one
   prompt, `set_prefix_cache(None)`); every sampled row equals its solo run with the same seed. A mismatch is printed
@@ -285,7 +285,7 @@ def faults(model: Qwen35Runtime, requests: list[Request], n: int, rng: random.Ra
     return {"survived": survived, "failed": failed, "max_seconds_to_error": max(seconds, default=0.0)}
 
 
-def soak(folder: Path, n: int, seed: int, n_faults: int, log=print, budget_blocks: int = 8) -> dict:
+def soak(folder: Path, n: int, seed: int, n_faults: int, log=print, budget_blocks: int = 24) -> dict:
     """The churn, then the faults, on the export `folder`; a prefix cache of `budget_blocks` blocks' snapshots."""
     rng = random.Random(seed)
     model = Qwen35Runtime.from_export(folder)
