@@ -247,6 +247,8 @@ def interrupt_during_generate(model: Qwen35Runtime, request: Request, how: str, 
 
     timer = threading.Timer(delay, fault)
     prompts = [request.prompt] * model.batch_size * 4  # several waves: long enough for the fault to land inside
+    # Python's own SIGINT handler: a shell starts a background command with SIGINT ignored, and Python then keeps it so.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer.start()
     try:
         try:
@@ -259,6 +261,8 @@ def interrupt_during_generate(model: Qwen35Runtime, request: Request, how: str, 
         outcome = "KeyboardInterrupt"
     except WorkerLostError as error:
         outcome = f"WorkerLostError: {error}"
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return outcome, (time.perf_counter() - fault_time[0]) if fault_time else 0.0
 
 

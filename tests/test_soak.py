@@ -100,7 +100,9 @@ def test_keyboard_interrupt_inside_generate_leaves_the_model_usable(exports, tp)
         with pytest.raises(KeyboardInterrupt):
             model.generate([PROMPT[:30], PROMPT], max_new_tokens=10, streamer=interrupt)
         assert model.generate([PROMPT, PROMPT[:50]], max_new_tokens=10) == expected
-        # SIGINT at a random moment of a long call (at TP 2, mostly while the workers run a step).
+        # SIGINT at a random moment of a long call (at TP 2, mostly while the workers run a step). Python's own
+        # handler: a shell starts a background command with SIGINT ignored.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         try:
@@ -111,6 +113,7 @@ def test_keyboard_interrupt_inside_generate_leaves_the_model_usable(exports, tp)
                     timer.join()
         finally:
             timer.cancel()
+            signal.signal(signal.SIGINT, previous)
         assert model.generate([PROMPT, PROMPT[:50]], max_new_tokens=10) == expected
     finally:
         model.close()
