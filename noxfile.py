@@ -97,12 +97,12 @@ def reference(session):
 # the same torch and the same code in both environments, so the reference session alone runs them.
 ENVIRONMENT_FREE_TESTS = [
     "tests/emulator", "tests/kernels", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
-    "tests/test_conversion_memory.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
+    "tests/test_conversion_memory.py", "tests/test_export_disk_faults.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
     "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_layout.py", "tests/test_long_context.py",
     "tests/test_moe.py",
     "tests/test_moe_parallel.py",
     "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py",
-    "tests/test_rule_bf16_products.py", "tests/test_shard.py",
+    "tests/test_rule_bf16_products.py", "tests/test_shard.py", "tests/test_soak.py",
     "tests/test_speculative_export.py", "tests/test_state_in_place.py",
     "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torchneuron_backend.py",
     "tests/test_vision_tensor_parallel.py",

@@ -47,6 +47,11 @@ class ExportError(Qwen35Error, RuntimeError):
     """An export could not be written."""
 
 
+class WorkerLostError(Qwen35Error, RuntimeError):
+    """A tensor-parallel worker process died, or a call to the workers was interrupted: that call's work and the
+    workers' state are lost; the next call starts the workers again (runtime/worker_pool.py)."""
+
+
 class MissingDependencyError(Qwen35Error, ImportError):
     """An optional dependency this operation needs is not installed (the message names the extra to install)."""
 

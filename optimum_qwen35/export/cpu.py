@@ -26,7 +26,7 @@ from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
 from optimum_qwen35.export.compile import compile_graphs, save_vision_weights
-from optimum_qwen35.export.writer import copy_side_files
+from optimum_qwen35.export.writer import copy_side_files, write_failure
 from optimum_qwen35.hub.cache import fetch_cached_graphs
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.neuron_model import neuron_config as nc
@@ -213,9 +213,9 @@ def save_export(folder: Path, save_directory, overwrite: bool = False) -> Path:
     if target == Path(folder).absolute():
         return target
     check_save_directory(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.partial-{uuid.uuid4().hex[:8]}")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         _copy_tree(Path(folder), staging)
         if target.exists():
             trash = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
@@ -224,6 +224,9 @@ def save_export(folder: Path, save_directory, overwrite: bool = False) -> Path:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(staging, target)
+    except OSError as error:  # a full or read-only disk, no permission: nothing of the export is left there
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ExportError(write_failure(target, error)) from error
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -15,7 +15,9 @@ Rules, checked before anything is written:
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +25,19 @@ from pathlib import Path
 
 from optimum_qwen35.errors import ExportError, UsageError
 from optimum_qwen35.export.layout import MODEL_MARKERS, SIDE_FILES
+
+
+def write_failure(out, error: OSError) -> str:
+    """One line for a write the file system refused (full, read-only, no permission)."""
+    code = error.errno
+    if code is None and isinstance(error, shutil.Error) and error.args and isinstance(error.args[0], list):
+        # copytree gathers its files' errors: (source, target, "[Errno 28] No space left on device: ...") each
+        found = re.search(r"\[Errno (\d+)\]", str(error.args[0][0][-1])) if error.args[0] else None
+        code = int(found.group(1)) if found else None
+    cause = os.strerror(code) if code else str(error)
+    what = {errno.ENOSPC: "the disk is full", errno.EROFS: "the file system is read-only",
+            errno.EACCES: "permission denied", errno.EDQUOT: "the disk quota is exceeded"}.get(code, cause)
+    return f"could not write {out}: {what} ({cause}); nothing was left there: free space or choose another folder"
 
 
 def holds_model(folder: Path) -> bool:
@@ -68,12 +83,18 @@ def check_output_folder(out, sources: Sequence = (), overwrite: bool = False) ->
 def output_folder(out, sources: Sequence = (), overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder to fill; on success it replaces `out` whole, on error it is removed."""
     out = check_output_folder(out, sources, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as error:
+        raise ExportError(write_failure(out, error)) from error
     try:
         yield tmp
+    except OSError as error:  # a full or read-only disk, no permission: nothing half-written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(write_failure(out, error)) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -249,7 +249,17 @@ class Qwen35Runtime:
                 "a prompt holding images runs in one context-encoding call; shorten it or export with a longer one"
             )
 
+    def _forget_lost_state(self) -> None:
+        """After a runner lost its state (a tensor-parallel worker died, or a call to the workers was interrupted:
+        runtime/worker_pool.py `state_epoch`), every slot is empty: a step continuing one is refused."""
+        epoch = getattr(self.graphs, "state_epoch", 0)
+        if epoch != getattr(self, "_state_epoch", 0):
+            self._state_epoch = epoch
+            self.encoded = [0] * self.batch_size
+            self.rope_deltas = [0] * self.batch_size
+
     def _check_slots(self, slots: Sequence[int]) -> list[int]:
+        self._forget_lost_state()
         if isinstance(slots, (str, bytes)) or not isinstance(slots, Sequence):
             raise UsageError(f"slots must be a list of slot numbers, got {type(slots).__name__}")
         slots = list(slots)

@@ -15,20 +15,24 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import logging
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 
-from optimum_qwen35.errors import Qwen35Error
+from optimum_qwen35.errors import Qwen35Error, WorkerLostError
 from optimum_qwen35.runtime.exported import ProgramRunner, read_graphs_manifest
+
+logger = logging.getLogger(__name__)
 
 
 def _send(conn, obj) -> None:
@@ -118,40 +122,74 @@ class WorkerPool(ProgramRunner):
     The workers are fresh interpreters (`python -m optimum_qwen35.runtime.tp_worker`), each talking to this
     process over its own socket pair: unlike multiprocessing's spawn, they never re-import the caller's
     main module, so a script needs no `if __name__ == "__main__":` guard.
+
+    A call waits on every worker's socket at once and wakes up at least every `POLL_SECONDS`: a worker that dies
+    (killed, crashed) ends the call within a second with `WorkerLostError` (one line naming the rank and how it
+    ended), where a blocking read of rank 0 would wait forever on its collective with the dead rank. A call that
+    does not complete (a lost worker, or a KeyboardInterrupt while the workers run) leaves them mid-step: every
+    worker is stopped, `state_epoch` goes up (the host loop then forgets what its slots held: runtime/host_loop.py)
+    and the next call starts the workers again (`restarts` counts it).
     """
+
+    POLL_SECONDS = 0.5
 
     def __init__(self, folder: str | os.PathLike, tp_degree: int, manifest: dict | None = None,
                  runner: str = EXPORTED_RUNNER, dist_backend: str = "gloo", options: dict | None = None):
         self.manifest = manifest or read_graphs_manifest(folder)
         self.folder = folder  # (names the export a prefix cache belongs to: ProgramRunner.prefix_cache_owner)
         self.tp_degree = tp_degree
+        self._runner, self._dist_backend, self._options = runner, dist_backend, options
+        self._conns, self._procs = [], []
+        self._tmp = None
+        self._lock = threading.Lock()
+        self._lost: str | None = None  # why the last call did not complete (the workers are stopped)
+        self.state_epoch = 0  # goes up each time the workers' state is lost
+        self.restarts = 0  # times the workers were started again after that
+        self._start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids, rank by rank (none while the workers are stopped after a lost call)."""
+        return [proc.pid for proc in self._procs]
+
+    def _start(self) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="qwen35-tp-")
-        threads = max(1, (os.cpu_count() or 1) // tp_degree)
+        threads = max(1, (os.cpu_count() or 1) // self.tp_degree)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         store = os.path.join(self._tmp.name, "store")
-        self._conns, self._procs = [], []
-        self._lock = threading.Lock()
-        for rank in range(tp_degree):
+        for rank in range(self.tp_degree):
             ours, theirs = socket.socketpair()
-            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(folder), str(rank),
-                       str(tp_degree), store, str(theirs.fileno()), str(threads), runner, dist_backend,
-                       json.dumps(options or {})]
+            command = [sys.executable, "-m", "optimum_qwen35.runtime.tp_worker", os.fspath(self.folder), str(rank),
+                       str(self.tp_degree), store, str(theirs.fileno()), str(threads), self._runner,
+                       self._dist_backend, json.dumps(self._options or {})]
             self._procs.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
             theirs.close()
             self._conns.append(Connection(ours.detach()))
         try:
-            self._collect()
+            self._collect("loading")
         except BaseException:
-            self.close()
+            self._stop(kill=True)
             raise
 
-    def _collect(self) -> list:
+    def _collect(self, what: str) -> list:
+        """Every rank's answer, in rank order, read as they come. A rank whose socket closes (its process ended)
+        stops every worker and raises `WorkerLostError` (`RuntimeError` while loading)."""
+        answers: dict[int, tuple] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()), timeout=self.POLL_SECONDS)
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        answers[rank] = _recv(conn)
+                    except (EOFError, OSError):
+                        self._worker_ended(rank, what)
+                    del pending[rank]
+                elif self._procs[rank].poll() is not None:  # (its socket closes too; this is the slower net)
+                    self._worker_ended(rank, what)
         results, errors, package_errors = [], [], []
-        for rank, conn in enumerate(self._conns):
-            try:
-                status, value = _recv(conn)
-            except EOFError:
-                status, value = "error", f"exited with code {self._procs[rank].wait()}"
+        for rank in range(len(self._conns)):
+            status, value = answers[rank]
             if status == "error":
                 if isinstance(value, Qwen35Error):
                     package_errors.append(value)  # user-fixable (e.g. weights that do not match): raised as is
@@ -164,15 +202,56 @@ class WorkerPool(ProgramRunner):
             raise RuntimeError("tensor-parallel worker failed:\n" + "\n".join(errors))
         return results
 
+    def _worker_ended(self, rank: int, what: str):
+        proc = self._procs[rank]
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = ("closed its socket" if code is None else f"was killed by signal {signal.Signals(-code).name}"
+               if code < 0 else f"exited with code {code}")
+        if what == "loading":
+            raise RuntimeError(f"tensor-parallel worker failed:\nrank {rank}: {how}")
+        raise WorkerLostError(
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how} during {what}: the call is lost, and so is "
+            f"the state of every slot; the next call starts the {self.tp_degree} workers again"
+        )
+
+    def _round(self, what: str, messages: list) -> list:
+        """Send rank r messages[r], collect every answer. A round that does not complete stops the workers."""
+        with self._lock:
+            if self._lost is not None:
+                logger.warning("starting the tensor-parallel workers again after a lost call (%s)", self._lost)
+                self._start()
+                self._lost = None
+                self.restarts += 1
+            try:
+                for rank, (conn, message) in enumerate(zip(self._conns, messages)):
+                    try:
+                        _send(conn, message)
+                    except OSError:  # its end of the socket is closed: the worker died since the last call
+                        self._worker_ended(rank, what)
+                return self._collect(what)
+            except (Qwen35Error, RuntimeError) as error:
+                if not isinstance(error, WorkerLostError):
+                    raise  # every rank answered (an error in a graph call): the workers are in step
+                self._lose(str(error))
+                raise
+            except BaseException as error:  # KeyboardInterrupt, a broken socket, ...: some answers are unread
+                self._lose(f"{type(error).__name__} during {what}")
+                raise
+
+    def _lose(self, why: str) -> None:
+        self._stop(kill=True)
+        self._lost = why
+        self.state_epoch += 1
+
     def _on_every_rank(self, op: str, args: tuple):
         """Send every rank the same message; rank 0's answer."""
-        with self._lock:
-            for conn in self._conns:
-                _send(conn, (op, args))
-            return self._collect()[0]
+        return self._round(op, [(op, args)] * self.tp_degree)[0]
 
     def run(self, name: str, *inputs: torch.Tensor, restore: list[int] | None = None) -> torch.Tensor:
-        return self._on_every_rank("run", (name, inputs, restore))
+        return self._round(name, [("run", (name, inputs, restore))] * self.tp_degree)[0]
 
     # Speculative decoding (an export made with mtp=True): the host loop's steps, run by every rank.
     def context_hidden(self, *args):
@@ -189,34 +268,41 @@ class WorkerPool(ProgramRunner):
 
     # A prefix cache's snapshots of a slot (runtime/prefix_cache.py): every rank's share, rank after rank.
     def take_block(self, slot: int, start: int, end: int) -> list[torch.Tensor]:
-        with self._lock:
-            for conn in self._conns:
-                _send(conn, ("take_block", (slot, start, end)))
-            return [tensor for share in self._collect() for tensor in share]
+        shares = self._round("take_block", [("take_block", (slot, start, end))] * self.tp_degree)
+        return [tensor for share in shares for tensor in share]
 
     def restore_blocks(self, slot: int, snapshots: list[list[torch.Tensor]], block_size: int) -> None:
         n = len(self.manifest["state"])  # state tensors per rank
-        with self._lock:
-            for rank, conn in enumerate(self._conns):
-                shares = [snapshot[rank * n : (rank + 1) * n] for snapshot in snapshots]
-                _send(conn, ("restore_blocks", (slot, shares, block_size)))
-            self._collect()
+        messages = [("restore_blocks", (slot, [snapshot[rank * n : (rank + 1) * n] for snapshot in snapshots],
+                                        block_size)) for rank in range(self.tp_degree)]
+        self._round("restore_blocks", messages)
 
-    def close(self) -> None:
-        for conn in self._conns:
-            try:
-                _send(conn, None)
-            except OSError:
-                pass
+    def _stop(self, kill: bool = False) -> None:
+        """Ask every worker to stop and wait for it (`kill`: kill them at once, as after a lost call, where a worker
+        may wait forever in a collective with a dead rank), then drop the sockets and the store."""
+        for proc, conn in zip(self._procs, self._conns):
+            if kill:
+                proc.kill()
+            else:
+                try:
+                    _send(conn, None)
+                except OSError:
+                    pass
         for proc in self._procs:
             try:
                 proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001
+            except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def close(self) -> None:
+        self._stop()
 
     def __del__(self):
         if getattr(self, "_procs", None):

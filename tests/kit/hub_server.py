@@ -26,6 +26,8 @@ user name and whether it may write. A user reads and writes repos under its own 
 readable by anyone. Every request is logged (`server.requests`) and `server.fail_commits = True` makes the
 commit endpoint answer 500, so tests can check what a failed upload leaves behind; `server.drop_uploads = True`
 closes the connection of every LFS upload without an answer (a connection that drops mid-push);
+`server.cut_downloads = n` cuts the next n file downloads mid-file (half the announced bytes, then the connection
+closes);
 `server.commit_url_base` sets the host of the commit URL a commit answers with (the Hub's public URL, whatever
 endpoint the client used).
 
@@ -45,6 +47,7 @@ import fnmatch
 import hashlib
 import json
 import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -138,6 +141,7 @@ class HubServer:
         self.lfs_store: dict[str, bytes] = {}
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
         self.fail_commits = False
+        self.cut_downloads = 0  # file downloads (GET resolve) still to cut mid-file
         self.drop_uploads = False
         self.commit_url_base: str | None = None
         self._pending_uploads: dict[str, tuple[str, int]] = {}  # upload key -> (sha256, size)
@@ -609,4 +613,20 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"}, head=head)
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
             data, status = data[start : end + 1], 206
+        if not head and len(data) > 1 and self.hub.cut_downloads > 0:
+            self.hub.cut_downloads -= 1
+            return self._send_cut(status, data, headers)
         self._send(status, data, headers, head=head)
+
+    def _send_cut(self, status: int, body: bytes, headers: dict) -> None:
+        """A download cut mid-file: the whole length announced, half the bytes sent, the connection closed."""
+        self.send_response(status)
+        headers = {**headers, "Content-Length": str(len(body))}
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body[: len(body) // 2])
+        self.wfile.flush()
+        self.close_connection = True
+        self.connection.shutdown(socket.SHUT_RDWR)
+        self.hub.requests.append((self.command, urlsplit(self.path).path, "cut"))
