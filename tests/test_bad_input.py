@@ -114,7 +114,7 @@ BAD_SIZES = [
     ("max_new_tokens=0", dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
     ("max_new_tokens=-1", dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 1, got -1"),
     ("max_new_tokens=2.0", dict(max_new_tokens=2.0), "max_new_tokens must be an integer >= 1, got 2.0 (float)"),
-    ("max_new_tokens too many", dict(max_new_tokens=40), "exceeds max_length 32; lower max_new_tokens"),
+    ("max_new_tokens too many", dict(max_new_tokens=40), "exceeds max_length 32 (room for 29 new tokens); lower max_new_tokens"),
     ("eos float", dict(eos_token_id=[1.5]), "eos_token_id[0] = 1.5 (float) is not an integer"),
     ("streamer not callable", dict(streamer=3), "streamer must be a callable"),
 ]

@@ -98,7 +98,7 @@ def test_optimum_neuron_commands_name_the_stack_they_need_without_optimum_neuron
 def test_optimum_cli_export_neuron_is_provided_whatever_torch_neuronx_says(monkeypatch):
     """TorchNeuron's package is named torch-neuronx: its presence must not hand `export neuron` to an optimum-neuron
     that is not installed. find_spec answers for a real `torch_neuronx` package put on sys.path."""
-    pytest.importorskip("optimum.commands", reason="optimum's CLI (the torchneuron session installs optimum 2.x)")
+    pytest.importorskip("optimum.commands.base", reason="optimum's CLI (the torchneuron session installs optimum 2.x)")
     assert not optimum_cli.optimum_neuron_command_registered()
     assert [command.COMMAND.name for command, _ in optimum_cli._commands()] == ["neuron"]
 

@@ -48,7 +48,8 @@ def _environment() -> str | None:
     import transformers  # noqa: PLC0415
 
     if int(transformers.__version__.split(".")[0]) >= 5:
-        if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.commands") is not None:
+        # optimum's CLI itself (this package's register file alone makes `optimum.commands` a namespace package)
+        if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.commands.base"):
             return "torchneuron"  # optimum 2.x's CLI with transformers 5: no optimum-neuron can be there
         return "reference"
     if importlib.util.find_spec("optimum.neuron") is not None:
@@ -77,6 +78,7 @@ DOCUMENTS = {
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
     "docs/torchneuron_stack.md": None,  # its flow runs as tests/torchneuron_stack (Python 3.13, no optimum-neuron)
     "docs/fp8.md": "reference",
+    "docs/soak.md": None,  # its commands are benchmarks/soak.py's, run in small form by tests/test_soak.py
 }
 # Sections (document, the heading they start with, up to the next heading of level 2 or 3) whose blocks run in
 # another environment than the rest of the document.

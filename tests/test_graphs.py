@@ -182,7 +182,7 @@ def test_clear_errors():
     model = Qwen35Runtime.from_pretrained(LAYOUT, batch_size=2, max_length=64, buckets=[32, 64])
     with pytest.raises(ValueError, match="prompt of 65 tokens is longer than the model's max_length \\(64\\)"):
         model.generate([random_prompt(65, 0)], max_new_tokens=1)
-    with pytest.raises(ValueError, match=r"exceeds max_length 64; lower max_new_tokens"):
+    with pytest.raises(ValueError, match=r"exceeds max_length 64 \(room for 4 new tokens\); lower max_new_tokens"):
         model.generate([random_prompt(60, 0)], max_new_tokens=8)
     with pytest.raises(ValueError, match="empty prompt"):
         model.prefill([[]], [0])

@@ -40,6 +40,16 @@ def write_failure(out, error: OSError) -> str:
     return f"could not write {out}: {what} ({cause}); nothing was left there: free space or choose another folder"
 
 
+WRITE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)
+
+
+def is_write_failure(error: OSError) -> bool:
+    """Whether the file system refused a write (full, read-only, no permission), as `write_failure` words it."""
+    if isinstance(error, shutil.Error):
+        return True  # copytree's gathered errors: copying into the folder failed
+    return error.errno in WRITE_ERRNOS
+
+
 def holds_model(folder: Path) -> bool:
     return any((folder / m).is_file() for m in MODEL_MARKERS) or any(folder.glob("*.safetensors"))
 
@@ -92,8 +102,10 @@ def output_folder(out, sources: Sequence = (), overwrite: bool = False) -> Itera
         raise ExportError(write_failure(out, error)) from error
     try:
         yield tmp
-    except OSError as error:  # a full or read-only disk, no permission: nothing half-written is left
+    except OSError as error:  # nothing half-written is left; a full or read-only disk, no permission: one line
         shutil.rmtree(tmp, ignore_errors=True)
+        if not is_write_failure(error):
+            raise  # another failure (a source that cannot be read, say) says what it is itself
         raise ExportError(write_failure(out, error)) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
