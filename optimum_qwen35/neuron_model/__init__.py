@@ -13,7 +13,7 @@ __all__ = ["Qwen35ModelForCausalLM", "NeuronModelForCausalLM", "neuron_model_cla
 def neuron_model_class():
     """The `NeuronModelForCausalLM` of this stack: optimum-neuron's subclass where optimum-neuron imports
     (`optimum_neuron/modeling.py`), else this package's own `Qwen35ModelForCausalLM` (the same API)."""
-    from importlib.util import find_spec
+    from importlib.util import find_spec  # start-up time: `import optimum_qwen35` stays light
 
     if find_spec("optimum") is not None and find_spec("optimum.neuron") is not None:
         from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # start-up: imports optimum-neuron

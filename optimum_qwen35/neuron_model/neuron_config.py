@@ -150,7 +150,7 @@ def neuronxcc_version() -> str | None:
 def optimum_neuron_version() -> str | None:
     """The installed optimum-neuron's version, or None (the TorchNeuron stack). Read from the package metadata:
     importing optimum.neuron is slow and probes for a device."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # start-up time: read on use
 
     try:
         return version("optimum-neuron")

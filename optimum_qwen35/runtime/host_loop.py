@@ -6,6 +6,14 @@ rope delta, chooses the buckets, splits prompts longer than the largest context 
 slot (chunked prefill), lets decode steps attend over the smallest cache bucket (`key_buckets`) that covers every
 active position, runs waves of more prompts than slots, and places images (runtime/images.py `ImageInputs`).
 
+This file holds the slots, the buckets and the two steps (`prefill`, `decode`) with teacher-forced `logits`; the
+paths built on them are mixins in their own files, as transformers' `GenerationMixin`:
+
+    GenerationMixin   runtime/generation.py      `generate`: plain decoding, and speculative decoding's waves
+                                                 (runtime/speculative.py)
+    PrefixCacheMixin  runtime/cached_prefill.py  `set_prefix_cache`, and `prefill` through the prefix cache
+                                                 (runtime/prefix_cache.py)
+
 The graphs themselves, their weights and the state they update in place belong to a graph runner:
 
     EagerGraphs      runtime/eager.py       the decoder's modules in this process (optionally traced)
@@ -28,7 +36,6 @@ positions, seq_ids, restore)`; `max_context_length` (or None) bounds what one co
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 from collections.abc import Sequence
 
@@ -39,17 +46,16 @@ from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UnsupportedModelError, UsageError
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
+from optimum_qwen35.runtime.cached_prefill import PrefixCacheMixin
 from optimum_qwen35.runtime.eager import EagerGraphs, load_decoder
 from optimum_qwen35.runtime.exported import ExportedGraphs, read_graphs_manifest
-from optimum_qwen35.runtime.speculative import SpeculationStats, check_runner, generate_wave
+from optimum_qwen35.runtime.generation import GenerationMixin
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS, ImageInputs, load_vision_encoder
-from optimum_qwen35.runtime.min_new_tokens import suppress_eos
-from optimum_qwen35.runtime.prefix_cache import PrefixCache, piece_graph
+from optimum_qwen35.runtime.prefix_cache import PrefixCache
 from optimum_qwen35.runtime.worker_pool import WorkerPool
 
-logger = logging.getLogger(__name__)
 
-class Qwen35Runtime:
+class Qwen35Runtime(GenerationMixin, PrefixCacheMixin):
     """Greedy or sampled generation and teacher-forced logits through a graph runner's static-shape graphs."""
 
     def __init__(
@@ -191,41 +197,6 @@ class Qwen35Runtime:
     def close(self) -> None:
         """Stop the runner's worker processes (if any) and drop its programs."""
         self.graphs.close()
-
-    def set_prefix_cache(self, cache: PrefixCache | None) -> None:
-        """Turn prefix caching on (a `PrefixCache`, which several runtimes of the same model may share) or off (None).
-
-        With a cache, `prefill` of fresh text prompts (start 0, no images) runs context encoding in blocks of the
-        cache's block size at block-aligned positions, stores the slot's state after each full block, and resumes a
-        prompt whose first blocks are cached from the last of them: the same operations on the same inputs as a cold
-        run with the cache on, so a hit gives the same logits, bit for bit. It needs a runner
-        whose context graphs continue a sequence: `EagerGraphs` (any block size), or a cpu export compiled with
-        continuing context programs (`ExportedGraphs`, `WorkerPool`: the export's block size; docs/prefix_caching.md)."""
-        if cache is None:
-            self.prefix_cache = None
-            return
-        if not isinstance(cache, PrefixCache):
-            raise UsageError(f"prefix_cache must be a PrefixCache or None, got {type(cache).__name__}")
-        owner = getattr(self.graphs, "prefix_cache_owner", None)
-        if owner is None:
-            raise IncompatibleExportError(
-                f"prefix caching needs a runner whose context graphs continue a sequence (the eager runtime, "
-                f"Qwen35Runtime.from_pretrained, or a cpu export made with continuing context programs); this "
-                f"{type(self.graphs).__name__} has none: export the model again (docs/prefix_caching.md)"
-            )
-        block = getattr(self.graphs, "prefix_block_size", None)
-        if block is not None and cache.block_size != block:
-            raise UsageError(
-                f"this export's continuing context programs were compiled for blocks of {block} tokens, the prefix "
-                f"cache's are {cache.block_size}: use PrefixCache(block_size={block}, ...)"
-            )
-        if cache.block_size > self.buckets[-1]:
-            raise UsageError(
-                f"the prefix cache's block_size ({cache.block_size}) is longer than the largest context bucket "
-                f"({self.buckets[-1]}): a block runs in one context-encoding call; choose a smaller block_size"
-            )
-        cache.bind(owner)
-        self.prefix_cache = cache
 
     # ------------------------------------------------------------------ buckets and checks
     def bucket_for(self, length: int) -> int:
@@ -389,69 +360,6 @@ class Qwen35Runtime:
         width = max(len(p) for p in prompts)
         return torch.stack([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])) for x in per_prompt])
 
-    def _prefill_cached(self, prompts: list[list[int]], slots: list[int], all_logits: bool):
-        """`prefill` of fresh text prompts through the prefix cache.
-
-        Each prompt restores its longest cached run of blocks into its slot (at most up to its last token, which is
-        always computed: its logits are the result) and encodes the rest in pieces that end at block boundaries:
-        piece [s, e) runs in the context bucket of e - s tokens, attending over the cache bucket of e (none for the
-        first, fresh piece), so a piece's graph depends on the prompt's length and the piece's place only, never on
-        the other rows or on where the hit ended. A call runs every row whose next piece has the graph of the row
-        furthest behind. After a full block the slot's state is stored (`take_block`), unless the cache has it."""
-        cache, bs = self.prefix_cache, self.prefix_cache.block_size
-        B, n = self.batch_size, len(prompts)
-        keys = [cache.keys(p) for p in prompts]
-        done = []
-        for p, slot, chain in zip(prompts, slots, keys):
-            entries = cache.lookup(p, chain)[: (len(p) - 1) // bs]
-            if entries:
-                self.graphs.restore_blocks(slot, [e.snapshot for e in entries], bs)
-            done.append(len(entries) * bs)
-        self.last_prefix_hits = list(done)
-        results: list[list[torch.Tensor]] = [[] for _ in range(n)]
-
-        def piece(i):
-            return done[i], min(len(prompts[i]), (done[i] // bs + 1) * bs)
-
-        def graph(i):
-            return piece_graph(*piece(i), self.buckets, self.key_buckets)
-
-        while any(d < len(p) for d, p in zip(done, prompts)):
-            rows = [i for i in range(n) if done[i] < len(prompts[i])]
-            T, key_length = graph(min(rows, key=lambda i: done[i]))
-            rows = [i for i in rows if graph(i) == (T, key_length)]
-            ids = torch.zeros(B, T, dtype=torch.int32)
-            mask = torch.zeros(B, T, dtype=torch.int32)
-            positions = torch.zeros(B, T, dtype=torch.int32)
-            seq_ids = torch.full((B,), -1, dtype=torch.int32)
-            for i in rows:
-                start, end = piece(i)
-                ids[i, : end - start] = torch.as_tensor(prompts[i][start:end], dtype=torch.int32)
-                mask[i, : end - start] = 1
-                positions[i, : end - start] = torch.arange(start, end, dtype=torch.int32)
-                seq_ids[i] = slots[i]
-            out = self.graphs.context(T, all_logits, key_length, ids, mask, positions, seq_ids)
-            for i in rows:
-                start, end = piece(i)
-                results[i].append(out[i, : end - start] if all_logits else out[i])
-                done[i] = end
-                if end - start == bs:  # a full block (pieces start at block boundaries)
-                    prefix, key = prompts[i][:end], keys[i][end // bs - 1]
-                    if not cache.contains(prefix, key):
-                        cache.insert(prefix, key, self.graphs.take_block(slots[i], start, end), keys[i][: end // bs - 1])
-        for p, slot, chain in zip(prompts, slots, keys):
-            cache.touch(chain)
-            self.encoded[slot] = len(p)
-            self.rope_deltas[slot] = 0
-        if not all_logits:
-            return torch.stack([r[-1] for r in results])
-        width = max(len(p) for p in prompts)
-        out = torch.full((n, width, results[0][0].shape[-1]), float("nan"), dtype=results[0][0].dtype)
-        for i, (r, hit) in enumerate(zip(results, self.last_prefix_hits)):
-            logits = torch.cat(r)
-            out[i, hit : hit + logits.shape[0]] = logits
-        return out
-
     @torch.no_grad()
     def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """One token per slot at the given positions. Returns next-token logits [n, vocab]."""
@@ -554,148 +462,4 @@ class Qwen35Runtime:
             slots = list(range(len(group)))
             out = self.graphs.scores(T, ids, mask, positions, self._seq_ids(slots), restore=slots)
             results += [out[row, : len(prompt)].float() for row, prompt in enumerate(group)]
-        return results
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int | Sequence[int] = 32,
-        eos_token_id: int | Sequence[int] | None = None,
-        streamer=None,
-        sampler=None,
-        pixel_values=None,
-        image_grid_thw=None,
-        stop=None,
-        min_new_tokens: int = 0,
-        num_speculative_tokens: int = 0,
-        distribution=None,
-        generator: torch.Generator | None = None,
-    ) -> list[list[int]]:
-        """Greedy decoding (or `sampler(logits [n, vocab]) -> tokens [n]`); returns up to `max_new_tokens`
-        (>= 1) new tokens of each prompt, stopping after an EOS token; `max_new_tokens` may also be one limit per
-        prompt (each row stops at its own, the others run on). `min_new_tokens` (default 0): no EOS token is chosen
-        before that many new tokens (transformers' `min_new_tokens`). Prompts beyond `batch_size` run in successive
-        waves (logged once per model). `streamer(step, tokens)` is called once per step with the tokens of the wave's
-        rows; `stop(first_row, new_tokens, logits) -> one bool per wave row` (optional) after each step, with the
-        index of the wave's first prompt, each wave row's new tokens so far and the logits the step's tokens were
-        chosen from: a row it flags finishes there, as after an EOS. Prompts holding images take the processor's
-        `pixel_values` [patches, patch_dim] and `image_grid_thw` [images, 3], the images in prompt order. Every
-        argument is checked before the first graph runs.
-
-        `num_speculative_tokens=k` (0: off, the default) decodes speculatively with the checkpoint's own
-        multi-token-prediction head (loaded with `from_pretrained(..., mtp=True)`; runtime/speculative.py): k drafts
-        per step, verified in one graph. Greedy, it returns exactly what greedy decoding returns; sampled, pass
-        `distribution(logits [n, vocab]) -> probabilities [n, vocab]` (instead of `sampler`) and optionally a
-        `generator`: the standard rejection rule keeps plain sampling's distribution. Per-row `max_new_tokens` and
-        `min_new_tokens` and `stop` as above (called once per step as plain decoding calls it, its rows' tokens the
-        same); text prompts only; a `streamer` with one prompt only (called once per new token,
-        `streamer(index, [token])`). `self.speculation` holds the last call's counts (acceptance length)."""
-        num_speculative_tokens = validation.positive_int(num_speculative_tokens, "num_speculative_tokens", minimum=0)
-        if num_speculative_tokens:
-            return self._generate_speculative(prompts, max_new_tokens, eos_token_id, num_speculative_tokens, distribution,
-                                              generator, streamer, sampler, pixel_values, image_grid_thw, stop,
-                                              min_new_tokens)
-        if distribution is not None or generator is not None:
-            raise UsageError("distribution and generator go with num_speculative_tokens > 0 (plain sampling takes sampler)")
-        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        limits = self._new_token_limits(prompts, max_new_tokens)
-        min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
-        eos = validation.eos_ids(eos_token_id)
-        for name, fn in (("streamer", streamer), ("sampler", sampler), ("stop", stop)):
-            if fn is not None and not callable(fn):
-                raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
-        choose = sampler or (lambda logits: logits.argmax(-1))
-
-        def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
-            return choose(suppress_eos(logits, eos, step, min_new_tokens))
-
-        images = self._image_prompts(prompts, pixel_values, image_grid_thw)  # the vision tower runs after the checks
-        if len(prompts) > self.batch_size and not self._waves_logged:
-            self._waves_logged = True
-            logger.warning(
-                "generate: %d prompts on a model of batch size %d run in %d successive waves of at most %d rows "
-                "(logged once); build or export the model with a larger batch size to run them together",
-                len(prompts), self.batch_size, -(-len(prompts) // self.batch_size), self.batch_size,
-            )
-        results: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            group = prompts[start : start + self.batch_size]
-            group_limits = limits[start : start + self.batch_size]
-            slots = list(range(len(group)))
-            group_images = None if images is None else images[start : start + self.batch_size]
-            logits = self.prefill(group, slots, images=group_images)
-            next_tokens = pick(logits, 0).tolist()
-            positions = [len(p) for p in group]
-            outputs = [[] for _ in group]
-            done = [False] * len(group)
-            steps = max(group_limits)
-            for step in range(steps):
-                for i in range(len(group)):
-                    if not done[i]:
-                        outputs[i].append(next_tokens[i])
-                        done[i] = next_tokens[i] in eos or len(outputs[i]) >= group_limits[i]
-                if streamer is not None:
-                    streamer(step, next_tokens[: len(group)])
-                if stop is not None:
-                    done = [d or bool(f) for d, f in zip(done, stop(start, outputs, logits[: len(group)]))]
-                if all(done) or step == steps - 1:
-                    break
-                # A row past its own limit is finished: it still rides along (its slot, its garbage tokens), held at
-                # the last cache position so that it never runs past max_length.
-                logits = self.decode(next_tokens, [min(p, self.max_length - 1) for p in positions], slots)
-                next_tokens = pick(logits, step + 1).tolist()
-                positions = [p + 1 for p in positions]
-            results += outputs
-        return results
-
-    def _new_token_limits(self, prompts: Sequence[Sequence[int]], max_new_tokens) -> list[int]:
-        """`max_new_tokens` (one int, or one per prompt) checked against each prompt: one limit per prompt."""
-        if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes)):
-            if len(max_new_tokens) != len(prompts):
-                raise UsageError(
-                    f"max_new_tokens has {len(max_new_tokens)} limits for {len(prompts)} prompts: give one int or one per prompt"
-                )
-            limits = [validation.positive_int(n, "max_new_tokens") for n in max_new_tokens]
-        else:
-            limits = [validation.positive_int(max_new_tokens, "max_new_tokens")] * len(prompts)
-        for row, (p, limit) in enumerate(zip(prompts, limits)):
-            self._check_length(len(p))  # a prompt longer than max_length gets that error first
-            if len(p) + limit > self.max_length:
-                raise UsageError(
-                    f"row {row}: prompt ({len(p)} tokens) + max_new_tokens ({limit}) exceeds max_length "
-                    f"{self.max_length} (room for {self.max_length - len(p)} new tokens); lower max_new_tokens or "
-                    "build (export) the model with a larger max_length"
-                )
-        return limits
-
-    # Without no_grad the head, verify and commit calls (runtime/speculative.py calls the graphs directly, not through
-    # prefill / decode) recorded autograd graphs over the decoder's parameters: CPU time spent for nothing, and at
-    # TP > 1 the gathered logits' in-place write failed under grad mode.
-    @torch.no_grad()
-    def _generate_speculative(self, prompts, max_new_tokens, eos_token_id, k, distribution, generator, streamer,
-                              sampler, pixel_values, image_grid_thw, stop, min_new_tokens) -> list[list[int]]:
-        """`generate(..., num_speculative_tokens=k)`: runtime/speculative.py, wave by wave."""
-        prompts = validation.token_ids(prompts, self.config.vocab_size, allow_no_prompt=True)
-        eos = validation.eos_ids(eos_token_id)
-        min_new_tokens = validation.positive_int(min_new_tokens, "min_new_tokens", minimum=0)
-        if any(x is not None for x in (sampler, pixel_values, image_grid_thw)):
-            raise UsageError(
-                "speculative decoding takes text prompts, greedy or `distribution` sampling: no sampler or images "
-                "(pass num_speculative_tokens=0 with them)"
-            )
-        for name, fn in (("distribution", distribution), ("streamer", streamer), ("stop", stop)):
-            if fn is not None and not callable(fn):
-                raise UsageError(f"{name} must be a callable or None, got {type(fn).__name__}")
-        if streamer is not None and len(prompts) != 1:
-            raise UsageError(f"a streamer with speculative decoding takes one prompt, got {len(prompts)}: pass one prompt "
-                             "per call, or num_speculative_tokens=0 to stream a batch")
-        check_runner(self.graphs, k)
-        limits = self._new_token_limits(prompts, max_new_tokens)
-        self.speculation = SpeculationStats()
-        results: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            group = prompts[start : start + self.batch_size]
-            results += generate_wave(self, group, list(range(len(group))), limits[start : start + self.batch_size], eos,
-                                     k, distribution, generator, self.speculation, min_new_tokens, streamer, stop,
-                                     first_row=start)
         return results

@@ -1,5 +1,5 @@
 """transformers' `min_new_tokens` rule (its MinNewTokensLengthLogitsProcessor), one place for plain and speculative
-decoding (runtime/host_loop.py, runtime/speculative.py): before that many new tokens, no EOS token can be chosen."""
+decoding (runtime/generation.py, runtime/speculative.py): before that many new tokens, no EOS token can be chosen."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ cache keeps, for each full block of `block_size` tokens a prompt has encoded (bl
                      at the block's end
 
 A prompt whose first n blocks are cached gets the KV of blocks 0 .. n - 1 and the DeltaNet states of block n - 1,
-and context encoding resumes at position n * block_size (runtime/host_loop.py). `snapshot_bytes` is what one block
+and context encoding resumes at position n * block_size (runtime/cached_prefill.py). `snapshot_bytes` is what one block
 holds (`block_bytes_per_layer` splits it by layer kind).
 
 Keys are a hash chain over the blocks, as vLLM's block hashing: block k's key hashes block k - 1's key with block

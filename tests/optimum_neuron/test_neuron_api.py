@@ -1,7 +1,7 @@
-"""The SDK-only modules of the Neuron backend (`optimum_qwen35/backends/nxd/model.py`) against optimum-neuron 0.4.5's
-installed source, read as text (importing it needs the Neuron SDK): every name imported from optimum-neuron exists,
-every method overridden exists in the base classes with the same parameters, every keyword passed to an
-optimum-neuron constructor is one it takes. This checks names and signatures only: nothing of it runs here.
+"""The SDK-only modules of the Neuron backend (`optimum_qwen35/backends/nxd/` model.py, builders.py, traced.py) against
+optimum-neuron 0.4.5's installed source, read as text (importing it needs the Neuron SDK): every name imported from
+optimum-neuron exists, every method overridden exists in the base classes with the same parameters, every keyword
+passed to an optimum-neuron constructor is one it takes. This checks names and signatures only: nothing of it runs here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ try:
 except metadata.PackageNotFoundError:
     pytest.skip(NEEDS_OPTIMUM_NEURON, allow_module_level=True)
 
-OURS = Path(__file__).parents[2] / "optimum_qwen35" / "backends" / "nxd" / "model.py"
+NXD = Path(__file__).parents[2] / "optimum_qwen35" / "backends" / "nxd"
+OURS = [NXD / "model.py", NXD / "builders.py", NXD / "traced.py"]
 BACKEND = "optimum/neuron/models/inference/backend/"
 # Our class -> the optimum-neuron classes it derives from, nearest first, (file, class).
 BASES = {
@@ -54,7 +55,8 @@ def methods(tree: ast.Module, cls: str) -> dict[str, list[str]]:
     return {f.name: [a.arg for a in f.args.args + f.args.kwonlyargs] for f in node.body if isinstance(f, ast.FunctionDef)}
 
 
-OUR_TREE = ast.parse(OURS.read_text())
+# The three files read as one module (each class is defined once among them).
+OUR_TREE = ast.Module(body=[node for path in OURS for node in ast.parse(path.read_text()).body], type_ignores=[])
 # Methods of ours that override nothing, by design (the host loop over the graphs, the rank split of the weights).
 OUR_HELPERS = {"_host_runtime", "_runtime_for_images", "_rows_logits", "_ranks", "_rank_state_dicts"}
 

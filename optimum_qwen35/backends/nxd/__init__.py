@@ -10,9 +10,11 @@ graph needs around it:
     runner.py      (optimum-neuron) the graph runner of the host loop (runtime/host_loop.py) over the traced model,
                    for prompts holding images
     layers.py      (SDK) the layer factory over neuronx-distributed's parallel layers
-    model.py       (SDK) the traced module, the graph builders, the NxDModelForCausalLM subclass
+    traced.py      (SDK) the traced modules (the decoder, the vision tower of one image bucket), the graphs' tags
+    builders.py    (SDK) the graph builders and model instances (text, logits, image, vision, speculative graphs)
+    model.py       (SDK) the NxDModelForCausalLM subclass and its decoder wrapper
 
-Importing this package imports nothing; `layers` and `model` import the Neuron SDK and are imported only by the
-Neuron targets of `optimum_qwen35.optimum_neuron.Qwen35NeuronModelForCausalLM`. See docs/neuron_backend.md for
-what has never run with the SDK or on a device.
+Importing this package imports nothing; `layers`, `traced`, `builders` and `model` import the Neuron SDK and are
+imported only by the Neuron targets of `optimum_qwen35.optimum_neuron.Qwen35NeuronModelForCausalLM`. See
+docs/neuron_backend.md for what has never run with the SDK or on a device.
 """

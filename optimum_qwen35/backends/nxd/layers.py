@@ -111,6 +111,9 @@ class NxDLayers:
     token_block = None
     # Functional state updates: each state output must be a new value aliased to its input (modeling/state.py).
     state_in_place = False
+    # The functional updates already take int32 indices and rank <= 4 forms (`Slots`' XLA path): the TorchNeuron
+    # layers' in-place graph form is not needed here.
+    state_graph_form = False
 
     def __init__(self, tp_degree: int, dtype: torch.dtype, kernel_backend: str = FOR_NEURON, kernel_lnc: int = 1):
         # kernel_backend: what the DeltaNet layers of the traced module call (`adapter.kernel_backend`): "nki" launches

@@ -61,13 +61,13 @@ def kernel_seam_decompositions() -> dict:
     """The DeltaNet kernel seams (`torch.library` custom ops, one node each in the Dynamo graph) lowered as the torch
     backend's implementation of the same seam, traced into ATen: what this check can lower. On TorchNeuron the NKI
     kernels would enter the graph as custom calls instead (`nki_op` / `wrap_nki`; docs/torchneuron.md)."""
-    from optimum_qwen35.kernels import backends
+    from optimum_qwen35.kernels import backends  # start-up time
 
     # The decode reference updates its own new state tensor in place (the rank-1 update: one state-sized tensor fewer
     # on CPU); a decomposition must be functional, so decode runs the reference seam over the same step written
     # out of place (the same operations). The prefill reference (the chunked rule) is functional as it is.
-    from optimum_qwen35.kernels.gated_delta_rule import fused
-    from optimum_qwen35.kernels.gated_delta_rule.reference import _compute_dtype, expand_key_heads
+    from optimum_qwen35.kernels.gated_delta_rule import fused  # start-up time
+    from optimum_qwen35.kernels.gated_delta_rule.reference import _compute_dtype, expand_key_heads  # start-up time
 
     def functional_step(q, k, v, g, beta, state):
         dtype = _compute_dtype(q, k, v, g, beta, state)
@@ -106,8 +106,8 @@ def kernel_seam_decompositions() -> dict:
 
 
 def decomposition_table(extra: dict | None = None) -> dict:
-    from torch._decomp import get_decompositions
-    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+    from torch._decomp import get_decompositions  # start-up time
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table  # optional dependency (torch-mlir)
 
     table = dict(get_decomposition_table())
     table.update(get_decompositions(EXTRA_DECOMPOSITIONS))
@@ -195,7 +195,7 @@ def _isa(cls, obj) -> bool:
 
 
 def _numpy_dtype(element):
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     if _isa(ir.F64Type, element):
         return np.float64
@@ -210,7 +210,7 @@ def _numpy_dtype(element):
 
 
 def _constant_value(op):
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     attr = op.attributes["value"]
     element = ir.RankedTensorType(attr.type).element_type
@@ -227,7 +227,7 @@ def _constant_value(op):
 
 
 def _dense_attr(value: np.ndarray, tensor_type):
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     element = ir.RankedTensorType(tensor_type).element_type
     if _isa(ir.BF16Type, element):  # exactly representable: the folded values are rounded once, here
@@ -250,7 +250,7 @@ def fold_f64_constants(module) -> int:
     at once, and torch-mlir's static length arithmetic (`ceil((end - start) / step)` of an arange, in f64). Exact:
     each folded constant is the value the op would compute, in the op's result type. An f64 value that depends on
     a graph input is not touched (and fails the contract)."""
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     def walk(op):
         for region in op.regions:
@@ -312,7 +312,7 @@ def narrow_widened_indices(module) -> int:
     i32 values (the model's int32 indices) and ends only in index operands, it is rebuilt in i32 (the same ops, element
     type i32). Exact: every value of the chain is one of the i32 values it started from. Returns how many ops were
     rebuilt. An i64 index computed with (int64 arithmetic, an int64 input) is not touched (and fails the contract)."""
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     def walk(op):
         for region in op.regions:
@@ -382,9 +382,9 @@ def loaded_context():
     """An MLIR context with the torch, torch_c and StableHLO dialects loaded (the last two are loaded by the passes
     that create their ops: a one-op function is lowered through the pipeline once), so that their ops can be built
     before those passes run, and StableHLO text parsed (`stablehlo_contract.parse`)."""
-    from torch_mlir import ir
-    from torch_mlir.compiler_utils import run_pipeline_with_repro_report
-    from torch_mlir.dialects import torch as torch_d
+    from torch_mlir import ir  # optional dependency (torch-mlir)
+    from torch_mlir.compiler_utils import run_pipeline_with_repro_report  # optional dependency (torch-mlir)
+    from torch_mlir.dialects import torch as torch_d  # optional dependency (torch-mlir)
 
     context = ir.Context()
     torch_d.register_dialect(context)
@@ -420,9 +420,9 @@ class CheckBackend:
         )(gm, example_inputs)
 
     def _lower(self, gm: torch.fx.GraphModule, example_inputs, start: float) -> Callable:
-        from torch_mlir import ir
-        from torch_mlir.compiler_utils import run_pipeline_with_repro_report
-        from torch_mlir.extras.fx_importer import FxImporter
+        from torch_mlir import ir  # optional dependency (torch-mlir)
+        from torch_mlir.compiler_utils import run_pipeline_with_repro_report  # optional dependency (torch-mlir)
+        from torch_mlir.extras.fx_importer import FxImporter  # optional dependency (torch-mlir)
 
         aliases, n_user = rewrite_input_mutations(gm)
         seconds = {"aot": time.perf_counter() - start}

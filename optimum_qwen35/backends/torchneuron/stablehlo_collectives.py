@@ -36,7 +36,7 @@ def _string_operand(value) -> str:
     owner = value.owner
     if owner.operation.name != "torch.constant.str":
         raise AssertionError(f"a collective's argument is not a constant string: {owner}")
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     return ir.StringAttr(owner.attributes["value"]).value
 
@@ -45,14 +45,14 @@ def _int_operand(value) -> int:
     owner = value.owner
     if owner.operation.name != "torch.constant.int":
         raise AssertionError(f"a collective's argument is not a constant int: {owner}")
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     return ir.IntegerAttr(owner.attributes["value"]).value
 
 
 def hide_collectives(module) -> int:
     """Step 1 on the imported (torch dialect) module; returns how many collectives it found."""
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     count = 0
     with module.context, ir.Location.unknown():
@@ -105,9 +105,9 @@ _TORCH_ELEMENT = {"f32": "f32", "bf16": "bf16", "f16": "f16"}
 
 def _builtin_type(vtensor_type):
     """!torch.vtensor<[2,16,128],f32> -> tensor<2x16x128xf32>."""
-    import re
+    import re  # start-up time
 
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     match = re.fullmatch(r"!torch\.vtensor<\[([0-9,]*)\],(\w+)>", str(vtensor_type))
     if not match or match.group(2) not in _TORCH_ELEMENT:
@@ -119,7 +119,7 @@ def _builtin_type(vtensor_type):
 def lower_collectives(module, group_ranks: dict[str, list[int]]) -> int:
     """Step 2 on the torch backend module: every `@c10d.*` call becomes its StableHLO collective. `group_ranks`: the
     ranks of each process group by name. Returns how many were lowered."""
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
     declarations = {}
     for op in list(module.body.operations):

@@ -34,9 +34,9 @@ class Op:
 
 def parse(text: str) -> list[Op]:
     """Every op of a StableHLO module (nested ones too), in order."""
-    from torch_mlir import ir
+    from torch_mlir import ir  # optional dependency (torch-mlir)
 
-    from .stablehlo_check import loaded_context
+    from .stablehlo_check import loaded_context  # start-up time: the check backend imports torch
 
     with loaded_context():
         module = ir.Module.parse(text)
