@@ -5,12 +5,13 @@ What runs here is the real thing up to the compiler: optimum-neuron 0.4.5's `get
 `create_graph_builders`, builders and model instances (`load_module`, with optimum-neuron's load-time cast, then
 `get`: the module and its input/output aliases), neuronx-distributed 0.15's layers and parallel state, and torch-xla
 2.8. Building and lowering the graphs is the product's (`optimum_qwen35.backends.nxd.tracing` and `.lowering`, which
-the benchmarks use too); running them as the runtime would is this kit's. The Neuron SDK's closed modules are import stand-ins (tests/neuron_sdk_standin); the two steps of the closed
-`torch_neuronx` that come next are done here with torch-xla's own API, and say so:
+the benchmarks use too); running them as the runtime would is this kit's. The Neuron SDK's closed modules are
+import stand-ins (tests/neuron_sdk_standin); the two steps of the closed `torch_neuronx` that come next are done
+with torch-xla's own API, and say so:
 
-- `lower` (the product's `backends/nxd/lowering.py`): what `torch_neuronx.xla_impl.trace.generate_hlo` does first -- the module runs on XLA tensors, its outputs
-  are lowered to one HLO module (torch-xla's `LoweringContext`), and each aliased input is found among the HLO's
-  parameters by `tensor_parameter_id` (-1: the input is not a parameter of the graph, and its alias cannot be made);
+- `lower` (the product's `backends/nxd/lowering.py`): what `torch_neuronx.xla_impl.trace.generate_hlo` does first --
+  the module runs on XLA tensors, its outputs are lowered to one HLO module (torch-xla's `LoweringContext`), and
+  each aliased input is found among the HLO's parameters by `tensor_parameter_id` (-1: the input is not a parameter of the graph, and its alias cannot be made);
 - `XlaGraphs`: what the Neuron runtime does with the two compiled graphs -- here XLA's CPU compiler runs them, and
   every state output is written back to the state its alias names, which both graphs share by name (as the
   runtime's `INPUT_STATE`s are).

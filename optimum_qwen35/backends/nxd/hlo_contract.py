@@ -8,8 +8,8 @@ it) and returns one line per breach of these rules:
 3. no s64 value, except the uses `S64_ALLOWED` names with their reason (NxD's own models index in int32);
 4. every opcode and every form of the ops the compiler restricts (gather and scatter dimension numbers,
    dynamic-slice / dynamic-update-slice indices, the combiner of reduce and friends) must be in `reference`, the
-   census of optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE NxD graphs lowered on the same path (`reference_census` of
-   `lowering.reference_hlos`),
+   census of optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE NxD graphs lowered on the same path
+   (`reference_census` of `lowering.reference_hlos`),
    unless `FORM_EXCEPTIONS` names it with a sourced reason;
 5. no form `REFUSED` names, census or not: ops neuronx-cc is not documented to accept that the graphs once had and
    now express otherwise (softplus's log-plus-one, `any()`'s or-reduce).

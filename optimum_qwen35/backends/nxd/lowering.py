@@ -193,8 +193,8 @@ def tiny_reference_config(kind: str):
 
 def reference_hlos(kind: str, target: str, tp: int, dtype, batch_size: int = 2, sequence_length: int = 128) -> dict:
     """The HLO of each graph optimum-neuron 0.4.5's `kind` NxD model builds (its own `_get_neuron_config` and
-    `create_graph_builders`, model instances as `ModelBuilder` uses them), lowered as `lower` lowers ours. On-device sampling is off (its sampler calls a
-    closed NKI cumsum; this project samples on the host)."""
+    `create_graph_builders`, model instances as `ModelBuilder` uses them), lowered as `lower` lowers ours.
+    On-device sampling is off (its sampler calls a closed NKI cumsum; this project samples on the host)."""
     from optimum.neuron.models.inference.llama.modeling_llama import LlamaNxDModelForCausalLM  # the reference only
     from optimum.neuron.models.inference.qwen3.modeling_qwen3 import Qwen3NxDModelForCausalLM  # the reference only
     from optimum.neuron.models.inference.qwen3_moe.modeling_qwen3_moe import (  # the reference only
