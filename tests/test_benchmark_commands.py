@@ -57,6 +57,13 @@ def test_the_vision_benchmark_runs_from_a_fresh_clone(tmp_path):
     assert "64x64" in out and "first token equal" in out
 
 
+@pytest.mark.reference  # transformers 5's Qwen3.5 classes
+def test_the_cpu_benchmark_runs_from_a_fresh_clone(tmp_path):
+    out = run_benchmark("cpu_vs_transformers", "--prompt", "8", "--decode", "2", "--batches", "1", "--dtypes", "float32",
+                        "--repeat", "1", "--vocab", "512", "--layers", "LF", "--threads", "1", cwd=tmp_path)
+    assert "equal greedy tokens" in out and "2/2" in out
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # Where commands are documented: the README, docs/, and each benchmark's own usage lines.
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(BENCHMARKS.glob("*.py"))]
