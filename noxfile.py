@@ -96,7 +96,7 @@ def reference(session):
 # Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):
 # the same torch and the same code in both environments, so the reference session alone runs them.
 ENVIRONMENT_FREE_TESTS = [
-    "tests/emulator", "tests/kernels", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
+    "tests/emulator", "tests/kernels", "tests/test_benchmark_commands.py", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
     "tests/test_conversion_memory.py", "tests/test_export_disk_faults.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
     "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_layout.py", "tests/test_long_context.py",
     "tests/test_moe.py",

@@ -5,7 +5,7 @@ size at batch 1 and 8 from the bytes a step moves.
     OMP_NUM_THREADS=1 python benchmarks/mtp_speculation.py [--repeats 5] [--new 48] [--prompts 4]
 
 **Measured.** The tiny checkpoints' random MTP heads accept nothing, so the head is fitted to its own main model
-first (tests/kit/mtp_fit.py: tiny-2b, hidden 128, 8 layers, vocab 512; seeded, ~20-30 s of CPU). A bigger model
+first (optimum_qwen35/tiny/mtp_fit.py: tiny-2b, hidden 128, 8 layers, vocab 512; seeded, ~20-30 s of CPU). A bigger model
 (0.8B widths) was not used: fitting its head on one thread would take minutes to tens of minutes. The
 prompts are of two kinds: *in-sample*, a prompt the head was fitted on plus the first tokens of its continuation (the
 head was fitted on what follows: acceptance there is high by design, an upper end), and *fresh*, seeded random
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,10 +48,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.kit (the head fitting), as the sibling benchmarks import it (run from anywhere)
 
 from optimum_qwen35.runtime import Qwen35Runtime  # noqa: E402
-from tests.kit.mtp_fit import fitted_checkpoint  # noqa: E402
+from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-2b"
 KS = (1, 2, 3, 4)
@@ -277,7 +275,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new", type=int, default=48, help="new tokens per prompt (in-sample: up to 80)")
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--fit-steps", type=int, default=100, help="training steps of the head (tests/kit/mtp_fit.py)")
+    parser.add_argument("--fit-steps", type=int, default=100, help="training steps of the head (optimum_qwen35/tiny/mtp_fit.py)")
     parser.add_argument("--draft-vocab-only", action="store_true",
                         help="only the draft-vocabulary acceptance and projection (no timing)")
     args = parser.parse_args()

@@ -15,7 +15,7 @@ torch-xla hands the compiler, under the rule below, not a device measurement.
 - *parameters* (weights, held state, inputs): read whole once if any use reads them whole; if every use is a gather
   or dynamic-slice, the bytes those take; a scatter / dynamic-update-slice into a parameter writes its updates in
   the parameter's own buffer (aliased state: in place) and later uses of its result read the parameter;
-- *aliased outputs* (the held state): written as `tests.kit.neuron_xla.state_traffic` counts (the updates of the
+- *aliased outputs* (the held state): written as `optimum_qwen35.backends.nxd.lowering.state_traffic` counts (the updates of the
   scatters, or the whole state when made otherwise); other outputs (the logits) are written whole;
 - *intermediates* (every other instruction's result, collectives included): on chip when at most `ON_CHIP` bytes
   (default 4 MiB: a sixth of one NeuronCore-v3's 24 MiB SBUF, leaving the rest to the weight tiles streaming
@@ -41,7 +41,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.kit, as the sibling benchmark imports it (run from anywhere)
 _spec = importlib.util.spec_from_file_location("neuron_real_shapes", ROOT / "benchmarks" / "neuron_real_shapes.py")
 shapes_bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = shapes_bench
@@ -49,7 +48,7 @@ _spec.loader.exec_module(shapes_bench)
 
 import torch  # noqa: E402
 
-from tests.kit.neuron_xla import CONTEXT, TOKENS, neuron_config, traced_parallel_state  # noqa: E402
+from optimum_qwen35.backends.nxd.tracing import CONTEXT, TOKENS, neuron_config, traced_parallel_state  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 ON_CHIP = 4 * MIB

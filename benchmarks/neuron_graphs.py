@@ -7,7 +7,7 @@
 For each graph (context encoding, token generation) as the export builds it (`get_neuron_config` -> the project's
 builders and model instances -> neuronx-distributed's layers, rank 0's SPMD graph), prints the HLO instruction count,
 how many held states resolve to an HLO parameter (their aliases), and the bytes of held state the graph reads and
-writes per call (`testing.neuron_xla.state_traffic`: what its ops take and give, with aliased scatters counted as
+writes per call (`optimum_qwen35.backends.nxd.lowering.state_traffic`: what its ops take and give, with aliased scatters counted as
 in-place writes of their updates; a lower bound from the HLO, not a device measurement). Then both forms of the
 attention core at the shape's per-rank heads: the 4-D form with K/V repeated per query head, and the 3-D form
 `NeuronPrecision.attention` uses. Nothing is compiled for Neuron: no neuronx-cc, no device here.
@@ -28,15 +28,8 @@ import optimum.neuron  # noqa: E402,F401  (sets the compilation target, which ne
 import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
-from tests.kit.neuron_xla import (  # noqa: E402
-    CONTEXT,
-    TOKENS,
-    build_graphs,
-    lower,
-    neuron_config,
-    state_traffic,
-    traced_parallel_state,
-)
+from optimum_qwen35.backends.nxd.lowering import build_graphs, lower, state_traffic  # noqa: E402
+from optimum_qwen35.backends.nxd.tracing import CONTEXT, TOKENS, neuron_config, traced_parallel_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The text decoder's shape per size (ANCHORS: the 0.8B file is a real config; the others change these fields).

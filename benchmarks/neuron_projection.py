@@ -47,7 +47,7 @@ shapes_bench = bytes_bench.shapes_bench  # neuron_real_shapes, loaded by it
 
 import torch  # noqa: E402
 
-from tests.kit.neuron_xla import CONTEXT, TOKENS  # noqa: E402
+from optimum_qwen35.backends.nxd.tracing import CONTEXT, TOKENS  # noqa: E402
 
 TRN2, ALLREDUCE_US, BUS_GBS = shapes_bench.TRN2, shapes_bench.ALLREDUCE_US, shapes_bench.BUS_GBS
 DMA_EFFICIENCY = (1.0, 0.70)  # (optimistic, pessimistic): kernels/emulator/cost.py `dma_efficiency`

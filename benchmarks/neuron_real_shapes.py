@@ -1,10 +1,10 @@
 """The export's Neuron graphs at every real Qwen3.5 size and natural TP degree: lowered HLO, per-rank memory, traffic.
 
-    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~2 min)
-    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
-    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --logits --only 27B:8:1:4096
+    .nox/neuron/bin/python benchmarks/neuron_real_shapes.py --quick   # 0.8B, TP 1 and 2, 256 tokens (~2 min)
+    .nox/neuron/bin/python benchmarks/neuron_real_shapes.py           # the table in docs/neuron_backend.md
+    .nox/neuron/bin/python benchmarks/neuron_real_shapes.py --contract --logits --only 27B:8:1:4096
         # one configuration, each graph also checked by the compiler contract (hlo_contract.violations)
-    /work/envs/<you>-neuron/bin/python benchmarks/neuron_real_shapes.py --contract --moe 4:4:1:4096
+    .nox/neuron/bin/python benchmarks/neuron_real_shapes.py --contract --moe 4:4:1:4096
         # Qwen3.5-35B-A3B's graphs with its first 4 layers (3 DeltaNet + 1 attention), real widths, contract-checked
 
 The graphs are built exactly as the export builds them (`get_neuron_config` -> `create_graph_builders` -> the
@@ -45,7 +45,8 @@ import torch  # noqa: E402
 import torch_xla  # noqa: E402
 
 from optimum_qwen35.modeling.attention import QUERY_BLOCK  # noqa: E402
-from tests.kit.neuron_xla import (  # noqa: E402
+from optimum_qwen35.backends.nxd import hlo_contract  # noqa: E402
+from optimum_qwen35.backends.nxd.tracing import (  # noqa: E402
     CONTEXT,
     LOGITS,
     TOKENS,
@@ -404,14 +405,14 @@ class Lowered:
 
 def reference_census() -> set[str]:
     """The compiler contract's reference: optimum-neuron 0.4.5's own Qwen3, Llama and Qwen3-MoE graphs, as its test
-    builds it."""
-    from tests.kit import hlo_contract
+    builds it (`lowering.reference_hlos`)."""
+    from optimum_qwen35.backends.nxd.lowering import REFERENCE_MODELS, reference_hlos
 
     hlos = []
-    for kind in hlo_contract.REFERENCE_MODELS:
+    for kind in REFERENCE_MODELS:
         for tp in (1, 2):
             for dtype in (torch.float32, torch.bfloat16):
-                hlos += list(hlo_contract.reference_hlos(kind, "trn2", tp, dtype).values())
+                hlos += list(reference_hlos(kind, "trn2", tp, dtype).values())
     return hlo_contract.reference_census(hlos)
 
 
@@ -419,8 +420,6 @@ def lower_configuration(size: str, tp: int, batch: int, sequence: int, target: s
                         keys=(CONTEXT, TOKENS), dtype=torch.bfloat16,
                         reference: set[str] | None = None) -> tuple[RankShapes, list[Lowered]]:
     """With `reference` (a contract census), each graph is also checked by `hlo_contract` on its proto."""
-    from tests.kit import hlo_contract
-
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_folder(size, Path(tmp))
         nc = neuron_config(folder, target, tp, dtype, batch, sequence)
@@ -453,8 +452,6 @@ def lower_moe(layers: int, tp: int, batch: int, sequence: int, reference: set[st
     """The 35B-A3B's context-encoding and token-generation graphs at its real widths (256 experts, top 8, hidden
     2048) with its first `layers` layers, shape-only, lowered; with `reference`, each checked by the compiler
     contract. Returns (graph, HLO instructions, dtype census, violations) per graph."""
-    from tests.kit import hlo_contract
-
     config = json.loads(MOE_CONFIG.read_text())
     text = config["text_config"]
     text["num_hidden_layers"] = layers

@@ -15,7 +15,7 @@ Published measurements (Neuron documentation, aws-neuron-sdk repository, ``nki/g
   neuron-profile for the four matmul versions, fp32 lhs [4096, 8192] x rhs [8192, 8192], on trn2
   (``NEURON_PLATFORM_TARGET_OVERRIDE=trn2`` in the tutorial).
 
-The workloads are the doc-style kernels of ``tests/kit/nki_examples.py``, run with ``compute=False``
+The workloads are the doc-style kernels of ``benchmarks/_nki_workloads.py``, run with ``compute=False``
 (rules and costs, no arithmetic) and ``capacity="spill"`` (the tutorial shapes exceed SBUF where the compiler
 spills). The one calibrated parameter, the DMA efficiency, is fitted here on the matmul utilizations and printed
 next to the value stored in ``cost.py``.
@@ -40,9 +40,11 @@ import numpy as np
 
 from optimum_qwen35.kernels.emulator import cost, estimate, install_as_nki, rules
 
-# The workloads are test kit (tests/kit/nki_examples.py): the repository's root on the path to import them from.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from tests.kit import nki_examples as ex  # noqa: E402
+# The workloads are the sibling file benchmarks/_nki_workloads.py, loaded by its path (run from anywhere).
+_spec = importlib.util.spec_from_file_location("_nki_workloads", pathlib.Path(__file__).resolve().parent / "_nki_workloads.py")
+ex = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = ex
+_spec.loader.exec_module(ex)
 
 MAMBA_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/guides/tutorials/fused_mamba.html"
 MATMUL_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/guides/tutorials/kernel-optimization.html"

@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--image-buckets", type=int, nargs="+", default=None,
+                        help="image buckets of ours (patch rows; default the runtime's); the smallest run: --sizes 64 "
+                             "--dtypes float32 --repeat 1 --image-buckets 256")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,18 +75,20 @@ def main() -> None:
             dtype = getattr(torch, dtype_name)
             hf = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
             ours = Qwen35Runtime.from_pretrained(folder, max_length=2048, dtype=dtype, buckets=[256, 512, 1024, 2048],
-                                                    pack_weights=False, vision=True)
+                                                    pack_weights=False, vision=True,
+                                                 image_buckets=args.image_buckets)
             v = ours.vision_config
-            size = sum(p.numel() * p.element_size() for p in ours.vision.parameters())
+            tower = ours.graphs.vision_encoder  # the eager runtime's vision tower module (runtime/eager.py)
+            size = sum(p.numel() * p.element_size() for p in tower.parameters())
             print(f"\n{dtype_name}: vision tower weights {size / 2**20:.0f} MiB, threads {torch.get_num_threads()}")
-            for bucket in ours.image_buckets:
+            for bucket in ours.images.image_buckets:
                 side = int(bucket**0.5)
                 inputs = image_bucket_inputs(v, torch.zeros(bucket, v.patch_dim), (1, side, side), bucket)
                 start = time.perf_counter()
-                torch.export.export(ours.vision, inputs)
+                torch.export.export(tower, inputs)
                 exported = time.perf_counter() - start
                 with torch.no_grad():
-                    call, _ = best(lambda: ours.vision(*inputs), args.repeat)
+                    call, _ = best(lambda: tower(*inputs), args.repeat)
                 print(f"  image bucket {bucket:5d} patches: torch.export {exported:.1f} s, one call {call * 1e3:.0f} ms")
             print(f"  {'image':>9} {'tokens':>7} {'TTFT ours (ms)':>15} {'TTFT transformers (ms)':>23} {'ratio':>6} first token equal")
             for pixels in args.sizes:

@@ -31,6 +31,9 @@ call to the original, unchanged; idempotent):
 - `cpu_target_through_the_abstract_class`: `NeuronModelForCausalLM.get_neuron_config(..., instance_type="cpu")` is
   refused by optimum-neuron for every model (`normalize_instance_type`) before it looks at the model: for a model type
   `find_class` knows, the call goes to that class's `get_neuron_config`, which knows the cpu target.
+- `closed_neuron_ops_as_torch` (a `with` block, for lowering optimum-neuron's own decoders as the compiler contract's
+  reference, backends/nxd/lowering.py): their `NeuronRMSNorm` and KV-cache updates call closed Neuron SDK functions
+  while tracing; for the duration they are what those functions emit, in torch / torch-xla.
 - `missing_models_in_one_line`: `NeuronModelForCausalLM.from_pretrained(name)` where `name` is no local folder is
   checked first by `check_model_id` (one request, no retries: huggingface_hub retries transformers' HEAD five times
   over 23 s before its OSError).
@@ -380,3 +383,54 @@ def exports_through_auto_model(is_export, load_export) -> None:
         return from_pretrained
 
     _wrap_classmethod(AutoModelForCausalLM, "from_pretrained", make)
+
+
+@contextmanager
+def closed_neuron_ops_as_torch():
+    """The two closed Neuron SDK functions optimum-neuron 0.4.5's decoders call while tracing, as what they emit
+    (the SDK import stand-ins raise on them), for the duration:
+
+    - `NeuronRMSNorm.forward` calls torch_neuronx's `RmsNorm` (the AwsNeuronRmsNorm custom call): here its formula
+      in torch (x * rsqrt(mean(x^2) + eps) * w in fp32), so the census holds that formula's ops, not the custom call;
+    - the KV cache manager's `dynamic_update_slice` / `fill_prefix` (torch_neuronx `xla_hlo_call`, a hand-built HLO
+      DynamicUpdateSlice): the same DynamicUpdateSlice, built with torch-xla's own `xla_builder`.
+
+    Used to lower optimum-neuron's own decoders as the compiler contract's reference (backends/nxd/lowering.py
+    `reference_hlos`); on another optimum-neuron version it changes nothing (and those calls raise as before)."""
+    if not _supported("optimum-neuron", "closed_neuron_ops_as_torch"):
+        yield
+        return
+    import torch  # start-up time: patches.py is imported by every command, torch where used
+    import torch_xla  # the neuron extra: imported where used
+    import torch_xla.core.xla_builder as xb  # the neuron extra: imported where used
+    from optimum.neuron.models.inference.backend.modules import rms_norm  # what this patch changes
+    from optimum.neuron.models.inference.backend.modules.kvcache import kv_cache_manager  # what this patch changes
+
+    def rms(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight).to(dtype)
+
+    def user_computation(name, fn, tensors):
+        computation = xb.create_computation(name, fn, [xb.tensor_shape(t) for t in tensors])
+        out = torch_xla._XLAC._xla_user_computation("xla::" + name, list(tensors), computation)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    def dynamic_update_slice(tensor, update, start_indices):
+        return user_computation("dynamic_update_slice", lambda t, u, *i: t.dynamic_update_slice(u, list(i)),
+                                [tensor, update, *start_indices])
+
+    def fill_prefix(tensor, update):
+        def fn(t, u):
+            zero = xb.Op.scalar(t.builder(), 0, dtype=xb.Type.U32)
+            return t.dynamic_update_slice(u, [zero] * tensor.dim())
+
+        return user_computation("fill_prefix", fn, [tensor, update])
+
+    saved = (rms_norm.NeuronRMSNorm.forward, kv_cache_manager.dynamic_update_slice, kv_cache_manager.fill_prefix)
+    rms_norm.NeuronRMSNorm.forward = rms
+    kv_cache_manager.dynamic_update_slice, kv_cache_manager.fill_prefix = dynamic_update_slice, fill_prefix
+    try:
+        yield
+    finally:
+        rms_norm.NeuronRMSNorm.forward, kv_cache_manager.dynamic_update_slice, kv_cache_manager.fill_prefix = saved

@@ -157,6 +157,26 @@ def test_the_product_imports_no_test_kit():
     assert not wrong, f"the installed package imports the tests or their kit: {wrong}"
 
 
+BENCHMARKS = {f"benchmarks.{p.stem}": p for p in sorted((ROOT / "benchmarks").glob("*.py"))}
+
+
+def test_the_benchmarks_import_no_test_kit():
+    """Benchmarks run from a fresh clone on the product's code path: no import of the tests or their kit, at module
+    level or in a function, and no loading of a file under tests/ by its path (data files, such as the shipped
+    config.json copies, may be read)."""
+    assert len(BENCHMARKS) > 10, "the benchmarks/ folder is read"
+    wrong = [e for e in imports(BENCHMARKS) if e.target.split(".")[0] in TEST_KIT]
+    loaded = [f"{m}: {line.strip()}" for m, path in BENCHMARKS.items() for line in path.read_text().splitlines()
+              if re.search(r"tests[./](kit|oracle|conftest)|^\s*(from|import) tests\b", line)]
+    assert not wrong and not loaded, f"benchmarks that use the tests or their kit: {wrong + loaded}"
+
+
+def test_the_benchmark_import_check_finds_a_test_import(tmp_path):
+    planted = tmp_path / "bench.py"
+    planted.write_text("def main():\n    from tests.kit.neuron_xla import lower  # planted\n")
+    assert [e.target for e in imports({"benchmarks.bench": planted})] == ["tests.kit.neuron_xla"]
+
+
 @pytest.mark.parametrize("top_level", ["kernels", "testing"])
 def test_nothing_imports_a_repository_folder_as_a_top_level_package(top_level):
     """`kernels/` is installed as `optimum_qwen35.kernels`: a top-level `kernels` is Hugging Face's package."""

@@ -2,7 +2,7 @@
 plain greedy decoding returns, for k = 1..4, in fp32 and bf16 (bf16 against plain bf16 decoding), with prompts across
 context-bucket and cache-bucket edges, rows of different acceptance in one batch, EOS inside accepted drafts and the end
 of the cache. The tiny checkpoints' random heads accept almost nothing (exactness would be easy there), so the same
-tests run with a head fitted to its own main model (tests/kit/mtp_fit.py), which accepts most drafts."""
+tests run with a head fitted to its own main model (optimum_qwen35/tiny/mtp_fit.py), which accepts most drafts."""
 
 import json
 
@@ -32,7 +32,7 @@ def case(request, tmp_path_factory):
     a fitted prompt and the start of its greedy continuation (so that what follows is in-sample)."""
     if request.param == "random":
         return FIXTURES / "tiny-2b", PROMPTS
-    from tests.kit.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s): only for these parameters
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s): only for these parameters
 
     folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
     fitted = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:3]

@@ -2,7 +2,7 @@
 the whole vocabulary) stays exact:
 
 - greedy: token for token plain greedy decoding's, at V_d = 16, 66 and the whole 512 (tiny-2b's vocabulary; 8k and 32k
-  of the real 248,320 scaled down alike), with the fitted head (tests/kit/mtp_fit.py) and a corpus ranking (other
+  of the real 248,320 scaled down alike), with the fitted head (optimum_qwen35/tiny/mtp_fit.py) and a corpus ranking (other
   prompts' continuations), a ranking counted over the text itself (drafts kept as with the whole vocabulary), and a
   ranking that leaves out the tokens greedy decoding picks (every draft rejected: still exact);
 - sampled: the chi-square test of tests/test_speculative_sampling.py with a draft vocabulary that leaves out a token
@@ -37,7 +37,7 @@ BUCKETS, MAX_LENGTH, NEW = [16, 32], 128, 32
 def fitted(tmp_path_factory):
     """(folder, in-sample prompts, corpus ranking): the ranking counts the main model's greedy continuations of other
     seeded random prompts than the head was fitted on (a corpus made here; tiny-2b has no text to count)."""
-    from tests.kit.mtp_fit import fitted_checkpoint
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
 
     folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
     fit = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:3]

@@ -1,7 +1,7 @@
 """Speculative decoding on a cpu export made with mtp=True (export/compile.py `speculative_plan`, runtime/exported.py
 `SpeculativePrograms`) is exact: greedy, token for token what plain greedy decoding on the same export returns, for
 k = 1..4, fp32 and bf16, a batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b,
-tests/kit/mtp_fit.py: one row in-sample, where it accepts, one not, where it accepts almost nothing)."""
+optimum_qwen35/tiny/mtp_fit.py: one row in-sample, where it accepts, one not, where it accepts almost nothing)."""
 
 import json
 import shutil
@@ -20,7 +20,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    from tests.kit.mtp_fit import fitted_checkpoint
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
 
     return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
 

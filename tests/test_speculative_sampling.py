@@ -1,7 +1,7 @@
 """Sampled speculative decoding (runtime/speculative.py, the rejection rule) draws its tokens from plain sampling's
 distribution: a chi-square goodness-of-fit test over many seeded draws.
 
-The model: tiny-2b with its MTP head fitted to its own main model (tests/kit/mtp_fit.py), so that drafts are kept in a
+The model: tiny-2b with its MTP head fitted to its own main model (optimum_qwen35/tiny/mtp_fit.py), so that drafts are kept in a
 good share of the rounds and rejected in the others (both branches of the rule run; asserted). The prompt: a prompt the
 head was fitted on plus the start of its greedy continuation. The sampling distribution: the `TOP` most likely tokens at
 temperature `TAU` (a small support, so that the joint law of the first `NEW` tokens has few cells).
@@ -47,7 +47,7 @@ def distribution(logits: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from tests.kit.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 10 s of CPU)
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 10 s of CPU)
 
     folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
     fitted = json.loads((folder / "mtp_fit.json").read_text())["prompts"][0]

@@ -1,7 +1,7 @@
 """Speculative decoding with the MTP head at tensor-parallel degree 2 (real gloo collectives, tests/kit/tp.py), the
 head sharded as the main layers are (its attention layer by heads, its MLP by intermediate rows, fc and the input
 norms replicated: checkpoint/shard.py), with a head fitted to its main model so that drafts are accepted
-(tests/kit/mtp_fit.py). Every rank runs the host loop (SPMD). What the tests prove:
+(optimum_qwen35/tiny/mtp_fit.py). Every rank runs the host loop (SPMD). What the tests prove:
 
 - greedy speculation returns plain greedy decoding's tokens for k = 1..4 in fp32 and bf16 (bf16 against plain bf16 at
   the same degree); the head's logits at TP 2 equal TP 1's within a bound;
@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
     greedy, greedy speculation for each k in KS, and the SAMPLED runs, fp32 and bf16 in the same processes (process
     start-up and loading dominate, so every test here shares one run per degree)."""
     from optimum_qwen35.runtime import Qwen35Runtime
-    from tests.kit.mtp_fit import fitted_checkpoint  # builds a checkpoint (10-30 s)
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (10-30 s)
     from tests.kit.tp import run_speculative_tensor_parallel
 
     folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))

@@ -158,7 +158,7 @@ def test_war_dependency_waits_for_readers():
 
 
 def test_compute_false_gives_the_same_report():
-    from tests.kit import nki_examples as ex
+    from benchmarks import _nki_workloads as ex
 
     a, b = np.ones((256, 256), np.float32), np.ones((256, 1024), np.float32)
     _, r1 = estimate(ex.matmul_tiled, a, b, target="trn2")

@@ -1,6 +1,6 @@
 """Kernels that follow the Neuron documentation's examples run on the emulator and give correct results.
 
-The first group is this project's own doc-style kernels (``tests/kit/nki_examples.py``). The second group runs the
+The first group is this project's own doc-style kernels (``benchmarks/_nki_workloads.py``). The second group runs the
 documentation's published kernel files *unmodified*, read from a local snapshot of ``aws-neuron/aws-neuron-sdk``
 (``OPTIMUM_QWEN35_NKI_DOCS_REPO``, a git directory); it is skipped where no snapshot exists. Nothing of those files is
 copied into this repository.
@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.kit import nki_examples as ex
+from benchmarks import _nki_workloads as ex
 from optimum_qwen35.kernels.emulator import install_as_nki, isa, language
 
 rng = np.random.default_rng(0)

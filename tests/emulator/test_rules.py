@@ -218,7 +218,7 @@ def test_dma_cannot_write_psum():
 def test_long_sequence_mamba_exceeds_sbuf_and_spill_mode_reports_it():
     """The fused Mamba tutorial's seq_len=8192 profile shows SBUF spills; the emulator refuses by default."""
     from optimum_qwen35.kernels.emulator import estimate
-    from tests.kit import nki_examples as ex
+    from benchmarks import _nki_workloads as ex
 
     z = np.zeros
     args = (z((1, 128, 8192), np.float32), z((1, 128, 8192), np.float32), z((128, 2), np.float32),

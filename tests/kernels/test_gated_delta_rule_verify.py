@@ -164,8 +164,8 @@ def test_model_verify_runs_the_seam_nki_equal_to_torch(layout, torch_backend_aft
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    """tiny-2b with an MTP head fitted to it (tests/kit/mtp_fit.py, about 20 s), built once for both dtypes."""
-    from tests.kit.mtp_fit import fitted_checkpoint
+    """tiny-2b with an MTP head fitted to it (optimum_qwen35/tiny/mtp_fit.py, about 20 s), built once for both dtypes."""
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
 
     return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
 
@@ -173,7 +173,7 @@ def fitted(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_greedy_speculation_on_the_nki_backend_equals_plain_decoding(dtype, fitted, torch_backend_after):
-    """With the head fitted to tiny-2b (tests/kit/mtp_fit.py; it accepts drafts, so commits pick positions past 0),
+    """With the head fitted to tiny-2b (optimum_qwen35/tiny/mtp_fit.py; it accepts drafts, so commits pick positions past 0),
     greedy speculative decoding through the verify kernel returns plain decoding's tokens on the same backend, for
     k = 1..4, rows of different lengths; and the verify kernel ran (one launch per DeltaNet layer and round)."""
     import json

@@ -1,8 +1,7 @@
 """The tests' kit (not installed with the package): the tiny checkpoints' builder re-exported from `optimum_qwen35.tiny`,
 a bitwise safetensors reader, and beside this file the stand-in Hub server (hub_server.py), the HLO compiler contract
 (hlo_contract.py), the XLA graph helpers (neuron_xla.py), fake export folders (export_folder.py), the
-tensor-parallel harness (tp.py), the kernel-call counter (kernel_calls.py), the NKI emulator's example workloads
-(nki_examples.py) and the fitted MTP head (mtp_fit.py)."""
+tensor-parallel harness (tp.py) and the kernel-call counter (kernel_calls.py)."""
 
 from __future__ import annotations
 

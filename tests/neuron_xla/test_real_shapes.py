@@ -4,7 +4,7 @@ The benchmark builds the export's graphs shape-only (modules on `meta`, torch-xl
 per-rank bytes, step traffic and collectives of configurations it does not lower. Here, at the real 0.8B shapes
 (TP 2, batch 2, 1280 tokens: two query blocks of context encoding's attention): the shape-only graphs lower, their collectives are exactly the computed ones, their
 entry parameters hold the computed weights and state, and the computed state traffic is what
-`testing.neuron_xla.state_traffic` counts from the lowered HLO. Also the assumed 2B config has the 2B's published
+`optimum_qwen35.backends.nxd.lowering.state_traffic` counts from the lowered HLO. Also the assumed 2B config has the 2B's published
 parameter count.
 """
 

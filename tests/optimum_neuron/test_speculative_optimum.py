@@ -1,7 +1,7 @@
 """`generate(..., num_speculative_tokens=k)` through optimum-neuron's entry points, on exports made with mtp=True
 (`optimum-qwen35 export --mtp`, `Qwen35NeuronModelForCausalLM.export(..., mtp=True)`), loaded with
 `NeuronModelForCausalLM.from_pretrained`: greedy, the tokens of plain greedy decoding for k = 1..4, fp32 and bf16, a
-padded batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b, tests/kit/mtp_fit.py);
+padded batch of two rows that accept different numbers of drafts (the head fitted to tiny-2b, optimum_qwen35/tiny/mtp_fit.py);
 at tensor_parallel_size 2 and on a trn2 TorchNeuron export run on the CPU; with row limits, min_new_tokens, a streamer
 and stopping criteria as plain decoding takes them; the one-line errors."""
 
@@ -31,7 +31,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    from tests.kit.mtp_fit import fitted_checkpoint
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
 
     return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
 

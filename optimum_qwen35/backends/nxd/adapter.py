@@ -338,8 +338,14 @@ def set_local_world_size(neuron_config) -> None:
     to that world size where it is unset (as optimum-neuron's exporter does for its `parallel_model_trace` path),
     and again at each export or load of the same process (a TP 1 export, then a TP 4 one); a value set by anyone
     else (a `torchrun` launch) is kept."""
+    set_local_world_size_to(getattr(neuron_config, "world_size", None) or neuron_config.tp_degree)
+
+
+def set_local_world_size_to(world_size: int) -> None:
+    """`set_local_world_size` for a world of `world_size` ranks (the parallel state of `tracing.traced_parallel_state`,
+    which sets it before it builds the state)."""
     global _LOCAL_WORLD_SIZE_SET
-    world_size = str(getattr(neuron_config, "world_size", None) or neuron_config.tp_degree)
+    world_size = str(world_size)
     if os.environ.get("LOCAL_WORLD_SIZE") in (None, _LOCAL_WORLD_SIZE_SET):
         os.environ["LOCAL_WORLD_SIZE"] = _LOCAL_WORLD_SIZE_SET = world_size
 

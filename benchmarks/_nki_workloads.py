@@ -1,6 +1,7 @@
 """Kernels that follow the Neuron documentation's own NKI examples, written for NKI 0.3, in this project's words.
 
-They serve as the emulator's end-to-end tests and as the cost model's calibration workloads:
+They are the cost model's calibration workloads (benchmarks/nki_cost_model.py) and the emulator's end-to-end tests
+(tests/emulator import them from here: benchmark code, neither the installed package nor the test kit):
 
 * ``matmul_tiled``, ``matmul_hoisted``, ``matmul_block_free``, ``matmul_fully_blocked``: the four steps of the
   "Matrix multiplication" / "Introduction to NKI kernel optimization" tutorials.
