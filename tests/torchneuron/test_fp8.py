@@ -18,7 +18,7 @@ from optimum_qwen35.modeling.decoder import ContextEncodingGraph, Qwen35Decoder,
 from optimum_qwen35.modeling.fp8 import hold_fp8_weights, split_fp8
 from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
 
-from .check_backend import CheckBackend
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import state
 

@@ -3,9 +3,11 @@ default) with the same tokens as a cold run, transformers' stopping criteria and
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from optimum_qwen35.errors import UsageError
 from optimum_qwen35.runtime.prefix_cache import PrefixCache
 
 
@@ -85,7 +87,11 @@ def test_a_row_that_reaches_the_compiled_length_stops_there_and_the_other_runs_o
     mask[1, -5:] = 1  # left padding
     ids = torch.zeros(2, 124, dtype=torch.long)
     ids[0], ids[1, -5:] = long_prompt, short_prompt
-    out = tp1_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    with pytest.raises(UsageError, match="row 0 asks for 10 new tokens but its prompt"):
+        tp1_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    # Opted in (stop_at_sequence_length=True): the long row stops at the compiled length, the other runs on.
+    out = tp1_model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                             stop_at_sequence_length=True)
     alone = tp1_model.generate(short_prompt[None], max_new_tokens=10, do_sample=False, eos_token_id=None)
     assert out[1, 124:].tolist() == alone[0, 5:].tolist()
     assert len(out[0, 124:].tolist()) == 10 and out[0, 128:].eq(out[0, 128]).all()  # stopped at 4, then padded
