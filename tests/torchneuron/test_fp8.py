@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("torch_mlir", reason="torch-mlir is installed by the torchneuron nox session")
 
 from optimum_qwen35.backends.torchneuron.layers import TorchNeuronLayers
+from optimum_qwen35.backends.torchneuron.runner import StateInPlaceGraph
+from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from optimum_qwen35.checkpoint.fp8_shard import convert_and_shard_fp8
 from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.config import Qwen35Config
@@ -18,7 +20,6 @@ from optimum_qwen35.modeling.decoder import ContextEncodingGraph, Qwen35Decoder,
 from optimum_qwen35.modeling.fp8 import hold_fp8_weights, split_fp8
 from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
 
-from optimum_qwen35.backends.torchneuron.stablehlo_check import CheckBackend
 from .conftest import check_lowered
 from .models import state
 
@@ -62,7 +63,8 @@ def test_fp8_weight_graphs_lower_within_the_contract_and_follow_eager(layout, tm
             if compile_:
                 backend = CheckBackend(name=f"{layout}-fp8")
                 backends.append(backend)
-                graph = torch.compile(graph, backend=backend, fullgraph=True, dynamic=False)
+                # as the product runner compiles them: states aliased in place, not also returned
+                graph = torch.compile(StateInPlaceGraph(graph, states), backend=backend, fullgraph=True, dynamic=False)
             graphs.append(graph)
         with torch.no_grad():
             first = graphs[0](ids, mask, positions, seq_ids, *scratch)
