@@ -189,6 +189,15 @@ _FOLDABLE = {
 _CONSTANTS = ("stablehlo.constant", "arith.constant")
 
 
+def _nested_ops(op):
+    """Every op nested in `op`'s regions, depth first (a module's functions and their bodies)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in list(block.operations):
+                yield inner.operation
+                yield from _nested_ops(inner.operation)
+
+
 def _isa(cls, obj) -> bool:
     """isinstance over the MLIR bindings' auto-downcast types and attributes."""
     return isinstance(obj, cls)
@@ -252,13 +261,6 @@ def fold_f64_constants(module) -> int:
     a graph input is not touched (and fails the contract)."""
     from torch_mlir import ir  # optional dependency (torch-mlir)
 
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in list(block.operations):
-                    yield inner.operation
-                    yield from walk(inner.operation)
-
     def is_f64(value):
         return _isa(ir.RankedTensorType, value.type) and _isa(ir.F64Type, 
             ir.RankedTensorType(value.type).element_type)
@@ -268,7 +270,7 @@ def fold_f64_constants(module) -> int:
         changed = True
         while changed:
             changed = False
-            for op in list(walk(module.operation)):
+            for op in list(_nested_ops(module.operation)):
                 if op.name not in _FOLDABLE:
                     continue
                 if not (any(is_f64(v) for v in op.operands) or is_f64(op.results[0])):
@@ -314,13 +316,6 @@ def narrow_widened_indices(module) -> int:
     rebuilt. An i64 index computed with (int64 arithmetic, an int64 input) is not touched (and fails the contract)."""
     from torch_mlir import ir  # optional dependency (torch-mlir)
 
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in list(block.operations):
-                    yield inner.operation
-                    yield from walk(inner.operation)
-
     def element(value):
         return ir.RankedTensorType(value.type).element_type if _isa(ir.RankedTensorType, value.type) else None
 
@@ -333,7 +328,7 @@ def narrow_widened_indices(module) -> int:
         return e is not None and _isa(ir.IntegerType, e) and ir.IntegerType(e).width == width
 
     with module.context:
-        ops = list(walk(module.operation))
+        ops = list(_nested_ops(module.operation))
         chain = []  # program order
         for op in ops:
             if op.name not in _INDEX_CHAIN or len(op.results) != 1 or not is_int(op.results[0], 64):
