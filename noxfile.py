@@ -88,9 +88,9 @@ def reference(session):
     """Everything, with transformers >= 5: parity against the reference and the fixture check."""
     # Hugging Face's `kernels` (which transformers imports where installed): the package must not shadow it, nor it
     # the package (tests/test_kernels_package.py).
-    _install(session, TORCH, "-e", ".[tests,reference]", HF_KERNELS)
+    _install(session, TORCH, "-e", ".[tests,reference]", HF_KERNELS, "pytest-xdist>=3.5")
     _freeze_pins(session)
-    _pytest(session)
+    _pytest(session, parallel=True)
 
 
 # Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):
