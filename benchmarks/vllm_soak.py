@@ -18,7 +18,7 @@ What one run does (everything seeded by --seed; only the product's code and publ
   sent by --concurrency clients at once. Exactly round(10%) of them (at least one) disconnect after 1 .. n - 1 streamed
   tokens (the client closes the connection); exactly round(5%) (at least one) are over-length (a prompt longer than
   the export, or a prompt whose `max_tokens` does not fit) and must be refused with HTTP 400, neither hanging nor
-  crashing the server.
+  crashing the server. The server logs its requests (`--enable-log-requests`), so its aborts are counted.
 - **The checks.** Every completed stream equals the request's solo greedy tokens computed by the export's own
   `Qwen35Runtime` in this process (prefix cache off, one prompt per call, cut after the first EOS as vLLM stops): it
   shares no state with the server, so a leak between the server's slots cannot hide in both sides, and it is exact
@@ -200,7 +200,8 @@ def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
     vllm = shutil.which("vllm", path=environment()["PATH"])
     if vllm is None:
         sys.exit("no `vllm` command next to this interpreter: run this in the vllm environment (docs/serving.md)")
-    command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    # --enable-log-requests: the log then says which requests the server aborted (a client that left mid-stream)
+    command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--enable-log-requests"]
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=model.parent, env=environment(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED " + line)
 
     count = {k: sum(r.outcome == k for r in requests) for k in ("completed", "disconnected", "refused")}
+    aborted = sum(len(line.split("Aborted request(s) ", 1)[1].split(",")) for line in log.read_text().splitlines()
+                  if "Aborted request(s) " in line)
     ttft = [r.ttft for r in requests if r.ttft is not None]
     itl = [g for r in requests for g in r.gaps]
     mib = 2**20
