@@ -242,7 +242,8 @@ async def stream(client: httpx.AsyncClient, url: str, model: str, r: Request) ->
             r.status = response.status_code
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                r.outcome = "refused" if response.status_code == 400 and "error" in text else f"HTTP {r.status}: {text[:200]}"
+                refused = response.status_code == 400 and "error" in text
+                r.outcome = "refused" if refused else f"HTTP {r.status}: {text[:200]}"
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -378,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"request {r.index} (disconnect): {r.outcome}")
             expected = reference(r.prompt, r.max_tokens)
             if r.tokens != expected[: len(r.tokens)]:  # the tokens it saw before leaving are the solo ones too
-                mismatches.append(f"request {r.index} (disconnect after {len(r.tokens)}): got {r.tokens}, solo {expected}")
+                mismatches.append(f"request {r.index} (disconnect after {len(r.tokens)}): got {r.tokens},"
+                                  f" solo {expected}")
         elif r.outcome != "completed":
             failures.append(f"request {r.index} (prompt {len(r.prompt)}, max_tokens {r.max_tokens}): {r.outcome}")
         elif r.tokens != reference(r.prompt, r.max_tokens):
@@ -403,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {len(requests)} at concurrency {args.concurrency} | {count['completed']} | {count['disconnected']} |"
           f" {count['refused']} of {sum(r.kind == 'over_length' for r in requests)} | {len(mismatches)} |"
           f" {len(failures)} | {load_seconds:.0f} s |")
-    print(f"\n| TTFT p50 / p99 | ITL p50 / p99 | server tree RSS: start / after warm-up ({warm} requests) / end / max |")
+    print(f"\n| TTFT p50 / p99 | ITL p50 / p99 |"
+          f" server tree RSS: start / after warm-up ({warm} requests) / end / max |")
     print(f"|---|---|---|")
     print(f"| {percentile(ttft, .5) * 1e3:.0f} / {percentile(ttft, .99) * 1e3:.0f} ms |"
           f" {percentile(itl, .5) * 1e3:.0f} / {percentile(itl, .99) * 1e3:.0f} ms |"
