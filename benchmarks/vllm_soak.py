@@ -336,13 +336,14 @@ def main(argv: list[str] | None = None) -> int:
         sampler = RssSampler(process.pid)
         sampler.start()
         rss = {"start": sampler.now()}
-        finished = []
+        finished, curve = [], []
         warm = max(1, len(requests) // 10)
 
         def on_done(r: Request) -> None:
             finished.append(r)
-            if len(finished) == warm:
-                rss["warm"] = sampler.now()
+            if len(finished) % warm == 0:  # the tree's RSS after each tenth of the requests
+                curve.append(sampler.now())
+                rss.setdefault("warm", curve[0])
             if len(finished) % 50 == 0:
                 print(f"  {len(finished)} / {len(requests)} requests done ({time.monotonic() - t0:.0f} s)", flush=True)
 
@@ -405,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {len(requests)} at concurrency {args.concurrency} | {count['completed']} | {count['disconnected']} |"
           f" {count['refused']} of {sum(r.kind == 'over_length' for r in requests)} | {len(mismatches)} |"
           f" {len(failures)} | {load_seconds:.0f} s |")
+    print(f"\nthe server aborted {aborted} requests (its log; a client that leaves after the last token aborts none)")
     print(f"\n| TTFT p50 / p99 | ITL p50 / p99 |"
           f" server tree RSS: start / after warm-up ({warm} requests) / end / max |")
     print(f"|---|---|---|")
@@ -412,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
           f" {percentile(itl, .5) * 1e3:.0f} / {percentile(itl, .99) * 1e3:.0f} ms |"
           f" {rss['start'] / mib:.0f} / {rss['warm'] / mib:.0f} / {rss['end'] / mib:.0f} /"
           f" {max(sampler.samples + [rss['end']]) / mib:.0f} MiB ({growth:+.1f}% warm-up -> end) |")
+    print("server tree RSS after each tenth of the requests: " + " ".join(f"{b / mib:.0f}" for b in curve) + " MiB")
     print(f"\nend: /health {health}; server process alive {alive}; num_requests_running {running:.0f}, waiting"
           f" {waiting:.0f} after the load, running {running_after:.0f} after the final batch; final batch of"
           f" {len(final_requests)} at once: {'every one its solo tokens' if final_ok else 'NOT its solo tokens'}")
