@@ -3,8 +3,9 @@ item 8): `python benchmarks/<name>.py ...` in a subprocess, from another working
 so that only the installed package and the benchmark's own folder are importable (an import of the tests or their
 kit fails here; tests/test_layout.py checks the same statically). The figures are not checked (speed belongs to
 the benchmarks); that each runs to its last table is. The other benchmarks' smallest forms: test_conversion_memory.py,
-test_mtp_speculation_benchmark.py, test_soak.py, test_moe.py, emulator/test_cost_model.py, kernels/, neuron_xla/
-(test_real_shapes.py, test_projection.py, test_benchmark_commands.py), torchneuron/ (docs/testing.md lists them)."""
+test_mtp_speculation_benchmark.py, test_soak.py, vllm/test_vllm_soak.py (vllm session: it needs vLLM), test_moe.py,
+emulator/test_cost_model.py, kernels/, neuron_xla/ (test_real_shapes.py, test_projection.py,
+test_benchmark_commands.py), torchneuron/ (docs/testing.md lists them)."""
 
 from __future__ import annotations
 

@@ -78,7 +78,9 @@ DOCUMENTS = {
     "docs/torchneuron.md": "optimum",  # its block exports for trn2 through optimum-neuron's class
     "docs/torchneuron_stack.md": None,  # its flow runs as tests/torchneuron_stack (Python 3.13, no optimum-neuron)
     "docs/fp8.md": "reference",
-    "docs/soak.md": None,  # its commands are benchmarks/soak.py's, run in small form by tests/test_soak.py
+    # its commands are benchmarks/soak.py's and vllm_soak.py's, run in small form by tests/test_soak.py and
+    # tests/vllm/test_vllm_soak.py
+    "docs/soak.md": None,
 }
 # Sections (document, the heading they start with, up to the next heading of level 2 or 3) whose blocks run in
 # another environment than the rest of the document.
