@@ -196,12 +196,14 @@ class RssSampler(threading.Thread):
         return tree_rss(self.pid)
 
 
-def start_server(model: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(model: Path, port: int, log: Path, prefix_cache_bytes: int | None = None) -> subprocess.Popen:
     vllm = shutil.which("vllm", path=environment()["PATH"])
     if vllm is None:
         sys.exit("no `vllm` command next to this interpreter: run this in the vllm environment (docs/serving.md)")
     # --enable-log-requests: the log then says which requests the server aborted (a client that left mid-stream)
     command = [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--enable-log-requests"]
+    if prefix_cache_bytes is not None:  # the worker's prefix-cache budget (serving/vllm_worker.py)
+        command += ["--additional-config", json.dumps({"qwen35_prefix_cache_bytes": prefix_cache_bytes})]
     with open(log, "w") as out:
         return subprocess.Popen(command, cwd=model.parent, env=environment(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -304,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new", type=int, default=16, help="most new tokens a request asks for")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--export", type=Path, help="a folder to keep the export in (reused when it holds one)")
+    parser.add_argument("--prefix-cache-bytes", type=int,
+                        help="the worker's prefix-cache budget in bytes (default: 4 GiB; 0: off)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     folder = args.export or Path(tempfile.mkdtemp(prefix="vllm-soak-"))
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     port, log = free_port(), folder / "vllm-serve.log"
     url = f"http://127.0.0.1:{port}"
-    process = start_server(model_dir, port, log)
+    process = start_server(model_dir, port, log, args.prefix_cache_bytes)
     try:
         reference = Reference(model_dir)  # solo tokens computed while the server starts
         for r in requests:

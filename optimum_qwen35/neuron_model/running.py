@@ -12,6 +12,7 @@ import logging
 import torch
 
 from optimum_qwen35.backends.torchneuron.runner import load_runtime as load_torchneuron_runtime
+from optimum_qwen35 import validation
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.export import layout
 from optimum_qwen35.optimum_neuron.generation import generate, token_lists
@@ -27,6 +28,7 @@ class ExportRunning:
 
     _runtime = None
     _prefix_cache = "auto"
+    _prefix_cache_budget = None  # "auto"'s budget in bytes (None: PrefixCache's default, 4 GiB)
 
     @property
     def runtime(self) -> Qwen35Runtime:
@@ -41,7 +43,7 @@ class ExportRunning:
             self._apply_prefix_cache()
         return self._runtime
 
-    def set_prefix_cache(self, cache: PrefixCache | str | None = "auto") -> None:
+    def set_prefix_cache(self, cache: PrefixCache | str | None = "auto", *, budget_bytes: int | None = None) -> None:
         """Prefix caching for `generate` and the continuous-batching `prefill` / `decode` (runtime/prefix_cache.py,
         docs/prefix_caching.md): a prompt starting with the tokens of an earlier one resumes context encoding from
         its cached block states, with the same logits as without a hit.
@@ -50,10 +52,15 @@ class ExportRunning:
         holds context programs that continue a sequence (cpu exports made by this version); off, with one log line,
         for older exports, whose context programs start fresh sequences only.
         A `PrefixCache`: on with that cache (its block size must be the export's), refused (IncompatibleExportError)
-        where the graphs cannot resume. None: off."""
+        where the graphs cannot resume. None: off. `budget_bytes`: "auto"'s budget (the most its block snapshots
+        hold; the oldest are evicted past it)."""
         if not (cache is None or cache == "auto" or isinstance(cache, PrefixCache)):
             raise UsageError(f'prefix_cache must be "auto", a PrefixCache or None, got {cache!r}')
-        self._prefix_cache = cache
+        if budget_bytes is not None and cache != "auto":
+            raise UsageError('budget_bytes is the budget of prefix_cache="auto" (a PrefixCache has its own)')
+        if budget_bytes is not None:
+            validation.positive_int(budget_bytes, "budget_bytes")
+        self._prefix_cache, self._prefix_cache_budget = cache, budget_bytes
         if self._runtime is not None:
             self._apply_prefix_cache()
 
@@ -66,7 +73,8 @@ class ExportRunning:
                             "before continuing programs existed); export it again to turn it on", self.folder)
                 self._runtime.set_prefix_cache(None)
                 return
-            cache = PrefixCache(block_size=graphs.prefix_block_size)
+            budget = {} if self._prefix_cache_budget is None else {"budget_bytes": self._prefix_cache_budget}
+            cache = PrefixCache(block_size=graphs.prefix_block_size, **budget)
         self._runtime.set_prefix_cache(cache)
 
     def can_generate(self) -> bool:

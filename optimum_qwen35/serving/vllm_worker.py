@@ -29,11 +29,22 @@ from optimum.neuron.vllm.worker import OptimumNeuronWorker  # noqa: E402
 from optimum_qwen35.optimum_neuron.modeling import Qwen35NeuronModelForCausalLM  # noqa: E402
 
 
+# The worker's prefix-cache budget in bytes, from vLLM's `--additional-config` JSON (`additional_config=` in
+# `vllm.LLM`); 0 turns the cache off. Unset: "auto"'s default, 4 GiB (docs/prefix_caching.md).
+PREFIX_CACHE_BYTES = "qwen35_prefix_cache_bytes"
+
+
 class Qwen35CpuExportRunner(_runner.OptimumNeuronModelRunnerForCausalLM):
     """optimum-neuron's runner; the export is loaded by this package's class (no Neuron core or compiler check)."""
 
     def load_model(self) -> None:
         model = Qwen35NeuronModelForCausalLM.from_pretrained(self.model_config.model)
+        extra = self.vllm_config.additional_config
+        budget = extra.get(PREFIX_CACHE_BYTES) if isinstance(extra, dict) else None
+        if budget == 0:
+            model.set_prefix_cache(None)
+        elif budget is not None:
+            model.set_prefix_cache("auto", budget_bytes=budget)
         self.model = OptimumNeuronModelForCausalLM(model)
         if not model.neuron_config.on_device_sampling:
             self.sampler = _runner.NeuronSampler(model.neuron_config)

@@ -54,3 +54,16 @@ def test_a_new_export_turns_it_on_and_takes_only_its_block_size(export_dir):
         model.set_prefix_cache(PrefixCache(block_size=128))
     model.set_prefix_cache(None)
     assert model.runtime.prefix_cache is None
+
+
+def test_auto_takes_a_budget_in_bytes(export_dir):
+    model = Qwen35NeuronModelForCausalLM.from_pretrained(export_dir("tiny-2b", 1))
+    assert model.runtime.prefix_cache.budget_bytes == PrefixCache().budget_bytes  # 4 GiB unless asked
+    model.set_prefix_cache("auto", budget_bytes=1 << 20)
+    assert model.runtime.prefix_cache.budget_bytes == 1 << 20 and model.runtime.prefix_cache.block_size == 64
+    with pytest.raises(UsageError, match="budget_bytes must be an integer >= 1, got 0"):
+        model.set_prefix_cache("auto", budget_bytes=0)
+    with pytest.raises(UsageError, match='budget of prefix_cache="auto"'):
+        model.set_prefix_cache(PrefixCache(block_size=64), budget_bytes=1 << 20)
+    model.set_prefix_cache()  # "auto" with the default budget again
+    assert model.runtime.prefix_cache.budget_bytes == PrefixCache().budget_bytes
