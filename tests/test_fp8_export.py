@@ -179,3 +179,42 @@ def test_optimum_cli_passes_the_flag_on():
 
     export_args, instance_type, _ = translate(["-m", "q", "--instance_type", "cpu", "--weights_dtype", "fp8", "out"])
     assert instance_type == "cpu" and export_args == ["--model", "q", "--weights_dtype", "fp8", "out"]
+
+
+def test_sharded_fp8_rank_files_load_as_the_checkpoint_and_refuse_damaged_scales(tmp_path):
+    """`save_sharded(weights_dtype="fp8")` at TP 2: each rank's float8 shards and scales are the ones
+    `load_decoder(weights_dtype="fp8")` holds from the checkpoint; a scale of the wrong shape is refused in one line
+    at load; a checkpoint without FP8 weights is refused before anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    from optimum_qwen35.checkpoint.sharded_files import load_sharded, save_sharded
+    from optimum_qwen35.errors import CheckpointError
+    from tests.kit import build_tiny_checkpoint
+
+    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-nv3x")
+    out = save_sharded(q, None, 2, tmp_path / "tp2", BF16, progress=False, weights_dtype="fp8")
+    from optimum_qwen35.modeling.torch_layers import TorchLayers
+
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    for rank in range(2):
+        stored = load_decoder(out, BF16, tp_degree=2, rank=rank, layers=TorchLayers(2, rank, group="0")).state_dict()
+        direct = load_decoder(q, BF16, tp_degree=2, rank=rank, layers=TorchLayers(2, rank, group="0"),
+                              weights_dtype="fp8").state_dict()
+        assert any(t.dtype == torch.float8_e4m3fn for t in stored.values())
+        assert stored.keys() == direct.keys() and all(torch.equal(bits(stored[k]), bits(direct[k])) for k in stored)
+    tensors = load_file(out / rank_file(1))
+    name = next(n for n in tensors if n.endswith("_scale"))
+    tensors[name] = tensors[name][..., :1, :1].contiguous()
+    save_file(tensors, str(out / rank_file(1)), metadata={"format": "pt"})
+    manifest = json.loads((out / TP_SHARDS_FILE).read_text())
+    manifest["files"][1]["bytes"] = (out / rank_file(1)).stat().st_size
+    (out / TP_SHARDS_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"FP8 scales that do not fit their weights: \\['{name}'\\]"):
+        load_sharded(out, 1, 2)
+    bf16 = build_tiny_checkpoint(tmp_path / "bf16", "tiny-2b", dtype="bfloat16")
+    with pytest.raises(UsageError, match="holds no FP8 weights"):
+        save_sharded(bf16, None, 1, tmp_path / "none", BF16, progress=False, weights_dtype="fp8")
+    assert not (tmp_path / "none").exists()
+
