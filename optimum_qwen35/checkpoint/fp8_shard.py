@@ -43,3 +43,28 @@ def convert_and_shard_fp8(
             tensor = convert_tensor(source, reader.get(source))
             shard = shard_tensor(name, tensor, config, tp_degree, rank)
             yield name, shard.to(dtype=stored_dtype(name, dtype) or shard.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
+def fp8_rank_tensors(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int,
+                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors of an export with FP8 weights (`save_sharded(..., weights_dtype="fp8")`): the float8
+    shards, their expanded scales, and every other tensor in `dtype` (what `load_decoder(weights_dtype="fp8")` holds)."""
+    return dict(convert_and_shard_fp8(reader, config, tp_degree, rank, dtype))
+
+
+def check_fp8_shard_shapes(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The scales of a rank file with FP8 weights that do not fit their weight (names), each scale in one of the two
+    expanded forms of its float8 weight's shard shape ([.., rows, ceil(cols / 128)] or [.., ceil(rows / 128), cols])."""
+    wrong = []
+    for name, scale in tensors.items():
+        if not name.endswith(SCALE_SUFFIX):
+            continue
+        weight = tensors.get(name[: -len(SCALE_SUFFIX)])
+        if weight is None or weight.dtype != FP8_DTYPE or scale.dtype != torch.float32:
+            wrong.append(name)
+            continue
+        *lead, rows, cols = weight.shape
+        forms = {(*lead, rows, -(-cols // 128)), (*lead, -(-rows // 128), cols)}
+        if tuple(scale.shape) not in forms:
+            wrong.append(name)
+    return wrong

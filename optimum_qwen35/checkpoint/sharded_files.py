@@ -32,6 +32,8 @@ from .convert import (
     expected_shapes,
     stored_dtype,
 )
+from .fp8 import FP8_DTYPE
+from .fp8_shard import SCALE_SUFFIX, check_fp8_shard_shapes, fp8_rank_tensors
 from .reader import SAFETENSORS_DTYPES, CheckpointReader
 from .shard import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, shard_tensor, sharded_shapes, tp_layout
 
@@ -106,6 +108,7 @@ def save_sharded(
     dtype: torch.dtype | str | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    weights_dtype: str | None = None,
 ) -> Path:
     """Convert and shard a checkpoint for `tp_degree` ranks and save one safetensors file per rank.
 
@@ -118,6 +121,10 @@ def save_sharded(
     renamed into place when complete. An `out_dir` holding a model or an export is refused unless
     `overwrite=True`, and then replaced whole (no stale rank files); the source folder is refused.
     Everything is checked before anything is written.
+
+    `weights_dtype="fp8"` (a block-FP8 checkpoint): the FP8 weights stay float8, each beside its expanded scale
+    `<name>_scale` (checkpoint/fp8_shard.py), as `load_decoder(weights_dtype="fp8")` holds them; the manifest says
+    `"weights_dtype": "fp8"`. Each rank's file is then built whole in memory (one rank's weights at a time).
     """
     if not isinstance(source, CheckpointReader):
         source = validation.model_folder(source, "shard")
@@ -131,8 +138,15 @@ def save_sharded(
     config = config or Qwen35Config.from_pretrained(reader.folder)
     config.check_tp_degree(tp_degree)
     check_checkpoint(reader, config)
+    if weights_dtype is not None and weights_dtype != "fp8":
+        raise UsageError(f"weights_dtype {weights_dtype!r} is not supported: 'fp8' (keep FP8 weights) or None (the model dtype)")
+    if weights_dtype == "fp8" and reader.fp8_block is None:
+        raise UsageError(f"{reader.folder} holds no FP8 weights (no quantization_config): quantize it first or save it without weights_dtype")
     with output_folder(out_dir, sources=[reader.folder], overwrite=overwrite) as tmp:
-        _write_shards(reader, config, tp_degree, tmp, dtype, progress)
+        if weights_dtype == "fp8":
+            _write_fp8_shards(reader, config, tp_degree, tmp, dtype)
+        else:
+            _write_shards(reader, config, tp_degree, tmp, dtype, progress)
     return Path(out_dir).expanduser()
 
 
@@ -170,19 +184,45 @@ def _write_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int
         for writer in writers:
             writer.abort()
         raise
+    _write_manifest(out, reader, config, tp_degree, set(dtypes.values()), files)
+
+
+def _write_manifest(out: Path, reader: CheckpointReader, config: Qwen35Config, tp_degree: int, dtypes: set,
+                    files: list[dict], weights_dtype: str | None = None) -> None:
     _write_json_atomic(
         out / MANIFEST,
         {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "tp_degree": tp_degree,
-            "dtype": sorted({_DTYPE_CODES[d] for d in dtypes.values()}),
+            "dtype": sorted({_DTYPE_CODES[d] for d in dtypes}),
             "tie_word_embeddings": config.tie_word_embeddings,
             **({"moe_parallel": config.expert_parallel_mode(tp_degree)} if config.is_moe else {}),
+            **({"weights_dtype": weights_dtype} if weights_dtype else {}),
             "source": str(reader.folder),
             "files": files,
         },
     )
+
+
+def _write_fp8_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, out: Path, dtype) -> None:
+    """`_write_shards` with the FP8 weights kept as float8 and their scales beside them; one rank at a time."""
+    with open(out / f".{layout.CONFIG_FILE}.tmp", "w", encoding="utf-8") as f:
+        json.dump(config.raw or config.to_text_dict(), f, indent=2)
+    os.replace(out / f".{layout.CONFIG_FILE}.tmp", out / layout.CONFIG_FILE)
+    copy_side_files(reader.folder, out)
+    files, dtypes = [], set()
+    for rank in range(tp_degree):
+        tensors = fp8_rank_tensors(reader, config, tp_degree, rank, dtype)
+        check_finite(tensors, str(reader.folder))
+        dtypes |= {t.dtype for t in tensors.values()}
+        file = out / layout.rank_file(rank)
+        tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+        save_file(tensors, os.fspath(tmp), metadata={"format": "pt", "tp_degree": str(tp_degree), "rank": str(rank)})
+        os.replace(tmp, file)
+        files.append({"rank": rank, "file": layout.rank_file(rank), "bytes": file.stat().st_size})
+        del tensors
+    _write_manifest(out, reader, config, tp_degree, dtypes, files, "fp8")
 
 
 def reader_nbytes(reader: CheckpointReader, name: str) -> int:
@@ -247,7 +287,11 @@ def load_sharded(
         config = dataclasses.replace(config, moe_parallel=manifest["moe_parallel"])
     tensors = load_file(path / layout.rank_file(rank))
     expected = sharded_shapes(config, saved_degree)
-    got = {n: tuple(t.shape) for n, t in tensors.items()}
+    fp8 = manifest.get("weights_dtype") == "fp8"  # float8 weights with their scales (save_sharded weights_dtype="fp8")
+    got = {n: tuple(t.shape) for n, t in tensors.items() if not (fp8 and n.endswith(SCALE_SUFFIX))}
+    wrong_scales = check_fp8_shard_shapes(tensors) if fp8 else []
+    if wrong_scales:
+        raise CheckpointError(f"{path / layout.rank_file(rank)}: FP8 scales that do not fit their weights: {wrong_scales[:5]}; export it again")
     if got != expected:
         missing = sorted(set(expected) - set(got))
         wrong = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])
@@ -257,8 +301,9 @@ def load_sharded(
         )
     if check_weights:
         check_finite(tensors, str(path / layout.rank_file(rank)))
-    if dtype is not None:
-        tensors = {n: t.to(stored_dtype(n, dtype)) for n, t in tensors.items()}
+    if dtype is not None:  # (float8 weights and their float32 scales stay as stored)
+        tensors = {n: t if t.dtype == FP8_DTYPE or (fp8 and n.endswith(SCALE_SUFFIX)) else t.to(stored_dtype(n, dtype))
+                   for n, t in tensors.items()}
     return config, saved_degree, tensors
 
 

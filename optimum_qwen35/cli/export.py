@@ -60,6 +60,9 @@ def add_export_arguments(p) -> None:
     p.add_argument("--mtp", action="store_true",
                    help="also export the multi-token-prediction head's graphs, for generate(..., num_speculative_tokens=k) "
                    "(any tensor_parallel_size; every backend; docs/speculative_decoding.md)")
+    p.add_argument("--weights_dtype", choices=["fp8"],
+                   help="fp8: the linear weights as float8 with Qwen's 128x128 block scales (an FP8 checkpoint's as they "
+                   "are, a bf16 one's quantized at export); cpu and trn2 (TorchNeuron) only; docs/fp8.md")
     p.add_argument("out", help="the export folder to write")
 
 
@@ -116,6 +119,12 @@ def check_export(args):
             raise nxd_stack_needed("--neuron_backend nxd")
     from optimum_qwen35.export.cpu import check_save_directory  # start-up time: this command only
 
+    if args.weights_dtype is not None and (args.target in NXD_TARGETS or args.neuron_backend == "nxd"):
+        raise UsageError(
+            "--weights_dtype fp8 is not built for the NxD backend's graphs yet: export without it (an FP8 checkpoint is "
+            "then dequantized to the export dtype), or for --target trn2 with --neuron_backend torchneuron"
+        )
+
     try:
         check_save_directory(Path(args.out), args.overwrite, source=args.model)
     except ExportError as error:
@@ -136,7 +145,7 @@ def cmd_export(args) -> int:
     neuron_config = check_export(args)
     model = model_class().export(
         args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets,
-        neuron_backend=args.neuron_backend, mtp=args.mtp,
+        neuron_backend=args.neuron_backend, mtp=args.mtp, **({"weights_dtype": args.weights_dtype} if args.weights_dtype else {}),
     )
     model.save_pretrained(out, overwrite=args.overwrite)
     backend = getattr(model, "backend", None)  # (the NxD class has none: optimum-neuron's own export)

@@ -25,7 +25,7 @@ PROG = "optimum-cli export neuron"
 VALUE_FLAGS = {"--model": "--model", "-m": "--model", "--task": "--task", "--batch_size": "--batch_size",
                "--sequence_length": "--sequence_length", "--tensor_parallel_size": "--tensor_parallel_size",
                "--num_cores": "--tensor_parallel_size", "--torch_dtype": "--torch_dtype",
-               "--instance_type": "--target"}
+               "--instance_type": "--target", "--weights_dtype": "--weights_dtype"}
 # Its compiler options: nothing to do for the cpu target (no neuronx-cc), so left out of the cpu command.
 COMPILER_VALUE_FLAGS = {"--auto_cast", "--compiler_workdir"}
 COMPILER_SWITCHES = {"-O1", "-O2", "-O3", "--disable_neuron_cache", "--inline-weights-neff", "--disable-validation"}
@@ -38,7 +38,8 @@ DTYPES = ("bfloat16", "float32")
 AUTO_CAST_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 HELP = f"""usage: {PROG} --model MODEL [--instance_type {{cpu,{','.join(NEURON_INSTANCE_TYPES)}}}]
        [--task text-generation] [--batch_size N] [--sequence_length N] [--tensor_parallel_size N]
-       [--torch_dtype {{{','.join(DTYPES)}}} | --auto_cast_type {{{','.join(AUTO_CAST_DTYPES)}}}] [--overwrite] OUTPUT
+       [--torch_dtype {{{','.join(DTYPES)}}} | --auto_cast_type {{{','.join(AUTO_CAST_DTYPES)}}}] [--weights_dtype fp8]
+       [--overwrite] OUTPUT
 
 Export Qwen3.5 with optimum-neuron's flags (optimum-qwen35; the Neuron SDK is not installed here).
 `--instance_type cpu` exports for this machine's CPU; `trn2` for TorchNeuron (no SDK needed to export: a trn2/trn3
@@ -55,6 +56,7 @@ arguments:
   --tensor_parallel_size N   ranks to split the model over (--num_cores is its older name)
   --torch_dtype DTYPE        bfloat16 or float32 (default: the checkpoint's)
   --auto_cast_type TYPE      bf16 or fp32: the export's dtype, as --torch_dtype bfloat16 / float32
+  --weights_dtype fp8        FP8 weights (Qwen's 128x128 blocks; a bf16 checkpoint is quantized); cpu, trn2
   --overwrite                replace an existing export in OUTPUT
   -h, --help                 show this help and exit
 

@@ -54,6 +54,8 @@ from optimum_qwen35.modeling.decoder import (
     Qwen35Decoder,
     TokenGenerationGraph,
 )
+from optimum_qwen35.checkpoint.fp8_shard import SCALE_SUFFIX
+from optimum_qwen35.modeling.fp8 import hold_meta_fp8_weights, stored_weight_name
 from optimum_qwen35.modeling.precision import accumulation_dtype, to_model_dtype
 from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHiddenGraph, MTPGraph, VerifyGraph
 from optimum_qwen35.modeling.state import StateSpec
@@ -67,6 +69,16 @@ GROUP_NAME = "0"
 # The most draft tokens per round an export made with mtp=True verifies: its verify, commit and catch-up programs take
 # this many + 1 positions, and a round of fewer drafts runs them padded (the padding is past each row's `lengths`).
 MTP_MAX_SPECULATIVE_TOKENS = 4
+
+
+def fp8_weight_shapes(rank_file: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """{weight name: (float8 shape, scale shape)} of an export's rank file with FP8 weights (read from its header)."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(rank_file), "pt") as f:
+        names = set(f.keys())
+        return {n: (tuple(f.get_slice(n).get_shape()), tuple(f.get_slice(n + SCALE_SUFFIX).get_shape()))
+                for n in sorted(names) if n + SCALE_SUFFIX in names and f.get_slice(n).get_dtype() == "F8_E4M3"}
 
 
 def weight_names(decoder: nn.Module) -> list[str]:
@@ -171,6 +183,7 @@ def compile_graphs(
     prefix_block_size: int | None = None,
     backend: str = CPU_BACKEND,
     mtp: bool = False,
+    fp8_shapes: dict | None = None,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
@@ -189,6 +202,10 @@ def compile_graphs(
     files, since TorchNeuron compiles each graph on the device on first use (backends/torchneuron/runner.py builds
     the graph modules from these entries).
 
+    `fp8_shapes` ({weight name: (float8 shard shape, scale shape)}, `fp8_weight_shapes` of the export's rank file):
+    the graphs take those weights as float8 with their scales and dequantize each beside its matmul (modeling/fp8.py);
+    graphs.json says `"weights_dtype": "fp8"` and lists the weights by their rank-file names.
+
     Returns the content of `graphs.json`, written last.
     """
     if backend not in (CPU_BACKEND, TORCHNEURON_BACKEND):
@@ -198,6 +215,8 @@ def compile_graphs(
     with torch.device("meta"):
         # Model dtype, except the parameters the precision policy holds in fp32 (as load_sharded returns them).
         decoder = to_model_dtype(Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME)), dtype)
+    if fp8_shapes:
+        hold_meta_fp8_weights(decoder, fp8_shapes, dtype)
     names = weight_names(decoder)
     tensors = {**dict(decoder.named_parameters()), **dict(decoder.named_buffers())}
     weights = [_shape_only(tensors[n]) for n in names]
@@ -222,6 +241,8 @@ def compile_graphs(
             mtp_decoder = to_model_dtype(
                 Qwen35Decoder(config, tp_degree, TorchLayers(tp_degree, 0, group=GROUP_NAME), mtp=True), dtype
             )
+        if fp8_shapes:  # (the head itself is dequantized: only the main layers' weights are float8)
+            hold_meta_fp8_weights(mtp_decoder, fp8_shapes, dtype)
         mtp_names = weight_names(mtp_decoder)
         mtp_tensors = {**dict(mtp_decoder.named_parameters()), **dict(mtp_decoder.named_buffers())}
         mtp_weights = [_shape_only(mtp_tensors[n]) for n in mtp_names]
@@ -229,7 +250,7 @@ def compile_graphs(
         plan += speculative_plan(sorted(buckets), token_buckets)
         mtp_manifest = {
             "max_speculative_tokens": MTP_MAX_SPECULATIVE_TOKENS,
-            "weights": mtp_names,
+            "weights": [stored_weight_name(n) for n in mtp_names],
             "files": [mtp_weights_file(rank, tp_degree) for rank in range(tp_degree)],  # each rank's share
             "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in mtp_specs],
         }
@@ -309,7 +330,8 @@ def compile_graphs(
         "logits_buckets": logits_buckets,
         "dtype": str(dtype).removeprefix("torch."),
         "group_name": GROUP_NAME,
-        "weights": names,
+        "weights": [stored_weight_name(n) for n in names],
+        **({"weights_dtype": "fp8"} if fp8_shapes else {}),
         "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in specs],
         "graphs": graphs,
     }

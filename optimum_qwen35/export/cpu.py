@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from optimum_qwen35.checkpoint.fp8 import fp8_format
+from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
 from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_mtp_weights, save_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
-from optimum_qwen35.export.compile import compile_graphs, save_vision_weights
+from optimum_qwen35.export.compile import compile_graphs, fp8_weight_shapes, save_vision_weights
 from optimum_qwen35.export.writer import copy_side_files, write_failure
 from optimum_qwen35.hub.cache import fetch_cached_graphs
 from optimum_qwen35.modeling.vision import VisionConfig
@@ -89,8 +92,25 @@ def mtp_export_check(qwen_config: Qwen35Config, source) -> None:
         raise UsageError(f"mtp=True, but {source} has no multi-token-prediction head (mtp_num_hidden_layers): export it without mtp")
 
 
+WEIGHTS_DTYPES = ("fp8",)
+
+
+def check_weights_dtype(weights_dtype, backend: str) -> None:
+    """`export(..., weights_dtype=...)`: None (the export dtype) or "fp8" (Qwen's block-FP8 weights kept as float8) on
+    the cpu and TorchNeuron backends; one line otherwise."""
+    if weights_dtype is None:
+        return
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise UsageError(f"weights_dtype {weights_dtype!r} is not supported: 'fp8' (FP8 weights, Qwen's 128x128 block format) or None (the export dtype)")
+    if backend == layout.NXD_BACKEND:
+        raise UsageError(
+            "weights_dtype='fp8' is not built for the NxD backend's graphs yet: export without it (an FP8 checkpoint is "
+            "then dequantized to the export dtype), or with neuron_backend='torchneuron' (trn2)"
+        )
+
+
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
-               backend: str = layout.CPU_BACKEND, mtp: bool = False) -> Path:
+               backend: str = layout.CPU_BACKEND, mtp: bool = False, weights_dtype: str | None = None) -> Path:
     """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
     it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
     With `vision`, the vision tower's programs too, one per image bucket.
@@ -101,7 +121,13 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
 
     `mtp`: also the multi-token-prediction head's weights (checkpoint/mtp.safetensors, one mtp_rank_<r> file per rank at
     tensor_parallel_size > 1) and
-    the speculative-decoding graphs (export/compile.py `speculative_plan`; graphs.json "mtp")."""
+    the speculative-decoding graphs (export/compile.py `speculative_plan`; graphs.json "mtp").
+
+    `weights_dtype="fp8"`: the text decoder's linear weights as float8 with their block scales (docs/fp8.md), those
+    of an FP8 checkpoint as they are, a bf16 / fp32 checkpoint's quantized first to Qwen's block-FP8 format
+    (checkpoint/quantize.py, in a scratch folder); the graphs dequantize each beside its matmul. The MTP head and the
+    vision tower are stored dequantized in the export dtype. Without it an FP8 checkpoint is dequantized at export."""
+    check_weights_dtype(weights_dtype, backend)
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
@@ -111,8 +137,16 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
     if vision:
         image_buckets = check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
     work = Path(tempfile.mkdtemp(prefix="qwen35-export-"))
+    scratch = None
     try:
-        save_sharded(source, qwen_config, neuron_config.tp_degree, work / layout.CHECKPOINT_DIR, dtype)
+        weights_source, fp8_shapes = source, None
+        if weights_dtype == "fp8" and fp8_format(json.loads((Path(source) / "config.json").read_text())) is None:
+            scratch = Path(tempfile.mkdtemp(prefix="qwen35-fp8-"))
+            weights_source = quantize_checkpoint(source, scratch / "fp8")
+        save_sharded(weights_source, qwen_config, neuron_config.tp_degree, work / layout.CHECKPOINT_DIR, dtype,
+                     weights_dtype=weights_dtype)
+        if weights_dtype == "fp8":
+            fp8_shapes = fp8_weight_shapes(work / layout.CHECKPOINT_DIR / layout.rank_file(0))
         copy_side_files(source, work)
         if vision:
             save_vision_weights(source, vision_config, dtype, work / layout.CHECKPOINT_DIR)
@@ -121,16 +155,20 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             save_mtp_weights(source, qwen_config, dtype, work / layout.CHECKPOINT_DIR, neuron_config.tp_degree)
         export_config(config, model_id, dtype).save_pretrained(work)
         nc.save(neuron_config, work, backend)
-        if backend != layout.CPU_BACKEND or vision or mtp or not graphs_from_cache(work):  # (cached: cpu text graphs only)
+        if backend != layout.CPU_BACKEND or vision or mtp or weights_dtype or not graphs_from_cache(work):  # (cached: cpu text graphs only)
             buckets = default_buckets(neuron_config.sequence_length, smallest=SMALLEST_EXPORT_BUCKET)
             compile_graphs(
                 qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
                 prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend, mtp=mtp,
+                fp8_shapes=fp8_shapes,
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return work
 
 

@@ -68,3 +68,29 @@ def select_experts(module: nn.Module, name: str, index: torch.Tensor) -> torch.T
 def is_fp8(module: nn.Module) -> bool:
     """Whether `module` holds a float8 weight (such a layer is not prepacked: `torch_layers.pack_linears`)."""
     return parametrize.is_parametrized(module)
+
+
+def stored_weight_name(name: str) -> str:
+    """The name a weight input of a compiled graph has in the export's rank files: a float8 layer's
+    `X.parametrizations.A.original` is `X.A`, its scale `X.parametrizations.A.0.scale` is `X.A_scale`; any other
+    name is unchanged."""
+    if ".parametrizations." not in name:
+        return name
+    path, rest = name.split(".parametrizations.", 1)
+    attr, tail = rest.split(".", 1)
+    if tail == "original":
+        return f"{path}.{attr}"
+    if tail == "0.scale":
+        return f"{path}.{attr}{SCALE_SUFFIX}"
+    raise ValueError(f"{name}: not a weight of an FP8 layer")
+
+
+def hold_meta_fp8_weights(module: nn.Module, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+                          dtype: torch.dtype) -> int:
+    """`hold_fp8_weights` on a meta-device decoder (what the cpu target exports its graphs from): each weight of
+    `shapes` ({name: (float8 shard shape, scale shape)}, from an export's rank file) becomes a float8 one."""
+    params = {}
+    for name, (shape, scale_shape) in shapes.items():
+        params[name] = torch.empty(shape, dtype=FP8_DTYPE, device="meta")
+        params[name + SCALE_SUFFIX] = torch.empty(scale_shape, dtype=torch.float32, device="meta")
+    return hold_fp8_weights(module, params, dtype)
