@@ -30,9 +30,10 @@ The sides (the same tiny random checkpoint, `optimum_qwen35.tiny`; the same gree
   shortest --default-cache-prompts prompts only (it never stops compiling otherwise); the calls that ran uncompiled
   once Dynamo's recompile limit was hit are counted.
 - `ours`: a TorchNeuron export for trn2 made with the package's export code (`export/compile.py compile_graphs`
-  with backend "torchneuron": the graph list `export_cpu` writes for a trn2 export, buckets `default_buckets` of
-  --sequence-length from 128), loaded by `backends/torchneuron/runner.load_runtime` with the check backend in place
-  of "neuron" on the CPU, generating through `Qwen35Runtime.generate`.
+  with backend "torchneuron": the graph list `export_cpu` writes for a trn2 export, context buckets `default_buckets`
+  of --sequence-length from 128, token-generation buckets `export_token_buckets`: those and their midpoints),
+  loaded by `backends/torchneuron/runner.load_runtime` with the check backend in place of "neuron" on the CPU,
+  generating through `Qwen35Runtime.generate`.
 
 Per side: graphs compiled (Dynamo graphs handed to the backend), recompilations (Dynamo's "Recompiling function"
 events: a compile of a code object that already had an entry; ours compiles each bucket's module once, which Dynamo
@@ -274,7 +275,7 @@ def export_for_trn2(source: Path, out: Path, sequence_length: int) -> Path:
     from optimum_qwen35.config import Qwen35Config
     from optimum_qwen35.export import layout
     from optimum_qwen35.export.compile import compile_graphs
-    from optimum_qwen35.export.cpu import SMALLEST_EXPORT_BUCKET
+    from optimum_qwen35.export.cpu import SMALLEST_EXPORT_BUCKET, export_token_buckets
     from optimum_qwen35.export.writer import copy_side_files
     from optimum_qwen35.runtime.buckets import default_buckets
     from optimum_qwen35.runtime.prefix_cache import export_block_size
@@ -284,7 +285,8 @@ def export_for_trn2(source: Path, out: Path, sequence_length: int) -> Path:
     copy_side_files(source, out)
     compile_graphs(config, 1, 1, sequence_length, default_buckets(sequence_length, smallest=SMALLEST_EXPORT_BUCKET),
                    torch.float32, out / layout.COMPILED_DIR, progress=False,
-                   prefix_block_size=export_block_size(sequence_length), backend=layout.TORCHNEURON_BACKEND)
+                   prefix_block_size=export_block_size(sequence_length), backend=layout.TORCHNEURON_BACKEND,
+                   token_buckets=export_token_buckets(sequence_length, layout.TORCHNEURON_BACKEND))
     return out
 
 
