@@ -28,11 +28,14 @@ The sides (the same tiny random checkpoint, `optimum_qwen35.tiny`; the same gree
   (`model.forward = torch.compile(model.forward, backend=<check>, fullgraph=True, dynamic=False)`), then plain
   `generate`: its cache grows every step, so every step is a new input signature. Run with Dynamo's defaults on the
   shortest --default-cache-prompts prompts only (it never stops compiling otherwise); the calls that ran uncompiled
-  once Dynamo's recompile limit was hit are counted.
+  once Dynamo's recompile limit was hit are counted. Under `fullgraph=True`, torch 2.14 does not fall back: the
+  call past the limit raises `FailOnRecompileLimitHit` ("Hard failure due to fullgraph=True") and `generate` fails;
+  such prompts are counted ("generate failed") and their tokens are None.
 - `ours`: a TorchNeuron export for trn2 made with the package's export code (`export/compile.py compile_graphs`
-  with backend "torchneuron": the graph list `export_cpu` writes for a trn2 export, buckets `default_buckets` of
-  --sequence-length from 128), loaded by `backends/torchneuron/runner.load_runtime` with the check backend in place
-  of "neuron" on the CPU, generating through `Qwen35Runtime.generate`.
+  with backend "torchneuron": the graph list `export_cpu` writes for a trn2 export, context buckets `default_buckets`
+  of --sequence-length from 128, token-generation buckets `export_token_buckets`: those and their midpoints),
+  loaded by `backends/torchneuron/runner.load_runtime` with the check backend in place of "neuron" on the CPU,
+  generating through `Qwen35Runtime.generate`.
 
 Per side: graphs compiled (Dynamo graphs handed to the backend), recompilations (Dynamo's "Recompiling function"
 events: a compile of a code object that already had an entry; ours compiles each bucket's module once, which Dynamo
@@ -251,19 +254,27 @@ def run_transformers(source: Path, prompts, new_tokens: int, eos: list[int], sta
 
         model.forward = forward
         limits = DYNAMO_DEFAULTS
-    tokens = []
+    tokens, failed = [], 0
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False, **limits), DynamoEvents() as events, \
             torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, eos_token_id=eos, **options)
+            try:
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, eos_token_id=eos, **options)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                if static:
+                    raise
+                failed += 1  # fullgraph=True: the call past the recompile limit raises instead of running eagerly
+                tokens.append(None)
+                continue
             tokens.append(out[0, len(prompt):].tolist())
             print(f"  {len(prompt)} tokens: {len(backend.labels)} graphs so far", file=sys.stderr, flush=True)
     from torch._dynamo.utils import counters
 
     breaks = sum(counters["graph_break"].values())
-    return summarize(backend, events, breaks, tokens, uncompiled=calls - sum(backend.calls) if not static else 0,
-                     known_before=0)
+    result = summarize(backend, events, breaks, tokens, uncompiled=calls - sum(backend.calls) if not static else 0,
+                       known_before=0)
+    return {**result, "generate_failed": failed}
 
 
 def export_for_trn2(source: Path, out: Path, sequence_length: int) -> Path:
@@ -274,7 +285,7 @@ def export_for_trn2(source: Path, out: Path, sequence_length: int) -> Path:
     from optimum_qwen35.config import Qwen35Config
     from optimum_qwen35.export import layout
     from optimum_qwen35.export.compile import compile_graphs
-    from optimum_qwen35.export.cpu import SMALLEST_EXPORT_BUCKET
+    from optimum_qwen35.export.cpu import SMALLEST_EXPORT_BUCKET, export_token_buckets
     from optimum_qwen35.export.writer import copy_side_files
     from optimum_qwen35.runtime.buckets import default_buckets
     from optimum_qwen35.runtime.prefix_cache import export_block_size
@@ -284,7 +295,8 @@ def export_for_trn2(source: Path, out: Path, sequence_length: int) -> Path:
     copy_side_files(source, out)
     compile_graphs(config, 1, 1, sequence_length, default_buckets(sequence_length, smallest=SMALLEST_EXPORT_BUCKET),
                    torch.float32, out / layout.COMPILED_DIR, progress=False,
-                   prefix_block_size=export_block_size(sequence_length), backend=layout.TORCHNEURON_BACKEND)
+                   prefix_block_size=export_block_size(sequence_length), backend=layout.TORCHNEURON_BACKEND,
+                   token_buckets=export_token_buckets(sequence_length, layout.TORCHNEURON_BACKEND))
     return out
 
 
@@ -331,6 +343,11 @@ def summarize(backend: CountedBackend, events: DynamoEvents, breaks: int, tokens
 
 
 # ------------------------------------------------------------------------------------------------ report
+def failed_note(r: dict) -> str:
+    n = r.get("generate_failed", 0)
+    return f" (generate failed on {n} prompt(s): FailOnRecompileLimitHit under fullgraph=True)" if n else ""
+
+
 def kib(n: float) -> str:
     return "-" if n != n else f"{n / 1024:,.1f}"
 
@@ -345,7 +362,7 @@ def report(results: dict, lengths: list[int], new_tokens: int, default_prompts: 
     for side, r in results.items():
         limit = f" (recompile limit hit {r['limit_hits']}x)" if r["limit_hits"] else ""
         print(f"| {side} | {r['compiled']} | {r['known_before']} | {r['recompiles']}{limit} | {r['breaks']} | "
-              f"{r['uncompiled']} | {r['ops']:,} | {r['decode_steps']} | {kib(r['decode_mean'])} | "
+              f"{r['uncompiled']}{failed_note(r)} | {r['ops']:,} | {r['decode_steps']} | {kib(r['decode_mean'])} | "
               f"{kib(r['decode_max'])} |")
     print("\nEvery graph (prefill: tokens per call; bytes read by the rule above, state = the aliased inputs):\n")
     print("| side | graph | calls | StableHLO ops | bytes read (KiB) | of it state (KiB) | @main arguments (KiB) |")

@@ -34,7 +34,7 @@ from optimum_qwen35.hub.cache import fetch_cached_graphs
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.neuron_model import neuron_config as nc
 from optimum_qwen35.processing import copy_processor_files
-from optimum_qwen35.runtime.buckets import default_buckets
+from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
 from optimum_qwen35.runtime.exported import read_graphs_manifest
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
 from optimum_qwen35.runtime.prefix_cache import export_block_size
@@ -43,6 +43,18 @@ logger = logging.getLogger(__name__)
 
 # Context buckets of a cpu export start here: each bucket is one more program to export and load.
 SMALLEST_EXPORT_BUCKET = 128
+
+
+def export_token_buckets(sequence_length: int, backend: str) -> list[int] | None:
+    """The token-generation (decode cache) buckets an export lists; None: the context buckets.
+
+    A TorchNeuron export lists the midpoints too (`default_key_buckets`: 128, 192, 256, 384, ...), so a decode step
+    reads the K/V of at most 1.5x the positions it needs, not 2x; TorchNeuron compiles each graph on its first use,
+    so a listed bucket no prompt reaches costs nothing. A cpu export keeps the context buckets: each is one more
+    program exported (and loaded) up front."""
+    if backend == layout.TORCHNEURON_BACKEND:
+        return default_key_buckets(sequence_length, smallest=SMALLEST_EXPORT_BUCKET)
+    return None
 
 
 def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0):
@@ -161,7 +173,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
                 qwen_config, neuron_config.tp_degree, neuron_config.batch_size, neuron_config.sequence_length,
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
                 prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend, mtp=mtp,
-                fp8_shapes=fp8_shapes,
+                fp8_shapes=fp8_shapes, token_buckets=export_token_buckets(neuron_config.sequence_length, backend),
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
