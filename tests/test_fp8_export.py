@@ -73,11 +73,21 @@ def check_fp8_metadata(folder: Path, tp: int) -> None:
         assert {"F8_E4M3", "F32", "BF16"} <= rank_dtypes(folder, rank)
 
 
-@pytest.mark.parametrize("layout,form,tp", [("tiny-2b", None, 1), ("tiny-moe", "per_expert", 1),
-                                            ("tiny-nv3x", None, 2), ("tiny-moe-top1", "fused", 2)])
+@pytest.fixture(scope="module")
+def tiny_2b_mtp(tmp_path_factory):
+    """tiny-2b's FP8 checkpoint and its FP8 export made with mtp=True (one export for the tests of the dense
+    layout: its plain graphs are the ones an export without mtp holds)."""
+    root = tmp_path_factory.mktemp("fp8-2b")
+    q = build_tiny_fp8_checkpoint(root / "q", "tiny-2b")
+    return q, export(q, root / "out", weights_dtype="fp8", mtp=True)
+
+
+@pytest.mark.parametrize("layout,form,tp", [("tiny-moe", "per_expert", 1), ("tiny-nv3x", None, 2),
+                                            ("tiny-moe-top1", "fused", 2)])
 def test_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, layout, form, tp):
-    """Dense (whole blocks), MoE per-expert, dense with 96 / 192 dims (blocks split across the two ranks) and MoE
-    fused at TP 2: the export's greedy tokens equal the eager FP8-weight model's and the dequantized bf16 model's."""
+    """MoE per-expert, dense with 96 / 192 dims (blocks split across the two ranks) and MoE fused at TP 2 (dense
+    tiny-2b at TP 1: below): the export's greedy tokens equal the eager FP8-weight model's and the dequantized bf16
+    model's."""
     q = build_tiny_fp8_checkpoint(tmp_path / "q", layout, expert_form=form)
     folder = export(q, tmp_path / "out", tp, weights_dtype="fp8")
     check_fp8_metadata(folder, tp)
@@ -86,10 +96,9 @@ def test_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, layou
     assert got == eager_tokens(q, tp, None)  # (a): dequantized at load, bit-equal weights (tests/test_fp8.py)
 
 
-def test_fp8_export_logits_equal_the_eager_fp8_model(tmp_path):
+def test_fp8_export_logits_equal_the_eager_fp8_model(tiny_2b_mtp):
     """Per-position logits of the exported context graph against the eager FP8-weight decoder, 120 positions."""
-    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
-    folder = export(q, tmp_path / "out", weights_dtype="fp8")
+    q, folder = tiny_2b_mtp
     tokens = torch.randint(0, 500, (120,), generator=torch.Generator().manual_seed(3)).tolist()
     exported = model_class().from_pretrained(folder)(torch.tensor([tokens])).logits[0]
     eager = Qwen35Runtime.from_decoder(load_decoder(q, BF16, weights_dtype="fp8"), 1, LENGTH).prefill(
@@ -99,12 +108,12 @@ def test_fp8_export_logits_equal_the_eager_fp8_model(tmp_path):
     assert torch.equal(exported.float(), eager.float())
 
 
-def test_fp8_export_with_the_mtp_head_speculates_exactly(tmp_path):
-    """An FP8 export made with mtp=True (the head stored dequantized): speculative decoding gives the greedy tokens,
-    which equal the eager FP8-weight model's."""
-    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
-    folder = export(q, tmp_path / "out", weights_dtype="fp8", mtp=True)
+def test_fp8_export_with_the_mtp_head_speculates_exactly(tiny_2b_mtp):
+    """Dense tiny-2b at TP 1, made with mtp=True (the head stored dequantized): greedy tokens equal the eager
+    FP8-weight model's and the dequantized bf16 model's; speculative decoding gives those greedy tokens."""
+    q, folder = tiny_2b_mtp
     check_fp8_metadata(folder, 1)
+    assert exported_tokens(folder) == eager_tokens(q) == eager_tokens(q, 1, None)
     runtime = model_class().from_pretrained(folder).runtime
     plain = runtime.generate([PROMPT], NEW)
     assert plain[0] == eager_tokens(q)

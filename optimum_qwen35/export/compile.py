@@ -21,10 +21,12 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from optimum_qwen35.checkpoint.fp8_shard import SCALE_SUFFIX
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import UsageError
 from optimum_qwen35.export.layout import (
@@ -54,7 +56,6 @@ from optimum_qwen35.modeling.decoder import (
     Qwen35Decoder,
     TokenGenerationGraph,
 )
-from optimum_qwen35.checkpoint.fp8_shard import SCALE_SUFFIX
 from optimum_qwen35.modeling.fp8 import hold_meta_fp8_weights, stored_weight_name
 from optimum_qwen35.modeling.precision import accumulation_dtype, to_model_dtype
 from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHiddenGraph, MTPGraph, VerifyGraph
@@ -73,8 +74,6 @@ MTP_MAX_SPECULATIVE_TOKENS = 4
 
 def fp8_weight_shapes(rank_file: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """{weight name: (float8 shape, scale shape)} of an export's rank file with FP8 weights (read from its header)."""
-    from safetensors import safe_open
-
     with safe_open(os.fspath(rank_file), "pt") as f:
         names = set(f.keys())
         return {n: (tuple(f.get_slice(n).get_shape()), tuple(f.get_slice(n + SCALE_SUFFIX).get_shape()))
