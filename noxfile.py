@@ -204,8 +204,8 @@ def _neuron_environment(session, *extra):
 @nox.session
 def neuron(session):
     """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
-    _neuron_environment(session)
-    _pytest(session, "tests/neuron_xla")
+    _neuron_environment(session, "pytest-xdist>=3.5")
+    _pytest(session, "tests/neuron_xla", parallel=True)
 
 
 # vLLM 0.11.0 is what optimum-neuron 0.4.5's `vllm` extra pins (torch 2.8, as the neuron session); it forces numpy
