@@ -27,7 +27,7 @@ export, batch, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3
 config = SimpleNamespace(
     model_config=SimpleNamespace(task="generate", model=export), cache_config=None, lora_config=None,
     load_config=None, parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=4),
-    device_config=SimpleNamespace(device=torch.device("cpu")))
+    device_config=SimpleNamespace(device=torch.device("cpu")), additional_config={})  # VllmConfig's default
 step = vllm_worker.Qwen35CpuExportRunner(config)
 step.load_model()
 greedy = SamplingParams(temperature=0, max_tokens=new_tokens)
