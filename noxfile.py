@@ -19,19 +19,27 @@ from PyPI, and no optimum-neuron (asserted): the model's graphs through a torch.
 TorchNeuron's pipeline down to StableHLO (tests/torchneuron, docs/torchneuron.md), the stack's entry points
 (tests/torchneuron_stack, the command line) and the README's TorchNeuron quick start as written. The sixth,
 `torchneuron_smoke`, is the same stack's smallest run on Python 3.12: install, export, generate.
+
+`prefetch`, run first, starts the installs of the sessions after `reference` in the background, so that their
+downloads overlap the reference session's tests ("installing ahead" below). Tests marked `matrix` (further points of
+a dtype / TP / layout matrix CI runs at one point) run only with `-- --deep` (tests/conftest.py).
 """
 
+import fcntl
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["reference", "optimum", "neuron", "vllm", "torchneuron", "torchneuron_smoke"]
+nox.options.sessions = ["prefetch", "reference", "optimum", "neuron", "vllm", "torchneuron", "torchneuron_smoke"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -49,7 +57,9 @@ LOCAL_PACKAGES = ("optimum_qwen35", "optimum-qwen35", "neuron_sdk_standin", "neu
 
 
 def _install(session, *args, **kwargs):
-    """session.install under the session's constraints (none while the pins are being updated)."""
+    """session.install under the session's constraints (none while the pins are being updated), once the session's
+    install started ahead by `prefetch` has ended."""
+    _await_prefetch(session)
     pins = () if UPDATE_PINS else ("-c", str(CONSTRAINTS / f"{session.name}.txt"))
     session.install(*pins, *args, **kwargs)
 
@@ -65,6 +75,73 @@ def _freeze_pins(session):
               f"(written by OPTIMUM_QWEN35_UPDATE_PINS=1 nox -s {session.name}).\n")
     (CONSTRAINTS / f"{session.name}.txt").write_text(header + "\n".join(pins) + "\n")
     session.log(f"wrote {len(pins)} pins to constraints/{session.name}.txt")
+
+
+# ------------------------------------------------------------------------------------------------ installing ahead
+# The sessions run one after another and their installs are mostly downloads (torch 2.8 with its CUDA wheels for
+# neuron and vllm, torch 2.14 for torchneuron and torchneuron_smoke, vLLM: about 14 of the first six-session CI run's
+# 85 minutes). `prefetch`, the first session, starts the other sessions' installs in the background
+# (`nox --install-only -s <name>`, niced, logged to .nox/prefetch/<name>.log) and returns: they download while the
+# reference session's tests run. Each session waits for its own before installing (what is left is then a check).
+# Within a chain the installs follow one another, so that the second of two sessions with the same torch takes it
+# from pip's cache instead of downloading it again alongside the first.
+PREFETCH_CHAINS = [["optimum"], ["neuron", "vllm"], ["torchneuron", "torchneuron_smoke"]]
+PREFETCH = Path(__file__).parent / ".nox" / "prefetch"
+PREFETCHING = "OPTIMUM_QWEN35_PREFETCHING"  # set in the background installs: they must not wait for themselves
+
+
+@nox.session(python=False)
+def prefetch(session):
+    """Start the other sessions' installs in the background; each session waits for its own before it installs."""
+    PREFETCH.mkdir(parents=True, exist_ok=True)
+    (PREFETCH / "nox.pid").write_text(str(os.getpid()))  # this nox run's: a later run ignores what this one left
+    for chain in PREFETCH_CHAINS:
+        locks = []
+        for name in chain:
+            # Held by the background chain until that session's install has ended (its end releases it), so that a
+            # session cannot start before the chain has taken its lock.
+            lock = os.open(PREFETCH / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                session.error(f"another `nox -s prefetch` is installing {name}: wait for it to end")
+            (PREFETCH / f"{name}.status").unlink(missing_ok=True)
+            locks.append(lock)
+        command = [sys.executable, __file__, "--prefetch-chain", *(f"{lock}:{name}" for lock, name in zip(locks, chain))]
+        subprocess.Popen(command, pass_fds=locks, start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for lock in locks:
+            os.close(lock)
+        session.log(f"installing {' then '.join(chain)} in the background (.nox/prefetch/<name>.log)")
+
+
+def _prefetch_chain(pairs: list[str]) -> None:
+    """The background side of `prefetch`: each session's install in turn, each lock released when it ends."""
+    os.nice(10)  # the tests running meanwhile come first
+    env = {**os.environ, PREFETCHING: "1"}
+    for pair in pairs:
+        lock, name = pair.split(":", 1)
+        with open(PREFETCH / f"{name}.log", "w") as log:
+            code = subprocess.call([sys.executable, "-m", "nox", "-f", __file__, "--install-only", "-s", name],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        (PREFETCH / f"{name}.status").write_text(str(code))
+        os.close(int(lock))
+
+
+def _await_prefetch(session) -> None:
+    """Wait for this session's background install, if `prefetch` started one; say how it ended."""
+    path, owner = PREFETCH / f"{session.name}.lock", PREFETCH / "nox.pid"
+    if os.environ.get(PREFETCHING) or not path.exists() or not owner.exists() or owner.read_text() != str(os.getpid()):
+        return
+    start = time.monotonic()
+    with open(path) as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # free at once if nothing holds it
+    status = PREFETCH / f"{session.name}.status"
+    code = status.read_text() if status.exists() else "unknown"
+    session.log(f"its install ran ahead (.nox/prefetch/{session.name}.log, exit status {code}); "
+                f"waited {time.monotonic() - start:.0f} s for it")
+    path.unlink(missing_ok=True)
+    status.unlink(missing_ok=True)
 
 
 # Two pytest workers (pytest-xdist), each test file on one worker (module fixtures are built once), one torch thread
@@ -94,16 +171,21 @@ def reference(session):
 
 
 # Tests that import none of transformers, tokenizers, huggingface_hub or optimum (tests/test_ci_layout.py checks it):
-# the same torch and the same code in both environments, so the reference session alone runs them.
+# the same torch and the same code in both environments, so the reference session alone runs them. What they reach of
+# the environment, through the package (the config classes registered with transformers, the tiny checkpoints'
+# tokenizer, the stack's model class), every optimum-session test of tests/optimum_neuron reaches too.
 ENVIRONMENT_FREE_TESTS = [
-    "tests/emulator", "tests/kernels", "tests/test_benchmark_commands.py", "tests/test_checkpoint_errors.py", "tests/test_collectives.py",
-    "tests/test_conversion_memory.py", "tests/test_export_disk_faults.py", "tests/test_fuzz_inputs.py", "tests/test_graphs.py",
-    "tests/test_kernels_decay.py", "tests/test_kernels_rule.py", "tests/test_layout.py", "tests/test_long_context.py",
-    "tests/test_moe.py",
-    "tests/test_moe_parallel.py",
-    "tests/test_noxfile.py", "tests/test_packed_linear.py", "tests/test_prefix_cache.py",
-    "tests/test_rule_bf16_products.py", "tests/test_shard.py", "tests/test_soak.py",
-    "tests/test_speculative_export.py", "tests/test_state_in_place.py",
+    "tests/emulator", "tests/kernels", "tests/test_benchmark_commands.py", "tests/test_checkpoint_errors.py",
+    "tests/test_collectives.py", "tests/test_conversion_memory.py", "tests/test_export_disk_faults.py",
+    "tests/test_fp8_export.py", "tests/test_fuzz_inputs.py", "tests/test_gate_precision.py",
+    "tests/test_generate_rows.py", "tests/test_generation_loop.py", "tests/test_graphs.py",
+    "tests/test_kernels_decay.py", "tests/test_kernels_reference.py", "tests/test_kernels_rule.py",
+    "tests/test_layout.py", "tests/test_long_context.py", "tests/test_moe.py", "tests/test_moe_parallel.py",
+    "tests/test_mtp.py", "tests/test_mtp_speculation_benchmark.py", "tests/test_noxfile.py", "tests/test_oracle.py",
+    "tests/test_packed_linear.py", "tests/test_precision.py", "tests/test_prefix_cache.py",
+    "tests/test_rule_bf16_products.py", "tests/test_scenarios.py", "tests/test_shard.py", "tests/test_soak.py",
+    "tests/test_speculative.py", "tests/test_speculative_draft_vocab.py", "tests/test_speculative_export.py",
+    "tests/test_speculative_sampling.py", "tests/test_speculative_tp.py", "tests/test_state_in_place.py",
     "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torchneuron_backend.py",
     "tests/test_vision_tensor_parallel.py",
 ]
@@ -390,3 +472,7 @@ def mutation_boundaries(session):
     `nox -s mutation_boundaries -- --list` lists them, `-- 3 17` runs only those."""
     session.install(TORCH, "-e", ".[tests]")
     session.run("nice", "-n", "10", "python", "tests/mutation_boundaries.py", *session.posargs, external=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--prefetch-chain"]:
+    _prefetch_chain(sys.argv[2:])

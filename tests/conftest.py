@@ -25,7 +25,8 @@ def pytest_addoption(parser):
         "--deep",
         action="store_true",
         default=False,
-        help="run the property-based scenario tests with many more examples (before a release; see docs/testing.md)",
+        help="before a release (docs/testing.md): the property-based scenario tests draw many more examples, and the "
+        "`matrix` tests (further points of a matrix CI runs at one point) run too",
     )
 
 
@@ -35,11 +36,21 @@ def deep(request) -> bool:
     return bool(request.config.getoption("--deep"))
 
 
+MATRIX_SKIP = ("another point of a matrix CI runs at one point (another dtype, TP degree or layout of the same path): "
+               "`pytest --deep` (`nox -s <session> -- --deep`) runs it")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The reference tests need transformers >= 5 (its `qwen3_5`): skipped where transformers < 5 is installed (the
+    """`matrix` tests run only under `--deep` (CI's time limit: docs/testing.md, "The sessions").
+
+    The reference tests need transformers >= 5 (its `qwen3_5`): skipped where transformers < 5 is installed (the
     optimum environment). With transformers >= 5 its Qwen3.5 must import: an ImportError there (a package shadowing
     one transformers imports, a broken install) stops the session with the error instead of skipping every reference
     test."""
+    if not config.getoption("--deep"):
+        for item in items:
+            if "matrix" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=MATRIX_SKIP))
     import transformers
 
     if int(transformers.__version__.split(".")[0]) >= 5:

@@ -5,7 +5,11 @@ Qwen's block-FP8 format first), and the exported cpu graphs dequantize each besi
 Exactness of the export path: the greedy tokens of `from_pretrained(export)` equal the same weights run eagerly through
 `load_decoder(weights_dtype="fp8")`, and its per-position logits equal the eager ones. The eager path is in turn
 bit-equal to the dequantized bf16 model and within issue 49 item 3's bounds of the float64 truth over 520 positions
-(tests/test_fp8.py), so the export is too; the dequantized (way (a)) export is checked against it here as well."""
+(tests/test_fp8.py), so the export is too; the dequantized (way (a)) export is checked against it here as well.
+
+These go through the product's model code only (no transformers, tokenizers or optimum-neuron API), so the reference
+session alone runs them; the options, the command line and the refusals, which differ by stack, are
+tests/test_fp8_export_options.py, which both sessions run."""
 
 from __future__ import annotations
 
@@ -137,57 +141,6 @@ def test_bf16_checkpoint_quantized_at_export_is_about_half_the_bf16_export(tmp_p
     print(f"\ntiny-2b export weights: FP8 {folder_bytes(fp8 / CHECKPOINT_DIR)} B, bf16 {folder_bytes(bf16 / CHECKPOINT_DIR)} B, "
           f"ratio {ratio:.3f}; whole folders {folder_bytes(fp8)} B, {folder_bytes(bf16)} B")
     assert 0.5 < ratio < 0.6
-
-
-def test_fp8_checkpoint_exported_without_the_option_is_dequantized(tmp_path):
-    """Way (a): no float8 in the export, the tokens of the model dequantized at load."""
-    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
-    folder = export(q, tmp_path / "out")
-    assert "F8_E4M3" not in rank_dtypes(folder)
-    assert "weights_dtype" not in json.loads((folder / CHECKPOINT_DIR / TP_SHARDS_FILE).read_text())
-    assert "weights_dtype" not in json.loads((folder / COMPILED_DIR / GRAPHS_FILE).read_text())
-    assert exported_tokens(folder) == Qwen35Runtime.from_pretrained(q, batch_size=1, max_length=LENGTH, dtype=BF16).generate([PROMPT], NEW)[0]
-
-
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"weights_dtype": "int8"}, "weights_dtype 'int8' is not supported: 'fp8'"),
-    ({"weights_dtype": "fp8", "target": "trn1"}, "weights_dtype='fp8' is not built for the NxD backend's graphs yet"),
-    ({"weights_dtype": "fp8", "target": "trn2", "neuron_backend": "nxd"}, "not built for the NxD backend"),
-])
-def test_refusals_are_one_line_and_write_nothing(tmp_path, kwargs, needle):
-    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
-    cls = model_class()
-    target = kwargs.pop("target", "cpu")
-    nc = cls.get_neuron_config(q, target=target, batch_size=1, sequence_length=LENGTH, tensor_parallel_size=1, dtype="bfloat16")
-    with pytest.raises(UsageError) as error:
-        cls.export(q, neuron_config=nc, **kwargs)
-    assert needle in str(error.value) and "\n" not in str(error.value)
-
-
-def test_command_line_flag(tmp_path, capsys):
-    """`optimum-qwen35 export --weights_dtype fp8` writes an FP8 export; an NxD target is refused in one line before
-    anything is compiled; an unknown value is refused by the parser."""
-    from optimum_qwen35.cli import main
-
-    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
-    common = ["export", "--model", str(q), "--sequence_length", str(LENGTH), "--torch_dtype", "bfloat16"]
-    assert main([*common, "--target", "cpu", "--weights_dtype", "fp8", str(tmp_path / "out")]) == 0
-    check_fp8_metadata(tmp_path / "out", 1)
-    assert main([*common, "--target", "trn1", "--tensor_parallel_size", "1", "--weights_dtype", "fp8", str(tmp_path / "nxd")]) != 0
-    err = capsys.readouterr().err
-    assert "--weights_dtype fp8 is not built for the NxD backend" in err or "NxD stack" in err, err
-    assert not (tmp_path / "nxd").exists()
-    with pytest.raises(SystemExit):
-        main([*common, "--target", "cpu", "--weights_dtype", "int4", str(tmp_path / "int4")])
-
-
-def test_optimum_cli_passes_the_flag_on():
-    """`optimum-cli export neuron --weights_dtype fp8` (where optimum-neuron's own command is not registered) hands the
-    flag to `optimum-qwen35 export`."""
-    from optimum_qwen35.cli.optimum_cli import translate
-
-    export_args, instance_type, _ = translate(["-m", "q", "--instance_type", "cpu", "--weights_dtype", "fp8", "out"])
-    assert instance_type == "cpu" and export_args == ["--model", "q", "--weights_dtype", "fp8", "out"]
 
 
 def test_sharded_fp8_rank_files_load_as_the_checkpoint_and_refuse_damaged_scales(tmp_path):

@@ -49,7 +49,8 @@ def exports(tmp_path_factory):
     return folders
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# TP 1 is a matrix point: TP 2 runs the same requests through the same runtime, plus the worker processes.
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.matrix), 2])
 def test_a_short_soak_gives_every_request_its_solo_answer(exports, tp):
     lines = []
     figures = soak.soak(exports[tp], n=24, seed=tp, n_faults=1, log=lines.append, budget_blocks=4)

@@ -97,7 +97,8 @@ def _rows(fitted, model, continued: int = 9) -> list[list[int]]:
     return [fitted_prompt + model.generate([fitted_prompt], max_new_tokens=continued)[0], [7, 300, 2] * 5 + [11, 12]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# fp32 (which also holds TP 2 to the TP 1 export's tokens) is a matrix point: TP 1 = TP 2 is tests/test_tensor_parallel.py's.
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.matrix), torch.bfloat16], ids=["fp32", "bf16"])
 def test_greedy_speculation_on_a_tensor_parallel_export_equals_greedy_decoding(fitted, tmp_path, dtype):
     """An export made with mtp=True at tensor_parallel_size 2: each rank's share of the head in its own file, the
     programs run by two worker processes over gloo (runtime/worker_pool.py, speculative steps on every rank). Greedy

@@ -106,6 +106,11 @@ class _Recorder(BaseStreamer):
         self.ended = True
 
 
+# The options on the Python export's bf16 graphs; the command line's fp32 export is a matrix point here.
+BF16_EXPORT = pytest.mark.parametrize("export", [pytest.param("float32", marks=pytest.mark.matrix), "bfloat16"], indirect=True)
+
+
+@BF16_EXPORT
 def test_speculation_takes_row_limits_min_new_tokens_and_a_streamer(fitted, export):
     """generate's other options, as plain decoding takes them: a row whose prompt leaves less room than max_new_tokens
     is refused, or, opted in (stop_at_sequence_length=True), stops at the compiled length while the other runs on; min_new_tokens keeps EOS out until then; a streamer gets
@@ -152,6 +157,7 @@ class _StopAfter(StoppingCriteria):
         return (input_ids[:, self.prompt_width:] == self.token).any(dim=1)
 
 
+@BF16_EXPORT
 def test_speculation_takes_stopping_criteria(fitted, export):
     """transformers stopping criteria with speculation: called per token as plain decoding calls them, so a row they
     stop ends where plain decoding ends it, though the row's accepted drafts ran past it."""
@@ -169,6 +175,7 @@ def test_speculation_takes_stopping_criteria(fitted, export):
     model.close()
 
 
+@BF16_EXPORT
 def test_speculation_errors_are_one_line(fitted, export, export_dir):
     model = NeuronModelForCausalLM.from_pretrained(export)
     ids = torch.tensor([[5, 6, 7]])
@@ -181,6 +188,7 @@ def test_speculation_errors_are_one_line(fitted, export, export_dir):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.matrix  # TP 2 speculation on the same runtime is tests/test_speculative_export.py's
 def test_a_tensor_parallel_export_made_with_mtp_speculates(fitted, tmp_path):
     """tensor_parallel_size 2 (the head sharded per rank, two worker processes): greedy k = 2 and sampled with
     top_k=1 give the plain greedy tokens, drafts accepted."""

@@ -43,7 +43,8 @@ def _prefilled(decoder):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# bf16 is a matrix point: the bf16 graphs' lowering is tests/torchneuron/test_graphs.py's.
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.matrix)], ids=["fp32", "bf16"])
 def test_speculative_and_continuing_graphs_lower_and_equal_eager(dtype, reference_census):
     decoder = load_decoder("tiny-2b", dtype, mtp=True)
     n_state = len(decoder.state_specs(BATCH, MAX_LENGTH))

@@ -68,7 +68,14 @@ CASES = [(layout, tp, dtype) for tp in (2, 4) for layout in LAYOUTS for dtype in
 CASES += [("odd-gqa", tp, torch.float32) for tp in (1, 2, 4)]
 
 
-@pytest.mark.parametrize("fake_world,layout,dtype", [(tp, layout, dtype) for layout, tp, dtype in CASES],
+# Matrix points (`--deep`): tiny-2b fp32 at TP 2 (TP 2 in fp32 is the other layouts', tiny-2b's TP 2 the bf16 case)
+# and bf16 at TP 4 (TP 4 is fp32's, bf16 TP 2's).
+MATRIX_CASES = {("tiny-2b", 2, torch.float32), ("tiny-2b", 4, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("fake_world,layout,dtype",
+                         [pytest.param(tp, layout, dtype, marks=[pytest.mark.matrix] * ((layout, tp, dtype) in MATRIX_CASES))
+                          for layout, tp, dtype in CASES],
                          ids=[f"tp{tp}-{layout}-{str(dtype).split('.')[-1]}" for layout, tp, dtype in CASES],
                          indirect=["fake_world"])
 def test_tp_graphs_lower_with_their_collectives(fake_world, layout, dtype, reference_census):
