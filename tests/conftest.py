@@ -41,7 +41,7 @@ MATRIX_SKIP = ("another point of a matrix CI runs at one point (another dtype, T
 
 
 def pytest_collection_modifyitems(config, items):
-    """`matrix` tests run only under `--deep` (CI's time limit: docs/testing.md, "The sessions").
+    """`matrix` tests run only under `--deep` (CI's time limit: docs/testing.md, "CI's time").
 
     The reference tests need transformers >= 5 (its `qwen3_5`): skipped where transformers < 5 is installed (the
     optimum environment). With transformers >= 5 its Qwen3.5 must import: an ImportError there (a package shadowing

@@ -7,9 +7,9 @@ Exactness of the export path: the greedy tokens of `from_pretrained(export)` equ
 bit-equal to the dequantized bf16 model and within issue 49 item 3's bounds of the float64 truth over 520 positions
 (tests/test_fp8.py), so the export is too; the dequantized (way (a)) export is checked against it here as well.
 
-These go through the product's model code only (no transformers, tokenizers or optimum-neuron API), so the reference
-session alone runs them; the options, the command line and the refusals, which differ by stack, are
-tests/test_fp8_export_options.py, which both sessions run."""
+The test file imports no transformers, tokenizers or optimum, so the reference session alone runs it (noxfile.py
+ENVIRONMENT_FREE_TESTS); what differs by stack, the stack's model class (optimum-neuron's subclass on the NxD stack),
+the command line and the refusals, is tests/test_fp8_export_options.py, which both sessions run."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """noxfile.py's way to neuronx-distributed's source for the `neuron` session: the pinned tree hash, and the download
 path a fresh clone without ../shared takes, run for real against an archive served on 127.0.0.1 (a good one, a
-tampered one, and a closed port)."""
+tampered one, and a closed port); and `prefetch`, the installs started ahead, on stand-in sessions."""
 
 from __future__ import annotations
 
 import functools
 import http.server
 import importlib.util
+import subprocess
+import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -98,3 +100,40 @@ def test_download_is_checked_before_it_is_used(noxfile, tmp_path, monkeypatch, c
     else:
         assert reason.startswith("the download failed")
         assert leftovers == []
+
+
+# Two stand-in sessions whose install takes 2 s and leaves a marker; each session's first run step checks the marker
+# is there before its own install, which holds only if it waited for the background install `prefetch` started.
+PREFETCH_SESSIONS = '''
+
+PREFETCH_CHAINS = [["first", "second"]]
+nox.options.sessions = ["prefetch", "first", "second"]
+
+
+def _stand_in(session):
+    _await_prefetch(session)
+    marker = Path(__file__).parent / f"{session.name}.installed"
+    session.run("test", "-f", str(marker), external=True)  # skipped by --install-only: the real run's check
+    session.run_install("sh", "-c", f"sleep 2; touch {marker}", external=True)
+
+
+@nox.session(python=False)
+def first(session):
+    _stand_in(session)
+
+
+@nox.session(python=False)
+def second(session):
+    _stand_in(session)
+'''
+
+
+def test_prefetch_installs_ahead_and_each_session_waits_for_its_own(tmp_path):
+    """`prefetch` on stand-in sessions, through nox for real: each session's run step finds what its background
+    install left (it waited for it), and says how that install ended."""
+    (tmp_path / "noxfile.py").write_text((ROOT / "noxfile.py").read_text() + PREFETCH_SESSIONS)
+    run = subprocess.run([sys.executable, "-m", "nox"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in ("first", "second"):
+        assert f"its install ran ahead (.nox/prefetch/{name}.log, exit status 0)" in run.stderr, run.stderr
+        assert "--install-only is set" in (tmp_path / ".nox" / "prefetch" / f"{name}.log").read_text()

@@ -74,7 +74,7 @@ MATRIX_CASES = {("tiny-2b", 2, torch.float32), ("tiny-2b", 4, torch.bfloat16)}
 
 
 @pytest.mark.parametrize("fake_world,layout,dtype",
-                         [pytest.param(tp, layout, dtype, marks=[pytest.mark.matrix] * ((layout, tp, dtype) in MATRIX_CASES))
+                         [pytest.param(tp, layout, dtype, marks=pytest.mark.matrix if (layout, tp, dtype) in MATRIX_CASES else ())
                           for layout, tp, dtype in CASES],
                          ids=[f"tp{tp}-{layout}-{str(dtype).split('.')[-1]}" for layout, tp, dtype in CASES],
                          indirect=["fake_world"])
