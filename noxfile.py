@@ -26,6 +26,7 @@ a dtype / TP / layout matrix CI runs at one point) run only with `-- --deep` (te
 """
 
 import fcntl
+import filecmp
 import hashlib
 import os
 import shutil
@@ -36,6 +37,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from stat import S_ISREG
 
 import nox
 
@@ -58,10 +60,13 @@ LOCAL_PACKAGES = ("optimum_qwen35", "optimum-qwen35", "neuron_sdk_standin", "neu
 
 def _install(session, *args, **kwargs):
     """session.install under the session's constraints (none while the pins are being updated), once the session's
-    install started ahead by `prefetch` has ended."""
+    install started ahead by `prefetch` has ended; then the files it shares with an earlier session's environment
+    become links to them ("disk" below)."""
     _await_prefetch(session)
+    _log_free_disk(session)
     pins = () if UPDATE_PINS else ("-c", str(CONSTRAINTS / f"{session.name}.txt"))
-    session.install(*pins, *args, **kwargs)
+    session.install(*NO_PIP_CACHE, *pins, *args, **kwargs)
+    _share_identical_files(session)
 
 
 def _freeze_pins(session):
@@ -77,14 +82,78 @@ def _freeze_pins(session):
     session.log(f"wrote {len(pins)} pins to constraints/{session.name}.txt")
 
 
+# ------------------------------------------------------------------------------------------------ disk
+# The six environments took 33 GB as pip installs them (torch 2.8's CUDA wheels are 4.1 GB in each of neuron and
+# vllm, torch 2.14's 3.2 GB in each of torchneuron and torchneuron_smoke), and pip's cache kept every download again
+# (about 9 GB more on a fresh machine): a CI run once failed with "No space left on device" in the reference tests,
+# while `prefetch` had installed all of them. Three things keep it down:
+# - pip keeps no cache of what it downloads (the files come from a PyPI mirror; only the second download of torch 2.8
+#   and of the CUDA wheels of torch 2.14 is repeated, in the background);
+# - a session whose environment holds much of an earlier session's (the same torch and CUDA wheels) shares those
+#   files with it: after its install, each of its files of 1 MiB or more that is byte for byte the earlier session's
+#   file at the same place in site-packages becomes a hard link to it (pip never writes into an installed file: an
+#   upgrade or uninstall removes the link and leaves the other environment's file as it was);
+# - pytest removes a passing test's tmp_path when the test ends (setup.cfg, tmp_path_retention_policy).
+NO_PIP_CACHE = ("--no-cache-dir",)
+SHARES_FILES_WITH = {"vllm": "neuron", "torchneuron_smoke": "torchneuron"}
+SHARED_FILE_MIN_BYTES = 1 << 20
+
+
+def _site_packages(environment: Path) -> Path | None:
+    found = sorted(environment.glob("lib/python3*/site-packages"))
+    return found[0] if found else None
+
+
+def share_identical_files(mine: Path, theirs: Path, min_bytes: int = SHARED_FILE_MIN_BYTES) -> tuple[int, int]:
+    """Hard-link each file of `mine` (of `min_bytes` or more) to the file at the same relative path in `theirs` when
+    the two hold the same bytes: (files now shared, bytes they hold). Files already shared are counted again."""
+    files = shared = 0
+    for folder, _, names in os.walk(mine):
+        for name in names:
+            path = Path(folder, name)
+            twin = theirs / path.relative_to(mine)
+            try:
+                own, other = path.lstat(), twin.lstat()  # symbolic links are left as they are
+                if not (S_ISREG(own.st_mode) and S_ISREG(other.st_mode)):
+                    continue
+                if own.st_size < min_bytes or own.st_size != other.st_size:
+                    continue
+                if (own.st_dev, own.st_ino) != (other.st_dev, other.st_ino):
+                    if own.st_dev != other.st_dev or not filecmp.cmp(path, twin, shallow=False):
+                        continue
+                    linking = path.with_name(f".{name}.sharing")
+                    linking.unlink(missing_ok=True)
+                    os.link(twin, linking)
+                    os.replace(linking, path)  # the file is whole under its name at every moment
+            except OSError:  # a file that moved or a folder that cannot be written: left as it is
+                continue
+            files, shared = files + 1, shared + own.st_size
+    return files, shared
+
+
+def _share_identical_files(session) -> None:
+    other = SHARES_FILES_WITH.get(session.name)
+    location = Path(getattr(session.virtualenv, "location", "") or ".")
+    mine, theirs = _site_packages(location), other and _site_packages(location.parent / other)
+    if mine is None or not theirs:
+        return
+    files, shared = share_identical_files(mine, theirs)
+    session.log(f"{files} files ({shared / 2**30:.1f} GiB) are the same as the {other} session's: one copy on disk")
+
+
+def _log_free_disk(session) -> None:
+    free = shutil.disk_usage(Path(__file__).parent).free
+    session.log(f"{free / 2**30:.1f} GiB free on this disk")
+
+
 # ------------------------------------------------------------------------------------------------ installing ahead
 # The sessions run one after another and their installs are mostly downloads (torch 2.8 with its CUDA wheels for
 # neuron and vllm, torch 2.14 for torchneuron and torchneuron_smoke, vLLM: about 14 of the first six-session CI run's
 # 85 minutes). `prefetch`, the first session, starts the other sessions' installs in the background
 # (`nox --install-only -s <name>`, niced, logged to .nox/prefetch/<name>.log) and returns: they download while the
 # reference session's tests run. Each session waits for its own before installing (what is left is then a check).
-# Within a chain the installs follow one another, so that the second of two sessions with the same torch takes it
-# from pip's cache instead of downloading it again alongside the first.
+# Within a chain the installs follow one another, so that the second of two sessions with the same torch finds the
+# first's environment whole and shares its files ("disk" above).
 PREFETCH_CHAINS = [["optimum"], ["neuron", "vllm"], ["torchneuron", "torchneuron_smoke"]]
 PREFETCH = Path(__file__).parent / ".nox" / "prefetch"
 PREFETCHING = "OPTIMUM_QWEN35_PREFETCHING"  # set in the background installs: they must not wait for themselves
@@ -94,6 +163,7 @@ PREFETCHING = "OPTIMUM_QWEN35_PREFETCHING"  # set in the background installs: th
 def prefetch(session):
     """Start the other sessions' installs in the background; each session waits for its own before it installs."""
     PREFETCH.mkdir(parents=True, exist_ok=True)
+    _log_free_disk(session)
     (PREFETCH / "nox.pid").write_text(str(os.getpid()))  # this nox run's: a later run ignores what this one left
     for chain in PREFETCH_CHAINS:
         locks = []

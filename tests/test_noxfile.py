@@ -137,3 +137,35 @@ def test_prefetch_installs_ahead_and_each_session_waits_for_its_own(tmp_path):
     for name in ("first", "second"):
         assert f"its install ran ahead (.nox/prefetch/{name}.log, exit status 0)" in run.stderr, run.stderr
         assert "--install-only is set" in (tmp_path / ".nox" / "prefetch" / f"{name}.log").read_text()
+
+
+def test_identical_files_become_one_copy_and_nothing_else_changes(noxfile, tmp_path):
+    """What a session shares with an earlier session's environment: only regular files of the minimum size or more,
+    at the same place, holding the same bytes; the rest is left as it was, and removing the other's file (an
+    uninstall there) leaves this one whole."""
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    for folder in (mine / "pkg", theirs / "pkg"):
+        folder.mkdir(parents=True)
+    data = bytes(range(256)) * 16  # 4 KiB
+    (theirs / "pkg" / "same.so").write_bytes(data)
+    (mine / "pkg" / "same.so").write_bytes(data)
+    (theirs / "pkg" / "differs.so").write_bytes(data)
+    (mine / "pkg" / "differs.so").write_bytes(data[:-1] + b"x")
+    (theirs / "pkg" / "small.py").write_bytes(data[:100])
+    (mine / "pkg" / "small.py").write_bytes(data[:100])
+    (theirs / "pkg" / "real.so").write_bytes(data)
+    (theirs / "pkg" / "linked.so").symlink_to("real.so")
+    (mine / "pkg" / "linked.so").write_bytes(data)
+    (mine / "pkg" / "only_mine.so").write_bytes(data)
+
+    assert noxfile.share_identical_files(mine, theirs, min_bytes=1024) == (1, len(data))
+    inode = lambda path: path.stat().st_ino  # noqa: E731
+    assert inode(mine / "pkg" / "same.so") == inode(theirs / "pkg" / "same.so")
+    for name in ("differs.so", "small.py", "linked.so", "only_mine.so"):
+        assert (mine / "pkg" / name).stat().st_nlink == 1, name
+    assert (mine / "pkg" / "differs.so").read_bytes().endswith(b"x")
+    assert noxfile.share_identical_files(mine, theirs, min_bytes=1024) == (1, len(data))  # again: nothing new
+    assert sorted(path.name for path in (mine / "pkg").iterdir()) == [
+        "differs.so", "linked.so", "only_mine.so", "same.so", "small.py"]  # no file left half-made
+    (theirs / "pkg" / "same.so").unlink()
+    assert (mine / "pkg" / "same.so").read_bytes() == data
