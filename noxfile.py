@@ -218,7 +218,7 @@ def _await_prefetch(session) -> None:
 # each: on CI's 2 cores the optimum session's tests took 11 to 13 minutes this way, 15 with torch's default two
 # threads per worker, 18 to 22 in one process (docs/testing.md). Child interpreters (optimum-cli, the doc snippets)
 # inherit the one thread.
-PARALLEL = ("-n", "2", "--dist", "loadfile")
+PARALLEL = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")  # (tests/conftest.py: the heaviest files first)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +41,41 @@ MATRIX_SKIP = ("another point of a matrix CI runs at one point (another dtype, T
                "`pytest --deep` (`nox -s <session> -- --deep`) runs it")
 
 
+# The heaviest test files of each session, heaviest first (worker-seconds in CI's logs: the per-file summary below).
+# The sessions' two workers take whole files in collection order (noxfile.py: `--dist loadfile
+# --no-loadscope-reorder`), so these start first and the many short files fill the end, instead of one worker running
+# a long file alone at the end while the other has nothing left (xdist's own order is by number of tests per file).
+SLOW_FILES_FIRST = [
+    # reference
+    "tests/test_speculative_export.py", "tests/test_soak.py", "tests/test_fp8_export.py",
+    "tests/emulator/test_cost_model.py", "tests/test_speculative_sampling.py", "tests/test_speculative_tp.py",
+    "tests/kernels/test_gated_delta_rule_verify.py", "tests/test_doc_snippets.py", "tests/test_fixtures_current.py",
+    "tests/test_benchmark_commands.py",
+    # optimum (test_doc_snippets.py above is its heaviest)
+    "tests/optimum_neuron/test_speculative_optimum.py", "tests/optimum_neuron/test_registration.py",
+    "tests/optimum_neuron/test_hub_end_to_end.py", "tests/optimum_neuron/test_tensor_parallel_docs.py",
+    "tests/optimum_neuron/test_export_load.py", "tests/test_fp8_export_options.py",
+    # torchneuron
+    "tests/torchneuron/test_graphs.py", "tests/torchneuron/test_tensor_parallel.py",
+    "tests/torchneuron/test_benchmark_vs_transformers.py", "tests/torchneuron/test_product_backend.py",
+    "tests/torchneuron/test_speculative.py", "tests/torchneuron_stack/test_export_and_load.py",
+]
+
+
+def _slow_files_first(items) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the others keep their order
+
+
 def pytest_collection_modifyitems(config, items):
-    """`matrix` tests run only under `--deep` (CI's time limit: docs/testing.md, "CI's time").
+    """`matrix` tests run only under `--deep` (CI's time limit: docs/testing.md, "CI's time"); the heaviest files
+    first.
 
     The reference tests need transformers >= 5 (its `qwen3_5`): skipped where transformers < 5 is installed (the
     optimum environment). With transformers >= 5 its Qwen3.5 must import: an ImportError there (a package shadowing
     one transformers imports, a broken install) stops the session with the error instead of skipping every reference
     test."""
+    _slow_files_first(items)
     if not config.getoption("--deep"):
         for item in items:
             if "matrix" in item.keywords:
@@ -65,6 +94,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "reference" in item.keywords:
             item.add_marker(skip)
+
+
+SECONDS_BY_FILE: Counter = Counter()
+
+
+def pytest_runtest_logreport(report):
+    SECONDS_BY_FILE[report.nodeid.split("::")[0]] += report.duration  # setup, call and teardown
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the session's time went, by file (under xdist, the workers' reports reach this process too)."""
+    if not SECONDS_BY_FILE:
+        return
+    terminalreporter.write_sep("=", f"slowest files: worker-seconds, {sum(SECONDS_BY_FILE.values()):.0f} in all")
+    for path, seconds in SECONDS_BY_FILE.most_common(12):
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
 
 
 def load_reference(layout: str) -> dict[str, np.ndarray]:

@@ -36,3 +36,22 @@ def test_the_tests_only_the_reference_session_runs_import_nothing_environment_sp
     for path in paths:
         found = sorted(m for m in _imports(path) if m == "optimum" or m.startswith(ENVIRONMENT_PACKAGES))
         assert not found, f"{path.relative_to(ROOT)} imports {found}: the optimum session must run it too"
+
+
+def test_the_heaviest_files_are_collected_first_and_the_others_keep_their_order():
+    """tests/conftest.py's SLOW_FILES_FIRST names test files that exist, and puts their tests first in its order."""
+    from tests.conftest import SLOW_FILES_FIRST, _slow_files_first
+
+    assert [path for path in SLOW_FILES_FIRST if not (ROOT / path).is_file()] == []
+    assert len(set(SLOW_FILES_FIRST)) == len(SLOW_FILES_FIRST)
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    first, second = SLOW_FILES_FIRST[:2]
+    names = ["tests/a.py::x", f"{second}::y", "tests/b.py::z", f"{first}::u", f"{second}::v", "tests/a.py::w"]
+    items = [Item(name) for name in names]
+    _slow_files_first(items)
+    assert [item.nodeid for item in items] == [
+        f"{first}::u", f"{second}::y", f"{second}::v", "tests/a.py::x", "tests/b.py::z", "tests/a.py::w"]
