@@ -25,7 +25,10 @@ def fitted(tmp_path_factory):
     return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# bf16 at TP 1 is a matrix point: the TP 2 bf16 test below runs bf16 speculation on an export; fp32 holds the tighter
+# check, and the EOS and refusal tests do not depend on the dtype.
+@pytest.fixture(scope="module", params=[torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.matrix)],
+                ids=["fp32", "bf16"])
 def export(request, fitted, tmp_path_factory):
     from tests.kit.mtp_export import mtp_export
 
