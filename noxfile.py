@@ -133,9 +133,11 @@ def share_identical_files(mine: Path, theirs: Path, min_bytes: int = SHARED_FILE
 
 def _share_identical_files(session) -> None:
     other = SHARES_FILES_WITH.get(session.name)
-    location = Path(getattr(session.virtualenv, "location", "") or ".")
-    mine, theirs = _site_packages(location), other and _site_packages(location.parent / other)
-    if mine is None or not theirs:
+    if other is None:
+        return
+    location = Path(session.virtualenv.location)
+    mine, theirs = _site_packages(location), _site_packages(location.parent / other)
+    if mine is None or theirs is None:  # the other session not installed (yet): nothing to share
         return
     files, shared = share_identical_files(mine, theirs)
     session.log(f"{files} files ({shared / 2**30:.1f} GiB) are the same as the {other} session's: one copy on disk")

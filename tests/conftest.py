@@ -41,10 +41,10 @@ MATRIX_SKIP = ("another point of a matrix CI runs at one point (another dtype, T
                "`pytest --deep` (`nox -s <session> -- --deep`) runs it")
 
 
-# The heaviest test files of each session, heaviest first (worker-seconds in CI's logs: the per-file summary below).
-# The sessions' two workers take whole files in collection order (noxfile.py: `--dist loadfile
-# --no-loadscope-reorder`), so these start first and the many short files fill the end, instead of one worker running
-# a long file alone at the end while the other has nothing left (xdist's own order is by number of tests per file).
+# Heavy test files of each session, collected first (estimated from CI's logs; the per-file summary below now
+# measures them). The sessions' two workers take whole files in collection order (noxfile.py: `--dist loadfile
+# --no-loadscope-reorder`), so these start first and the many short files fill the end (xdist's own order is by
+# number of tests per file). Measured, what it gained was within the run-to-run noise (docs/testing.md, "CI's time").
 SLOW_FILES_FIRST = [
     # reference
     "tests/test_speculative_export.py", "tests/test_soak.py", "tests/test_fp8_export.py",
