@@ -258,7 +258,8 @@ ENVIRONMENT_FREE_TESTS = [
     "tests/test_rule_bf16_products.py", "tests/test_scenarios.py", "tests/test_shard.py", "tests/test_soak.py",
     "tests/test_speculative.py", "tests/test_speculative_draft_vocab.py", "tests/test_speculative_export.py",
     "tests/test_speculative_sampling.py", "tests/test_speculative_tp.py", "tests/test_state_in_place.py",
-    "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torchneuron_backend.py",
+    "tests/test_tensor_parallel.py", "tests/test_tensor_parallel_nv3x.py", "tests/test_torch_export_files.py",
+    "tests/test_torchneuron_backend.py",
     "tests/test_vision_tensor_parallel.py",
 ]
 

@@ -62,6 +62,7 @@ from optimum_qwen35.modeling.speculative_graphs import CommitGraph, ContextHidde
 from optimum_qwen35.modeling.state import StateSpec
 from optimum_qwen35.modeling.torch_layers import TorchLayers
 from optimum_qwen35.modeling.vision import VisionEncoder, image_bucket_inputs
+from optimum_qwen35.patches import torch_export_files_faster
 from optimum_qwen35.runtime.images import load_vision_encoder
 from optimum_qwen35.runtime.prefix_cache import continuing_graphs
 
@@ -271,6 +272,7 @@ def compile_graphs(
     for name, kind, length in plan if backend == TORCHNEURON_BACKEND else ():  # (compiled on the device, on first use)
         length, key_length = length if isinstance(length, tuple) else (length, None)
         graphs[name] = {"kind": kind, "length": length, **({} if key_length is None else {"key_length": key_length})}
+    torch_export_files_faster()  # the same files, a quarter less time saving them (patches.py)
     bar = tqdm(plan if backend == CPU_BACKEND else [], desc="compile (cpu: torch.export)", unit="graph",
                disable=not progress or backend != CPU_BACKEND)
     for name, kind, length in bar:

@@ -68,6 +68,7 @@ from optimum_qwen35.export.layout import (
     vision_graph_name,
 )
 from optimum_qwen35.modeling.state import StateSpec, allocate_state
+from optimum_qwen35.patches import torch_export_files_faster
 from optimum_qwen35.runtime.eager import rank_tensors
 from optimum_qwen35.runtime.prefix_cache import StateInProcess
 
@@ -329,6 +330,7 @@ class ExportedGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
             entry = self.manifest["graphs"].get(name)
             if entry is None:
                 raise IncompatibleExportError(f"this export has no graph {name!r}; it has {sorted(self.manifest['graphs'])}")
+            torch_export_files_faster()  # the same programs in half the time (patches.py)
             self._programs[name] = torch.export.load(self.folder / COMPILED_DIR / entry["file"]).module()
         return self._programs[name]
 
