@@ -8,18 +8,24 @@ the whole vocabulary) stays exact:
 - sampled: the chi-square test of tests/test_speculative_sampling.py with a draft vocabulary that leaves out a token
   the target law gives high probability (q = 0 there: only the residual max(p - q, 0) reaches it), and a broken
   residual that ignores the tokens outside the subset as a control that must be detected;
-- the head's draft logits are the full head's logits at those ids; both rankings are permutations of the vocabulary.
+- the head's draft logits are the full head's logits at those ids; both rankings are permutations of the vocabulary;
+- an export made with `draft_vocab_size` (the cpu target, TP 1): graphs.json lists the first V_d ids of the checkpoint's
+  draft_vocab.json, its head programs draft over them, greedy speculation on it equals plain greedy and keeps the
+  eager runtime's drafts (the same acceptance); where it is not built (TP 2, without mtp), one line.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
 import torch
 
 from optimum_qwen35.errors import UsageError
+from optimum_qwen35.export.layout import COMPILED_DIR, GRAPHS_FILE
+from optimum_qwen35.neuron_model import neuron_model_class
 from optimum_qwen35.runtime import Qwen35Runtime, speculative
 from optimum_qwen35.runtime.draft_vocab import (
     draft_ids, load_ranking, rank_by_counts, rank_by_merges, save_ranking, use_draft_vocab,
@@ -153,3 +159,54 @@ def test_a_residual_that_ignores_the_subset_is_detected(sampled, monkeypatch):
         sampling.draws(model, prompt, sampling.K, seed=6, samples=sampling.CONTROL_SAMPLES), law)
     print(f"subset residual: chi2 {statistic:.1f} df {df} p {p_value:.2e} TV {tv:.3f}")
     assert p_value < sampling.ALPHA
+
+
+def _export(source, out, tp: int = 1, **kwargs):
+    cls = neuron_model_class()
+    nc = cls.get_neuron_config(source, target="cpu", batch_size=3, sequence_length=MAX_LENGTH, tensor_parallel_size=tp,
+                               dtype="float32")
+    cls.export(source, neuron_config=nc, **kwargs).save_pretrained(out)
+    return out
+
+
+def test_an_export_drafts_over_its_draft_vocabulary_and_stays_exact(fitted, tmp_path):
+    folder, prompts, ranking = fitted
+    source = tmp_path / "checkpoint"
+    shutil.copytree(folder, source)
+    save_ranking(source, ranking, "counts")  # shipped beside the weights; the export takes its first V_d ids
+    out = _export(source, tmp_path / "export", mtp=True, draft_vocab_size=66)
+    assert json.loads((out / COMPILED_DIR / GRAPHS_FILE).read_text())["mtp"]["draft_ids"] == ranking[:66]
+    model = Qwen35Runtime.from_export(out)
+    eager = Qwen35Runtime.from_pretrained(folder, batch_size=3, max_length=MAX_LENGTH, buckets=BUCKETS, mtp=True)
+    use_draft_vocab(eager, ranking, 66)
+    try:
+        assert model.graphs.draft_ids.tolist() == ranking[:66]
+        plain = model.generate(prompts, max_new_tokens=NEW)
+        assert plain == eager.generate(prompts, max_new_tokens=NEW)
+        for k in (1, 3):
+            assert model.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=k) == plain, k
+            exported = model.speculation.acceptance_length
+            assert eager.generate(prompts, max_new_tokens=NEW, num_speculative_tokens=k) == plain, k
+            assert exported == eager.speculation.acceptance_length and exported > 1.0, (k, exported)
+        with pytest.raises(UsageError, match="chosen when it is exported"):
+            use_draft_vocab(model, ranking, 16)
+    finally:
+        model.close()
+        eager.close()
+
+
+def test_a_draft_vocabulary_where_exports_do_not_build_one_says_so_in_one_line(fitted, tmp_path, capsys):
+    folder, _, _ = fitted
+    with pytest.raises(UsageError, match="tensor_parallel_size 1") as error:
+        _export(folder, tmp_path / "tp2", tp=2, mtp=True, draft_vocab_size=66)
+    assert "\n" not in str(error.value)
+    with pytest.raises(UsageError, match="pass mtp=True"):
+        _export(folder, tmp_path / "plain", draft_vocab_size=66)
+    assert not (tmp_path / "tp2").exists() and not (tmp_path / "plain").exists()
+    # The command line: the same line, no traceback.
+    from optimum_qwen35.cli.main import main
+
+    code = main(["export", "--model", str(folder), "--target", "cpu", "--sequence_length", str(MAX_LENGTH),
+                 "--draft_vocab_size", "66", str(tmp_path / "cli")])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and "pass mtp=True (--mtp)" in err and len(err.splitlines()) == 1, err

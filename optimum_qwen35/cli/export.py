@@ -60,6 +60,10 @@ def add_export_arguments(p) -> None:
     p.add_argument("--mtp", action="store_true",
                    help="also export the multi-token-prediction head's graphs, for generate(..., num_speculative_tokens=k) "
                    "(any tensor_parallel_size; every backend; docs/speculative_decoding.md)")
+    p.add_argument("--draft_vocab_size", type=int,
+                   help="with --mtp: the head drafts over this many token ids, the first of the checkpoint's "
+                   "draft_vocab.json ranking (else its tokenizer's merge order); cpu target, TP 1; speculation stays "
+                   "exact; docs/speculative_decoding.md")
     p.add_argument("--weights_dtype", choices=["fp8"],
                    help="fp8: the linear weights as float8 with Qwen's 128x128 block scales (an FP8 checkpoint's as they "
                    "are, a bf16 one's quantized at export); cpu and trn2 (TorchNeuron) only; docs/fp8.md")
@@ -146,6 +150,7 @@ def cmd_export(args) -> int:
     model = model_class().export(
         args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets,
         neuron_backend=args.neuron_backend, mtp=args.mtp, **({"weights_dtype": args.weights_dtype} if args.weights_dtype else {}),
+        **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size is not None else {}),
     )
     model.save_pretrained(out, overwrite=args.overwrite)
     backend = getattr(model, "backend", None)  # (the NxD class has none: optimum-neuron's own export)

@@ -167,6 +167,16 @@ def speculative_plan(buckets: list[int], token_buckets: list[int]) -> list[tuple
     return plan
 
 
+def check_draft_vocab(tp_degree: int, backend: str, fp8: bool) -> None:
+    """Where an export's draft vocabulary is built: one line elsewhere."""
+    if tp_degree != 1 or backend != CPU_BACKEND or fp8:
+        raise UsageError(
+            "a draft vocabulary is exported for the cpu target at tensor_parallel_size 1 with bf16 / fp32 weights for "
+            f"now (here: {backend}, tensor_parallel_size {tp_degree}{', fp8 weights' if fp8 else ''}; lm_head is split "
+            "by vocabulary across ranks): export without draft_vocab_size"
+        )
+
+
 def compile_graphs(
     config: Qwen35Config,
     tp_degree: int,
@@ -184,6 +194,7 @@ def compile_graphs(
     backend: str = CPU_BACKEND,
     mtp: bool = False,
     fp8_shapes: dict | None = None,
+    draft_ids: list[int] | None = None,
 ) -> dict:
     """Export the context-encoding programs (one per bucket), the token-generation programs (one per cache
     bucket; by default the context buckets) and the per-position logits programs (one per bucket of
@@ -201,6 +212,10 @@ def compile_graphs(
     `backend`: "cpu" exports each graph with `torch.export`; "torchneuron" writes the same manifest with no program
     files, since TorchNeuron compiles each graph on the device on first use (backends/torchneuron/runner.py builds
     the graph modules from these entries).
+
+    `draft_ids` (with `mtp`, tp_degree 1, the cpu backend): the head drafts over these token ids only
+    (runtime/draft_vocab.py); its programs take those rows of lm_head as one more weight (`mtp.draft_head.weight`, cut
+    from lm_head's at load) and return [B, V_d] logits; graphs.json "mtp" "draft_ids" lists them.
 
     `fp8_shapes` ({weight name: (float8 shard shape, scale shape)}, `fp8_weight_shapes` of the export's rank file):
     the graphs take those weights as float8 with their scales and dequantize each beside its matmul (modeling/fp8.py);
@@ -243,6 +258,9 @@ def compile_graphs(
             )
         if fp8_shapes:  # (the head itself is dequantized: only the main layers' weights are float8)
             hold_meta_fp8_weights(mtp_decoder, fp8_shapes, dtype)
+        if draft_ids is not None:
+            check_draft_vocab(tp_degree, backend, bool(fp8_shapes))
+            mtp_decoder.mtp.set_draft_vocab(mtp_decoder.lm_head, torch.as_tensor(draft_ids, dtype=torch.int64))
         mtp_names = weight_names(mtp_decoder)
         mtp_tensors = {**dict(mtp_decoder.named_parameters()), **dict(mtp_decoder.named_buffers())}
         mtp_weights = [_shape_only(mtp_tensors[n]) for n in mtp_names]
@@ -254,6 +272,8 @@ def compile_graphs(
             "files": [mtp_weights_file(rank, tp_degree) for rank in range(tp_degree)],  # each rank's share
             "state": [{"name": s.name, "shape": list(s.shape), "dtype": str(s.dtype).removeprefix("torch.")} for s in mtp_specs],
         }
+        if draft_ids is not None:
+            mtp_manifest["draft_ids"] = [int(t) for t in draft_ids]
     vision_manifest = None
     if vision is not None:
         if tp_degree != 1:

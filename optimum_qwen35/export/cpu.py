@@ -28,13 +28,14 @@ from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_mtp_weig
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
-from optimum_qwen35.export.compile import compile_graphs, fp8_weight_shapes, save_vision_weights
+from optimum_qwen35.export.compile import check_draft_vocab, compile_graphs, fp8_weight_shapes, save_vision_weights
 from optimum_qwen35.export.writer import copy_side_files, write_failure
 from optimum_qwen35.hub.cache import fetch_cached_graphs
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.neuron_model import neuron_config as nc
 from optimum_qwen35.processing import copy_processor_files
 from optimum_qwen35.runtime.buckets import default_buckets, default_key_buckets
+from optimum_qwen35.runtime.draft_vocab import DRAFT_VOCAB_FILE, draft_ids, load_ranking, rank_by_merges
 from optimum_qwen35.runtime.exported import read_graphs_manifest
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
 from optimum_qwen35.runtime.prefix_cache import export_block_size
@@ -122,7 +123,8 @@ def check_weights_dtype(weights_dtype, backend: str) -> None:
 
 
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
-               backend: str = layout.CPU_BACKEND, mtp: bool = False, weights_dtype: str | None = None) -> Path:
+               backend: str = layout.CPU_BACKEND, mtp: bool = False, weights_dtype: str | None = None,
+               draft_vocab_size: int | None = None) -> Path:
     """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
     it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
     With `vision`, the vision tower's programs too, one per image bucket.
@@ -138,13 +140,19 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
     `weights_dtype="fp8"`: the text decoder's linear weights as float8 with their block scales (docs/fp8.md), those
     of an FP8 checkpoint as they are, a bf16 / fp32 checkpoint's quantized first to Qwen's block-FP8 format
     (checkpoint/quantize.py, in a scratch folder); the graphs dequantize each beside its matmul. The MTP head and the
-    vision tower are stored dequantized in the export dtype. Without it an FP8 checkpoint is dequantized at export."""
+    vision tower are stored dequantized in the export dtype. Without it an FP8 checkpoint is dequantized at export.
+
+    `draft_vocab_size` (with `mtp`): the head drafts over that many token ids, the first of the checkpoint's ranking
+    (`export_draft_ids`); verification keeps the whole vocabulary (docs/speculative_decoding.md, "Draft vocabulary")."""
     check_weights_dtype(weights_dtype, backend)
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
     if mtp:
         mtp_export_check(qwen_config, source)
+    draft = export_draft_ids(source, qwen_config, draft_vocab_size, mtp)
+    if draft is not None:
+        check_draft_vocab(neuron_config.tp_degree, backend, weights_dtype == "fp8")
     vision_config = vision_export_config(qwen_config, neuron_config.tp_degree, source) if vision else None
     if vision:
         image_buckets = check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, vision_config)
@@ -174,6 +182,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
                 buckets, dtype, work / layout.COMPILED_DIR, vision=vision_config, image_buckets=image_buckets,
                 prefix_block_size=export_block_size(neuron_config.sequence_length), backend=backend, mtp=mtp,
                 fp8_shapes=fp8_shapes, token_buckets=export_token_buckets(neuron_config.sequence_length, backend),
+                draft_ids=draft,
             )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -182,6 +191,28 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     return work
+
+
+def export_draft_ids(source: Path, qwen_config: Qwen35Config, size: int | None, mtp: bool) -> list[int] | None:
+    """The first `size` token ids of the checkpoint's draft-vocabulary ranking: its draft_vocab.json
+    (runtime/draft_vocab.py `save_ranking`, from a corpus), else the order of its tokenizer's BPE merges
+    (`rank_by_merges`). None: the whole vocabulary (no size, or a size of at least the vocabulary)."""
+    if size is None:
+        return None
+    if not mtp:
+        raise UsageError("draft_vocab_size is the MTP head's draft vocabulary: pass mtp=True (--mtp) with it")
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise UsageError(f"draft_vocab_size must be a whole number of token ids, got {size!r}")
+    ranked = Path(source) / DRAFT_VOCAB_FILE
+    if ranked.is_file():
+        ranking = load_ranking(source)
+    elif (Path(source) / "tokenizer.json").is_file():
+        ranking = rank_by_merges(Path(source) / "tokenizer.json", qwen_config.vocab_size)
+    else:
+        raise UsageError(f"{source} has neither {DRAFT_VOCAB_FILE} nor tokenizer.json to rank a draft vocabulary from: "
+                         "write one (runtime/draft_vocab.py save_ranking) or export without draft_vocab_size")
+    ids = draft_ids(ranking, size, qwen_config.vocab_size)
+    return None if ids is None else ids.tolist()
 
 
 def graphs_from_cache(folder: Path) -> bool:

@@ -17,6 +17,8 @@ proposer passes the target model's returned (final-normed) hidden states and, fo
 A draft vocabulary (`MTPHead.set_draft_vocab`, runtime/draft_vocab.py): the head's logits over V_d chosen token ids
 only, from a [V_d, H] copy of those lm_head rows (`draft_head`), so that a draft reads V_d rows instead of the whole
 head; verification keeps the main model's full lm_head, so speculation stays exact (docs/speculative_decoding.md).
+In a cpu export (graphs.json "mtp" "draft_ids") the rows are an input of the head's programs, taken from lm_head's at
+load (runtime/exported.py `load_mtp_program_weights`).
 
 The head lives in the one model definition (`Qwen35Decoder(..., mtp=True)`, modeling/decoder.py runs it: it needs
 the shared embedding, rotary tables and lm_head); this module holds its parameters and its state specs.
@@ -33,6 +35,8 @@ from .layers import RMSNorm
 from .parallel import ShardedDims, VocabParallelHead
 from .state import StateSpec
 
+
+DRAFT_HEAD_WEIGHT = "mtp.draft_head.weight"  # the draft vocabulary's rows, among the decoder's weights (`set_draft_vocab`)
 
 class MTPHead(nn.Module):
     """The head's parameters, named as the checkpoint names them under `mtp.`; `layers` are the decoder's own layer
@@ -75,7 +79,7 @@ class MTPHead(nn.Module):
         weight = weight.to_dense() if weight.is_mkldnn else weight
         ids = torch.as_tensor(ids, dtype=torch.int64)
         head = VocabParallelHead(weight.shape[1], len(ids), len(ids), precision=lm_head.precision)
-        head.weight = nn.Parameter(weight.index_select(0, ids).contiguous(), requires_grad=False)
+        head.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)).contiguous(), requires_grad=False)
         self.draft_head = head
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
 from optimum_qwen35.export.cpu import check_cpu_export, check_weights_dtype, export_config, export_cpu, save_export
+from optimum_qwen35.export.compile import check_draft_vocab
 from optimum_qwen35.neuron_model import neuron_config as nc
 from optimum_qwen35.neuron_model.compile_cache import compile_cache_files, install_compile_cache
 from optimum_qwen35.neuron_model.running import ExportRunning
@@ -202,6 +203,7 @@ class Qwen35ExportedModel(ExportRunning):
         neuron_backend: str | None = None,
         mtp: bool = False,
         weights_dtype: str | None = None,
+        draft_vocab_size: int | None = None,
         **kwargs,
     ):
         """`vision=True` adds the vision tower's graphs, one per image bucket of `image_buckets` patch rows (default
@@ -218,7 +220,11 @@ class Qwen35ExportedModel(ExportRunning):
 
         `weights_dtype="fp8"` (cpu and TorchNeuron backends): the linear weights as float8 with Qwen's 128x128 block
         scales, dequantized beside each matmul in the graphs; an FP8 checkpoint's as they are, a bf16 one's quantized
-        at export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`."""
+        at export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`.
+
+        `draft_vocab_size` (with `mtp=True`; cpu target, tensor_parallel_size 1): the head drafts over that many token
+        ids, the first of the checkpoint's draft_vocab.json ranking, else of its tokenizer's merge order; speculation
+        stays exact (docs/speculative_decoding.md, "Draft vocabulary")."""
         if vision is not True and vision is not False:
             raise UsageError(f"vision must be True or False, got {vision!r}")
         if mtp is not True and mtp is not False:
@@ -231,13 +237,16 @@ class Qwen35ExportedModel(ExportRunning):
         elif neuron_backend is not None:
             raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
         check_weights_dtype(weights_dtype, backend)
+        if draft_vocab_size is not None:
+            check_draft_vocab(neuron_config.tp_degree, backend, weights_dtype == "fp8")
         if backend == layout.NXD_BACKEND:
             return cls._export_nxd(model_id, config, neuron_config, token=token, revision=revision, cache_dir=cache_dir,
                                    force_download=force_download, local_files_only=local_files_only,
                                    trust_remote_code=trust_remote_code, load_weights=load_weights, vision=vision,
                                    image_buckets=image_buckets, mtp=mtp)
         source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
-        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend, mtp, weights_dtype)
+        work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend, mtp, weights_dtype,
+                          draft_vocab_size)
         model = cls(export_config(config, model_id, neuron_config.torch_dtype), neuron_config, work, owns_folder=True)
         if load_weights:
             model.runtime  # noqa: B018 (loads the graphs' weights now)

@@ -89,7 +89,7 @@ def use_draft_vocab(runtime, ranking: list[int] | None, size: int | None) -> Non
     """Make `runtime`'s MTP head draft over the first `size` ids of `ranking` (None: the whole vocabulary)."""
     set_vocab = getattr(runtime.graphs, "set_draft_vocab", None)
     if set_vocab is None:
-        raise UsageError("a draft vocabulary runs on the eager runtime at tp_degree 1 for now (not an export, not a TP "
-                         "worker pool): Qwen35Runtime.from_pretrained(path, mtp=True)")
+        raise UsageError("an export's draft vocabulary is chosen when it is exported (draft_vocab_size, tensor_parallel_size "
+                         "1); on a checkpoint: Qwen35Runtime.from_pretrained(path, mtp=True)")
     vocab_size = runtime.config.vocab_size
     set_vocab(None if ranking is None else draft_ids(ranking, size, vocab_size))

@@ -37,6 +37,7 @@ host loop's calls (runtime/host_loop.py) through `ProgramRunner`, by program nam
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -67,6 +68,7 @@ from optimum_qwen35.export.layout import (
     verify_graph_name,
     vision_graph_name,
 )
+from optimum_qwen35.modeling.mtp import DRAFT_HEAD_WEIGHT
 from optimum_qwen35.modeling.state import StateSpec, allocate_state
 from optimum_qwen35.patches import torch_export_files_faster
 from optimum_qwen35.runtime.eager import rank_tensors
@@ -155,6 +157,13 @@ class ProgramRunner:
     def max_speculative_tokens(self) -> int:
         return self.manifest["mtp"]["max_speculative_tokens"] if self.has_mtp else 0
 
+    @functools.cached_property
+    def draft_ids(self) -> torch.Tensor | None:
+        """The MTP head's draft vocabulary (an export made with draft_vocab_size): token ids [V_d]; None for the
+        whole vocabulary (runtime/speculative.py `_widen`)."""
+        ids = self.manifest.get("mtp", {}).get("draft_ids")
+        return None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
+
     @property
     def logits_buckets(self) -> list[int]:
         return self.manifest.get("logits_buckets", [])  # none in exports made before forward() existed
@@ -223,6 +232,9 @@ def load_mtp_program_weights(folder: str | os.PathLike, manifest: dict, weights:
     order) and its share of the MTP head's (checkpoint/mtp.safetensors, or mtp_rank_<r> at TP > 1)."""
     params = dict(zip(manifest["weights"], weights))
     params.update(load_mtp_weights(Path(folder) / CHECKPOINT_DIR, _dtype(manifest["dtype"]), rank, manifest["tp_degree"]))
+    if "draft_ids" in manifest["mtp"]:  # the draft vocabulary's rows of lm_head (tp_degree 1: lm_head is whole)
+        lm_head = params.get("lm_head.weight", params.get("embed_tokens.weight"))  # (tied: the embedding's)
+        params[DRAFT_HEAD_WEIGHT] = lm_head.index_select(0, torch.as_tensor(manifest["mtp"]["draft_ids"])).contiguous()
     missing = [n for n in manifest["mtp"]["weights"] if n not in params]
     if missing:
         raise IncompatibleExportError(f"{Path(folder) / CHECKPOINT_DIR} lacks weights the MTP graphs take: {missing[:5]}; export the model again")
