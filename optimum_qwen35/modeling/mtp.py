@@ -38,6 +38,7 @@ from .state import StateSpec
 
 DRAFT_HEAD_WEIGHT = "mtp.draft_head.weight"  # the draft vocabulary's rows, among the decoder's weights (`set_draft_vocab`)
 
+
 class MTPHead(nn.Module):
     """The head's parameters, named as the checkpoint names them under `mtp.`; `layers` are the decoder's own layer
     class, built by the caller (full attention; MoE blocks in MoE checkpoints)."""
