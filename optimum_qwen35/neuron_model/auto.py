@@ -1,6 +1,6 @@
 """transformers 5's entry points for an export: `AutoModelForCausalLM.from_pretrained(export_or_hub_id)` and
 `pipeline("text-generation", model=export_or_hub_id)` load this stack's `NeuronModelForCausalLM`; checkpoints still load
-with transformers' own classes (patches.py `exports_through_auto_model` asks `is_export` first).
+with transformers' own classes (patches/ `exports_through_auto_model` asks `is_export` first).
 
 Run options come as `from_pretrained` keywords, so through a pipeline as its `model_kwargs`:
 

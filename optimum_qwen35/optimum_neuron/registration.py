@@ -11,7 +11,7 @@
   transformers < 5) or `optimum.neuron` (it imports the model module, whose last line calls `register_model_class`),
   and imports nothing before that. This module never imports the model module: it finds the class in
   optimum-neuron's registry (`registered_class`).
-- What optimum-neuron's own functions cannot be told through its registry is patched in `patches.py`, each patch
+- What optimum-neuron's own functions cannot be told through its registry is patched in `patches/`, each patch
   handed `registered_class` to know which model types are this package's.
 - vLLM: `serving/vllm_plugin.py`.
 """

@@ -45,13 +45,8 @@ transformers 5 (5.25; the TorchNeuron stack):
   wrapper answers exports only (`neuron_model/auto.py` `is_export`: a neuron_config.json in the folder or the Hub
   repo) with this package's class; every other call goes to the original, unchanged.
 
-torch 2.8, 2.13 and 2.14 (`torch_export_files_faster`, the cpu target's program files; the file's bytes unchanged):
-- `torch.export.load` builds the program's schema dataclasses from JSON (`_dict_to_dataclass`), asking
-  `typing.get_type_hints` of the class again for every object: half of the load's time (a tiny export's 12 programs,
-  21.4 s of CPU -> 10.6 s). The deserializer's `typing` answers `get_type_hints` from a cache per class (a class's
-  hints do not change).
-- `torch.export.save` canonicalizes the serialized program it has just built after `copy.deepcopy` of it (a third of
-  the save). The serializer's `copy.deepcopy` is a pickle round trip there: the same deep copy, in C (14.0 s -> 11.4 s).
+torch 2.8, 2.13 and 2.14 (`torch_export_files_faster`, in `torch_export.py`): `torch.export.save` and
+`torch.export.load` of the cpu target's program files faster, the files' bytes and the loaded programs unchanged.
 
 vLLM 0.11 with optimum-neuron's platform:
 - `platform_settings_first`: `settings(vllm_config)` runs before optimum-neuron's `check_and_update_config`.
@@ -64,51 +59,21 @@ vLLM 0.11 with optimum-neuron's platform:
 
 from __future__ import annotations
 
-import copy
-import functools
 import importlib.util
 import inspect
 import logging
 import os
-import pickle
 import sys
 import types
-import typing
 import warnings
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 
 from optimum_qwen35.errors import ModelNotFoundError
+from optimum_qwen35.patches.torch_export import torch_export_files_faster  # noqa: F401 (a patch of this place)
+from optimum_qwen35.patches.versions import SUPPORTED, _supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-# The versions each patched library was read at: a patch of its internals applies to these only.
-SUPPORTED = {
-    "optimum-neuron": ("0.4.5",),
-    "vllm": ("0.11.",),
-    "transformers": ("4.57.",),
-    "transformers 5": ("5.25.",),
-    "huggingface_hub": ("0.", "1.", "2."),
-    "torch": ("2.8.", "2.13.", "2.14."),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _supported(package: str, patch: str) -> bool:
-    """Whether `package`'s installed version is one `patch` was written against; one warning where it is not."""
-    try:
-        version = metadata.version(package.split()[0])  # "transformers 5": transformers, another version range
-    except metadata.PackageNotFoundError:
-        return False
-    if version.startswith(SUPPORTED[package]):
-        return True
-    logger.warning(
-        "optimum-qwen35: %s %s is not a version its patch %r was written for (%s): not applied",
-        package, version, patch, ", ".join(v + ("x" if v.endswith(".") else "") for v in SUPPORTED[package]),
-    )
-    return False
-
 
 def _wrap_classmethod(owner, name: str, make):
     """Replace classmethod `owner.name` by `make(original function)`, once (a second call finds the mark)."""
@@ -412,7 +377,7 @@ def closed_neuron_ops_as_torch():
     if not _supported("optimum-neuron", "closed_neuron_ops_as_torch"):
         yield
         return
-    import torch  # start-up time: patches.py is imported by every command, torch where used
+    import torch  # start-up time: patches/ is imported by every command, torch where used
     import torch_xla  # the neuron extra: imported where used
     import torch_xla.core.xla_builder as xb  # the neuron extra: imported where used
     from optimum.neuron.models.inference.backend.modules import rms_norm  # what this patch changes
@@ -446,55 +411,3 @@ def closed_neuron_ops_as_torch():
         yield
     finally:
         rms_norm.NeuronRMSNorm.forward, kv_cache_manager.dynamic_update_slice, kv_cache_manager.fill_prefix = saved
-
-
-class _TypingWithCachedHints(types.ModuleType):
-    """`typing` as torch's export deserializer sees it: `get_type_hints` of a class computed once."""
-
-    def __init__(self):
-        super().__init__("typing")
-        self._hints = {}
-
-    def __getattr__(self, name):
-        return getattr(typing, name)
-
-    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
-        if not isinstance(obj, type) or localns is not None:
-            return typing.get_type_hints(obj, globalns, localns, include_extras)
-        key = (obj, id(globalns), include_extras)  # the deserializer passes one namespace (its schema module) or none
-        if key not in self._hints:
-            self._hints[key] = typing.get_type_hints(obj, globalns, localns, include_extras)
-        return dict(self._hints[key])  # callers may change theirs
-
-
-class _CopyByPickle(types.ModuleType):
-    """`copy` as torch's export serializer sees it: `deepcopy` of its own schema dataclasses as a pickle round trip
-    (what it copies is built of dataclasses, enums, lists, dicts and strings; anything that does not pickle is copied
-    by `copy.deepcopy`)."""
-
-    def __init__(self):
-        super().__init__("copy")
-
-    def __getattr__(self, name):
-        return getattr(copy, name)
-
-    def deepcopy(self, obj, memo=None):
-        if memo is None:
-            try:
-                return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-            except (pickle.PicklingError, TypeError, AttributeError):
-                pass
-        return copy.deepcopy(obj, memo)
-
-
-def torch_export_files_faster() -> None:
-    """Make `torch.export.save` and `torch.export.load` of this process faster, their results unchanged (module
-    docstring). Idempotent; on another torch version it changes nothing."""
-    if not _supported("torch", "torch_export_files_faster"):
-        return
-    from torch._export.serde import serialize  # what this patch changes
-
-    if not isinstance(serialize.typing, _TypingWithCachedHints):
-        serialize.typing = _TypingWithCachedHints()
-    if not isinstance(serialize.copy, _CopyByPickle):
-        serialize.copy = _CopyByPickle()
