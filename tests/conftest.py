@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -35,6 +36,27 @@ def pytest_addoption(parser):
 def deep(request) -> bool:
     """True under `pytest --deep`: the scenario tests draw many more examples (tests/test_scenarios.py)."""
     return bool(request.config.getoption("--deep"))
+
+
+@pytest.fixture(scope="session")
+def fitted_tiny_2b(tmp_path_factory) -> Path:
+    """tiny-2b with its MTP head fitted to its own model (optimum_qwen35/tiny/mtp_fit.py: seeded, about 14 s of CPU),
+    built once per test run: under xdist the first worker to ask builds it in the run's temporary folder and the
+    others wait for it (a file lock). Read-only to its users (copy it to change it)."""
+    from filelock import FileLock
+
+    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, which its workers share
+    folder = root / "fitted-tiny-2b"
+    with FileLock(f"{folder}.lock"):
+        if not folder.is_dir():
+            building = root / f"fitted-tiny-2b.building-{os.getpid()}"
+            fitted_checkpoint(FIXTURES / "tiny-2b", building)
+            os.replace(building, folder)  # complete, or not there
+    return folder
 
 
 MATRIX_SKIP = ("another point of a matrix CI runs at one point (another dtype, TP degree or layout of the same path): "

@@ -27,14 +27,12 @@ def runtime(folder, dtype, batch_size=3):
 
 
 @pytest.fixture(scope="module", params=["random", "fitted"])
-def case(request, tmp_path_factory):
+def case(request):
     """(checkpoint, prompts): the random head with PROMPTS; the fitted head with prompts of the same lengths made of
     a fitted prompt and the start of its greedy continuation (so that what follows is in-sample)."""
     if request.param == "random":
         return FIXTURES / "tiny-2b", PROMPTS
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s): only for these parameters
-
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    folder = request.getfixturevalue("fitted_tiny_2b")  # built once per run (tests/conftest.py): only for these parameters
     fitted = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:3]
     model = Qwen35Runtime.from_pretrained(folder, batch_size=3, max_length=MAX_LENGTH, buckets=BUCKETS)
     continued = model.generate(fitted, max_new_tokens=32)

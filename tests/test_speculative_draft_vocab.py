@@ -40,12 +40,10 @@ BUCKETS, MAX_LENGTH, NEW = [16, 32], 128, 32
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
+def fitted(fitted_tiny_2b):
     """(folder, in-sample prompts, corpus ranking): the ranking counts the main model's greedy continuations of other
     seeded random prompts than the head was fitted on (a corpus made here; tiny-2b has no text to count)."""
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
-
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    folder = fitted_tiny_2b
     fit = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:3]
     model = Qwen35Runtime.from_pretrained(folder, batch_size=8, max_length=MAX_LENGTH, buckets=BUCKETS)
     corpus = torch.randint(3, VOCAB, (8, 8), generator=torch.Generator().manual_seed(7)).tolist()

@@ -13,16 +13,12 @@ from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export.layout import COMPILED_DIR, GRAPHS_FILE
 from optimum_qwen35.runtime import Qwen35Runtime
 
-from .conftest import FIXTURES
-
 NEW = 40
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
-
-    return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+def fitted(fitted_tiny_2b):
+    return fitted_tiny_2b
 
 
 # bf16 at TP 1 is a matrix point: the TP 2 bf16 test below runs bf16 speculation on an export; fp32 holds the tighter

@@ -30,8 +30,6 @@ import torch
 
 from optimum_qwen35.runtime import Qwen35Runtime, speculative
 
-from .conftest import FIXTURES
-
 ALPHA = 1e-3
 SAMPLES = 1024
 CONTROL_SAMPLES = 512
@@ -46,10 +44,8 @@ def distribution(logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 10 s of CPU)
-
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+def setup(fitted_tiny_2b):
+    folder = fitted_tiny_2b
     fitted = json.loads((folder / "mtp_fit.json").read_text())["prompts"][0]
     model = Qwen35Runtime.from_pretrained(folder, batch_size=BATCH, max_length=40, buckets=[32], mtp=True)
     prompt = fitted + model.generate([fitted], max_new_tokens=12)[0]

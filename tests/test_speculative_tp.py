@@ -62,16 +62,15 @@ def test_the_heads_shards_reassemble_and_fit_the_sharded_head(fixture):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(fitted_tiny_2b):
     """TP 1 (this process) and TP 2 (two gloo processes) over the fitted checkpoint and two in-sample prompts (a fitted
     prompt and the start of its continuation) of 12 and 20 tokens, either side of the 16-token context bucket: plain
     greedy, greedy speculation for each k in KS, and the SAMPLED runs, fp32 and bf16 in the same processes (process
     start-up and loading dominate, so every test here shares one run per degree)."""
     from optimum_qwen35.runtime import Qwen35Runtime
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (10-30 s)
     from tests.kit.tp import run_speculative_tensor_parallel
 
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    folder = fitted_tiny_2b
     fit = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:2]
     model = Qwen35Runtime.from_pretrained(folder, batch_size=2, max_length=64, buckets=[16, 32])
     continued = model.generate(fit, max_new_tokens=12)

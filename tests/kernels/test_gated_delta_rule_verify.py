@@ -163,11 +163,9 @@ def test_model_verify_runs_the_seam_nki_equal_to_torch(layout, torch_backend_aft
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
+def fitted(fitted_tiny_2b):
     """tiny-2b with an MTP head fitted to it (optimum_qwen35/tiny/mtp_fit.py, about 20 s), built once for both dtypes."""
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
-
-    return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    return fitted_tiny_2b
 
 
 @pytest.mark.slow

@@ -101,12 +101,10 @@ def test_each_rank_of_an_mtp_export_loads_its_share_of_the_head():
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
+def fitted(fitted_tiny_2b):
     """tiny-2b with an MTP head fitted to its own model (optimum_qwen35/tiny/mtp_fit.py) and two in-sample prompts (15 and 20
     tokens), as tests/neuron_xla/test_speculative_xla.py takes them."""
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
-
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    folder = fitted_tiny_2b
     prompts = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:2]
     return folder, [prompts[0][:15], (prompts[1] * 3)[:20]]
 

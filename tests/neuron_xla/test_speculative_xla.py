@@ -98,12 +98,10 @@ def test_verify_commit_and_mtp_graphs_equal_the_eager_modules():
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
+def fitted(fitted_tiny_2b):
     """tiny-2b with an MTP head fitted to its own model (optimum_qwen35/tiny/mtp_fit.py: accepts most drafts) and two
     in-sample prompts of 15 and 20 tokens (either side of the 16-token bucket edge)."""
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint  # builds a checkpoint (about 20 s)
-
-    folder = fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+    folder = fitted_tiny_2b
     prompts = json.loads((folder / "mtp_fit.json").read_text())["prompts"][:2]
     return folder, [prompts[0][:15], (prompts[1] * 3)[:20]]
 

@@ -30,10 +30,8 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def fitted(tmp_path_factory):
-    from optimum_qwen35.tiny.mtp_fit import fitted_checkpoint
-
-    return fitted_checkpoint(FIXTURES / "tiny-2b", tmp_path_factory.mktemp("fitted"))
+def fitted(fitted_tiny_2b):
+    return fitted_tiny_2b
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
