@@ -195,3 +195,17 @@ def test_every_deferred_import_says_why():
     assert reason("# noqa: PLC0415") == "" and reason("# noqa: PLC0415 (optional dependency)") == "optional dependency"
     silent = [e for e in IMPORTS if e.deferred and not reason(e.comment)]
     assert not silent, "deferred imports without a reason:\n" + "\n".join(map(repr, silent))
+
+
+MAX_LINES = 500
+LONG_FILES_ALLOWED = ("kernels.emulator",)  # the NKI emulator: one module per part of NKI's API, each its whole surface
+
+
+def test_no_product_file_is_over_500_lines():
+    """One job per file: a module of the installed package past 500 lines is split by its jobs (issue 50), except the
+    NKI emulator's."""
+    long = {m: n for m, path in package_modules().items()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES
+            and not m.startswith(tuple(f"{PACKAGE}.{a}" for a in LONG_FILES_ALLOWED))}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    assert any(m.startswith(f"{PACKAGE}.kernels.emulator") for m in package_modules()), "the exception names a real folder"
