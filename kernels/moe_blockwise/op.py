@@ -9,7 +9,7 @@ No `from __future__ import annotations`: `torch.library.custom_op` reads the sch
 import numpy as np
 import torch
 
-from .layout import BlockLayout
+from .layout import BlockLayout, weighted_sum
 from .reference import moe_blocks_reference
 
 NAMESPACE = "optimum_qwen35"
@@ -53,8 +53,6 @@ def _(x_blocks, block_expert, gate_up, down, used, start, end, n_used, backend):
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, layout: BlockLayout, gate_up: torch.Tensor,
                    down: torch.Tensor, block_size: int, backend: str = "torch") -> torch.Tensor:
     """x [N, H], the pairs' weights [N, k] -> [N, H] fp32: the blocks form of `SparseMoeBlock._blocked` through the op."""
-    from optimum_qwen35.modeling.moe import weighted_sum  # (deferred: the model package imports the kernels package)
-
     N, H = x.shape
     nb = layout.nb
     rows = torch.cat([x, x.new_zeros(1, H)]).index_select(0, layout.token).view(nb, block_size, H)

@@ -50,6 +50,9 @@ from torch import nn
 
 from ..config import Qwen35Config
 from ..errors import UsageError
+from ..kernels.backends import resolve as kernel_backend_of
+from ..kernels.moe_blockwise.layout import block_count, block_layout, routed_blocks, weighted_sum
+from ..kernels.moe_blockwise.op import routed_experts
 from .fp8 import is_fp8, select_experts
 from .parallel import Linear
 from .precision import accumulation_dtype, upcast
@@ -197,58 +200,6 @@ class Experts(nn.Module):
         return weighted_sum(weights, out.view(N, k, -1))
 
 
-def routed_blocks(ids: torch.Tensor, experts: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The blocked layout of the pairs: ids [N, k] int32 local expert ids, `experts` (E_r) for a pair no local expert
-    serves. Returns (token of each block row [nb B] int32, N for a padding row; expert of each block [nb] int32; the
-    block row of each pair [N k] int32, nb B for a pair served elsewhere; nb). Static shapes: nb is the dropless
-    bound `block_count`. Computed with a stable sort by expert and int32 sums (no cumsum, no float)."""
-    N, k = ids.shape
-    P = N * k
-    nb = block_count(P, experts, block_size)
-    device = ids.device
-    flat = ids.reshape(-1)
-    expert_range = torch.arange(experts, dtype=torch.int32, device=device)
-    counts = (flat[:, None] == expert_range).to(torch.int32).sum(0, dtype=torch.int32)  # [E_r] pairs per local expert
-    # ceil(counts / B) [E_r] as a count of block starts below it (no integer division: it lowers to floor ops); an
-    # expert has at most N pairs (a token's k choices are distinct).
-    starts = torch.arange(0, N, block_size, dtype=torch.int32, device=device)
-    blocks = (counts[:, None] > starts[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
-    # Inclusive prefix sums over the experts as an int32 triangular sum (E_r x E_r: small).
-    lower = (expert_range[:, None] >= expert_range[None, :]).to(torch.int32)
-    block_end = (lower * blocks[None, :]).sum(1, dtype=torch.int32)  # [E_r] first block after expert e's
-    pair_end = (lower * counts[None, :]).sum(1, dtype=torch.int32)  # [E_r] first sorted pair after expert e's
-    sorted_ids, order = torch.sort(flat, stable=True)  # by expert, tokens in order within one
-    order = order.to(torch.int32)
-    served = sorted_ids < experts
-    e = torch.clamp(sorted_ids, max=experts - 1)
-    rank_in_expert = torch.arange(P, dtype=torch.int32, device=device) - (pair_end - counts).index_select(0, e)
-    row = (block_end - blocks).index_select(0, e) * block_size + rank_in_expert
-    row = torch.where(served, row, torch.full_like(row, nb * block_size))
-    # Each block row's token (N: the zero padding row); the one extra row takes the pairs served elsewhere.
-    token = torch.full((nb * block_size + 1,), N, dtype=torch.int32, device=device)
-    # index_put with int32 indices (point scatters that assign; no s64 index in the graph).
-    # The token of pair p is p // k, read from a static table (an integer division lowers to floor / sign ops).
-    pair_token = torch.arange(N, dtype=torch.int32, device=device)[:, None].expand(N, k).reshape(-1)
-    token = token.index_put((row,), pair_token.index_select(0, order))[: nb * block_size]
-    pair_row = torch.zeros(P, dtype=torch.int32, device=device).index_put((order,), row)
-    block_ids = torch.arange(nb, dtype=torch.int32, device=device)
-    block_expert = (block_ids[:, None] >= block_end[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
-    return token, torch.clamp(block_expert, max=experts - 1), pair_row, nb
-
-
-def block_count(pairs: int, experts: int, block_size: int) -> int:
-    """Blocks enough for any routing of `pairs` pairs over `experts` local experts: sum_e ceil(n_e / B) with
-    sum_e n_e = pairs and at most min(experts, pairs) experts used."""
-    used = min(experts, pairs)
-    return max(1, (pairs + used * (block_size - 1)) // block_size)
-
-
-def weighted_sum(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-    """weights [N, m], outputs [N, m, H] -> [N, H]: sum_j weights[n, j] * outputs[n, j], in fp32 and in j order (one
-    batched matmul [N, 1, m] @ [N, m, H]): how every form of the experts, on every backend, combines its outputs."""
-    return torch.bmm(upcast(weights)[:, None, :], upcast(outputs))[:, 0]
-
-
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.is_mkldnn:  # re-blocked by `Experts.pack`
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
@@ -288,6 +239,10 @@ class SparseMoeBlock(nn.Module):
         self._rank_source: list[nn.Module] = []  # the module holding the rank tensor (not a submodule)
         # Rows per block of the blocked prompt form (`routed_blocks`): TensorE's 128 partitions.
         self.block_size = ROUTED_BLOCK
+        # The kernel backend the layer factory names (None: the process-wide one, `kernels.set_backend`): under
+        # "nki" the prompts' routed experts run the blockwise NKI kernel (kernels/moe_blockwise), which computes
+        # the filled blocks only.
+        self.kernel_backend = getattr(layers, "kernel_backend", None)
 
     def bind_rank(self, module: nn.Module) -> None:
         """Read the rank from `module.rank` (the vocabulary-parallel embedding's, a weight input of the graphs, so
@@ -316,10 +271,14 @@ class SparseMoeBlock(nn.Module):
         if static and getattr(self.experts, "packed_for", None) is not None:
             raise UsageError("the MoE experts are packed for eager CPU inference (pack_weights=True): graphs cannot be "
                              "traced from them; load the model again without packing to trace it")
-        use_blocks = (static and N * k >= E_r and hasattr(self.experts, "blocks")
-                      and block_count(N * k, E_r, self.block_size) * self.block_size < N * E_r)
+        blockable = N * k >= E_r and hasattr(self.experts, "blocks")
+        # The kernel takes the experts' plain fused weights: not FP8 ones, nor ones packed for the CPU's GEMM.
+        kernel = (blockable and kernel_backend_of(self.kernel_backend) == "nki" and not is_fp8(self.experts)
+                  and getattr(self.experts, "packed_for", None) is None)
+        use_blocks = kernel or (static and blockable
+                                and block_count(N * k, E_r, self.block_size) * self.block_size < N * E_r)
         if use_blocks:
-            y = self._blocked(x, weights, ids, ep, E_r)
+            y = self._blocked(x, weights, ids, ep, E_r, kernel)
         elif not static or N * k < E_r:
             if ep:
                 local = ids - self._rank() * E_r
@@ -344,14 +303,20 @@ class SparseMoeBlock(nn.Module):
             y = upcast(self.layers.reduce(y.to(x.dtype)))
         return y.view(*shape[:-1], -1)
 
-    def _blocked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: bool, E_r: int) -> torch.Tensor:
-        """The blocks form (`routed_blocks`): [N, H] fp32, the pairs of another rank's experts left out."""
+    def _blocked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: bool, E_r: int,
+                 kernel: bool = False) -> torch.Tensor:
+        """The blocks form (`routed_blocks`): [N, H] fp32, the pairs of another rank's experts left out. With `kernel`,
+        through `torch.ops.optimum_qwen35.moe_blocks` on the NKI kernel, which runs the filled blocks only."""
         N, H = x.shape
         if ep:
             local = ids - self._rank() * E_r
             mine = (local >= 0) & (local < E_r)
             ids = torch.where(mine, local, torch.full_like(local, E_r)).to(torch.int32)
             weights = weights * mine.to(weights.dtype)
+        if kernel:
+            layout = block_layout(ids, E_r, self.block_size)
+            return routed_experts(x, weights, layout, self.experts.gate_up_proj, self.experts.down_proj,
+                                  self.block_size, backend="nki")
         token, block_expert, pair_row, nb = routed_blocks(ids, E_r, self.block_size)
         padded = torch.cat([x, x.new_zeros(1, H)])
         rows = padded.index_select(0, token).view(nb, self.block_size, H)
