@@ -71,6 +71,7 @@ class _SchemaFromJson:
 
     def __init__(self, serialize):
         self.serialize = serialize
+        self.original = serialize._dict_to_dataclass  # torch's own (what it replaces)
         self.converters = {}
 
     def __call__(self, cls, data):
