@@ -1,5 +1,5 @@
-"""The decode kernel's on-chip layout (tkg.py's docstring): how a head's fp32 state is spread over partitions and pieces,
-how the q/k conv data is blocked for its loads, and the stride-0 views that repeat a tile along other dims."""
+"""The decode kernel's on-chip layout (tkg.py's docstring): how a head's fp32 state is spread over partitions and
+pieces, how the q/k conv data is blocked for its loads, and the stride-0 views that repeat a tile along other dims."""
 
 from __future__ import annotations
 

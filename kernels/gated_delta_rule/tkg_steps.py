@@ -1,5 +1,5 @@
-"""The body of the decode and verify kernels (tkg.py, whose docstring explains the schedule): one instruction stream over
-the (row, position) pairs of a launch."""
+"""The body of the decode and verify kernels (tkg.py, whose docstring explains the schedule): one instruction stream
+over the (row, position) pairs of a launch."""
 
 from __future__ import annotations
 

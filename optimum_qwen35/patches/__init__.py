@@ -75,6 +75,7 @@ from optimum_qwen35.patches.versions import SUPPORTED, _supported  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
+
 def _wrap_classmethod(owner, name: str, make):
     """Replace classmethod `owner.name` by `make(original function)`, once (a second call finds the mark)."""
     original = getattr(owner, name).__func__

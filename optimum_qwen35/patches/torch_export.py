@@ -21,6 +21,7 @@ import typing
 
 from optimum_qwen35.patches.versions import _supported
 
+
 class _TypingWithCachedHints(types.ModuleType):
     """`typing` as torch's export deserializer sees it: `get_type_hints` of a class computed once."""
 
@@ -156,5 +157,6 @@ def torch_export_files_faster() -> None:
     import torch  # start-up time: patches/ is imported by every command
 
     # (2.8's _dict_to_dataclass is other code: it keeps its own, with the cached hints above)
-    if torch.__version__.startswith(("2.13.", "2.14.")) and not isinstance(serialize._dict_to_dataclass, _SchemaFromJson):
+    if (torch.__version__.startswith(("2.13.", "2.14."))
+            and not isinstance(serialize._dict_to_dataclass, _SchemaFromJson)):
         serialize._dict_to_dataclass = _SchemaFromJson(serialize)
