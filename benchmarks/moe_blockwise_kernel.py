@@ -13,7 +13,7 @@ both scale with it, so the time ratios move little (the 2,048 run is `--hidden 2
   minimum's work with the kernel's own per-row and per-expert costs;
 - executed blocks: read from the cost report (TensorE instructions / per-block instructions), equal to the layout's
   filled count (checked); rows factor = executed blocks x B / (N k);
-- static: the blocked form's bound (modeling/moe.py `block_count`), every block computed (docs/neuron_backend.md "MoE
+- static: the blocked form's bound (layout.py `block_count`), every block computed (docs/neuron_backend.md "MoE
   prompts: the blocked routed form"); priced by running the same kernel with one table entry per block (each block
   loads its expert's weights, as `Experts.blocks` gathers them, and every block of the bound runs);
 - time: the emulator's cost model (trn2, bf16 operands), one kernel call; "vs minimum" = time / the balanced routing's

@@ -18,7 +18,7 @@ bytes of a bf16 activation; the cpu target's RowParallelLinear reduces its bf16 
   gate rows and the same block of up rows, `down_proj` [E_r, I_r, H] an ExpertFusedRowParallelLinear without its
   reduce), the mlp_op of its ExpertMLPs, run in the block's three forms: every token through every local expert (NxD's
   all-experts path), the chosen experts' weights gathered (NxD's selective loading, `expert_indices`), or blocks of
-  tokens grouped by expert, each through its expert's gathered weights (prompts: `modeling.moe.routed_blocks`);
+  tokens grouped by expert, each through its expert's gathered weights (prompts: `routed_blocks`);
 - the shared expert: neuronx-distributed's `SharedExperts` (one expert, separate gate/up/down projections, no
   reduce); its sigmoid gate is a replicated linear of the block beside it (NxD's module has none);
 - `reduce`: the block's one all-reduce (routed + gated shared), `reduce_from_tensor_model_parallel_region`, in the
