@@ -264,6 +264,11 @@ ENVIRONMENT_FREE_TESTS = [
 ]
 
 
+# The patch of torch.export's file code (optimum_qwen35/patches/torch_export.py) differs by torch version: its test
+# runs under every torch CI installs (2.13 in reference, 2.8 in neuron, 2.14 in torchneuron).
+TORCH_PATCH_TESTS = ["tests/test_torch_export_files.py"]
+
+
 @nox.session
 def optimum(session):
     """The optimum-neuron 0.4.5 entry points and transformers 4.57 support (no Neuron SDK), images included."""
@@ -360,7 +365,7 @@ def _neuron_environment(session, *extra):
 def neuron(session):
     """The trn1/inf2/trn2 graphs built as the export builds them, lowered and run on torch-xla's CPU device."""
     _neuron_environment(session, "pytest-xdist>=3.5")
-    _pytest(session, "tests/neuron_xla", parallel=True)
+    _pytest(session, "tests/neuron_xla", *TORCH_PATCH_TESTS, parallel=True)
 
 
 # vLLM 0.11.0 is what optimum-neuron 0.4.5's `vllm` extra pins (torch 2.8, as the neuron session); it forces numpy
@@ -400,7 +405,8 @@ NO_OPTIMUM_NEURON = ("import importlib.util, sys; sys.exit('optimum-neuron is in
 # What the torchneuron session runs besides tests/torchneuron: the stack's entry points (tests/torchneuron_stack),
 # the command line without optimum-neuron, the README's TorchNeuron quick start as written (test_doc_snippets.py runs
 # the parts of the docs whose environment is "torchneuron").
-TORCHNEURON_STACK_TESTS = ["tests/torchneuron_stack", "tests/test_cli_stacks.py", "tests/test_doc_snippets.py"]
+TORCHNEURON_STACK_TESTS = ["tests/torchneuron_stack", "tests/test_cli_stacks.py", "tests/test_doc_snippets.py",
+                           *TORCH_PATCH_TESTS]
 
 
 @nox.session(python=pyenv_python("3.13"))

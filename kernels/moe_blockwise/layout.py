@@ -34,14 +34,7 @@ class BlockLayout:
 
 def block_layout(ids: torch.Tensor, experts: int, block_size: int) -> BlockLayout:
     """ids [N, k] int32 local expert ids (`experts` for a pair served elsewhere) -> the layout and the loop tables."""
-    token, block_expert, pair_row, nb = routed_blocks(ids, experts, block_size)
-    expert_range = torch.arange(experts, dtype=torch.int32, device=ids.device)
-    flat = ids.reshape(-1)
-    counts = (flat[:, None] == expert_range).to(torch.int32).sum(0, dtype=torch.int32)
-    starts = torch.arange(0, ids.shape[0], block_size, dtype=torch.int32, device=ids.device)
-    blocks = (counts[:, None] > starts[None, :]).to(torch.int32).sum(1, dtype=torch.int32)  # ceil(counts / B)
-    lower = (expert_range[:, None] >= expert_range[None, :]).to(torch.int32)
-    block_end = (lower * blocks[None, :]).sum(1, dtype=torch.int32)
+    (token, block_expert, pair_row, nb), (blocks, block_end) = _routed_blocks(ids, experts, block_size)
     used_mask = blocks > 0
     # Used experts first, in id order (a stable sort on "unused"), then the unused ones (never read by the kernel).
     order = torch.sort((~used_mask).to(torch.int32), stable=True).indices.to(torch.int32)
@@ -58,20 +51,18 @@ def routed_blocks(ids: torch.Tensor, experts: int, block_size: int) -> tuple[tor
     serves. Returns (token of each block row [nb B] int32, N for a padding row; expert of each block [nb] int32; the
     block row of each pair [N k] int32, nb B for a pair served elsewhere; nb). Static shapes: nb is the dropless
     bound `block_count`. Computed with a stable sort by expert and int32 sums (no cumsum, no float)."""
+    return _routed_blocks(ids, experts, block_size)[0]
+
+
+def _routed_blocks(ids: torch.Tensor, experts: int, block_size: int):
+    """`routed_blocks`'s result, and each local expert's blocks and the first block after its own ([E_r] each), which
+    `block_layout`'s tables are made of."""
     N, k = ids.shape
     P = N * k
     nb = block_count(P, experts, block_size)
     device = ids.device
     flat = ids.reshape(-1)
-    expert_range = torch.arange(experts, dtype=torch.int32, device=device)
-    counts = (flat[:, None] == expert_range).to(torch.int32).sum(0, dtype=torch.int32)  # [E_r] pairs per local expert
-    # ceil(counts / B) [E_r] as a count of block starts below it (no integer division: it lowers to floor ops); an
-    # expert has at most N pairs (a token's k choices are distinct).
-    starts = torch.arange(0, N, block_size, dtype=torch.int32, device=device)
-    blocks = (counts[:, None] > starts[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
-    # Inclusive prefix sums over the experts as an int32 triangular sum (E_r x E_r: small).
-    lower = (expert_range[:, None] >= expert_range[None, :]).to(torch.int32)
-    block_end = (lower * blocks[None, :]).sum(1, dtype=torch.int32)  # [E_r] first block after expert e's
+    counts, blocks, lower, block_end = _expert_blocks(ids, experts, block_size)
     pair_end = (lower * counts[None, :]).sum(1, dtype=torch.int32)  # [E_r] first sorted pair after expert e's
     sorted_ids, order = torch.sort(flat, stable=True)  # by expert, tokens in order within one
     order = order.to(torch.int32)
@@ -89,7 +80,23 @@ def routed_blocks(ids: torch.Tensor, experts: int, block_size: int) -> tuple[tor
     pair_row = torch.zeros(P, dtype=torch.int32, device=device).index_put((order,), row)
     block_ids = torch.arange(nb, dtype=torch.int32, device=device)
     block_expert = (block_ids[:, None] >= block_end[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
-    return token, torch.clamp(block_expert, max=experts - 1), pair_row, nb
+    return (token, torch.clamp(block_expert, max=experts - 1), pair_row, nb), (blocks, block_end)
+
+
+def _expert_blocks(ids: torch.Tensor, experts: int, block_size: int):
+    """Per local expert (ids [N, k], `experts` for a pair served elsewhere): its pairs [E_r], its blocks [E_r], the
+    [E_r, E_r] lower-triangular int32 matrix of the prefix sums, and the first block after its own [E_r]."""
+    device = ids.device
+    expert_range = torch.arange(experts, dtype=torch.int32, device=device)
+    counts = (ids.reshape(-1)[:, None] == expert_range).to(torch.int32).sum(0, dtype=torch.int32)
+    # ceil(counts / B) as a count of block starts below it (no integer division: it lowers to floor ops); an expert
+    # has at most N pairs (a token's k choices are distinct).
+    starts = torch.arange(0, ids.shape[0], block_size, dtype=torch.int32, device=device)
+    blocks = (counts[:, None] > starts[None, :]).to(torch.int32).sum(1, dtype=torch.int32)
+    # Inclusive prefix sums over the experts as an int32 triangular sum (E_r x E_r: small).
+    lower = (expert_range[:, None] >= expert_range[None, :]).to(torch.int32)
+    block_end = (lower * blocks[None, :]).sum(1, dtype=torch.int32)
+    return counts, blocks, lower, block_end
 
 
 def block_count(pairs: int, experts: int, block_size: int) -> int:
