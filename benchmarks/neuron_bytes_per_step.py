@@ -4,6 +4,7 @@ operand dtype of the context-encoding graph.
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py                 # every size at its recommended TP
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --only 2B:4:1   # SIZE:TP:BATCH (repeatable)
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --flops 2B:4:1024   # FLOPs by dtype, context encoding
+    .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --fp8 --only 27B:4:1   # beside the same export with FP8 weights
 
 The graphs are the export's, built shape-only as `benchmarks/neuron_real_shapes.py` builds them (rank 0 of the SPMD
 graph, bf16, trn2, 4096-token cache). Nothing is compiled for Neuron, nothing runs: these are counts over the HLO
@@ -19,7 +20,13 @@ torch-xla hands the compiler, under the rule below, not a device measurement.
   scatters, or the whole state when made otherwise); other outputs (the logits) are written whole;
 - *intermediates* (every other instruction's result, collectives included): on chip when at most `ON_CHIP` bytes
   (default 4 MiB: a sixth of one NeuronCore-v3's 24 MiB SBUF, leaving the rest to the weight tiles streaming
-  through; `--on-chip` changes it), otherwise spilled: written once to HBM and read once per use.
+  through; `--on-chip` changes it), otherwise spilled: written once to HBM and read once per use;
+- *the dequantization of float8 weights* (`--fp8`: an export with FP8 weights, backends/nxd/fp8.py): the converts and
+  the scale multiply between a float8 weight (or the rows gathered of it) and its matmul are counted on chip
+  whatever their size, as the weight's tiles stream through SBUF into the matmul; the float8 weight and its scale
+  are read as parameters. Unlike the rest of the rule this one is an assumption about the compiler's fusion
+  (a compiler that spilled the bf16 weight would read more than the bf16 export does), stated so that a device
+  can check it.
 A compiler may do better (fuse a large gather into the matmul that uses it) or worse (spill smaller ones): the rule
 is stated so that its verdict can be checked against a device.
 
@@ -53,7 +60,8 @@ from optimum_qwen35.backends.nxd.tracing import CONTEXT, TOKENS, neuron_config, 
 MIB, GIB = 2**20, 2**30
 ON_CHIP = 4 * MIB
 _BYTES = {"F64": 8, "S64": 8, "U64": 8, "F32": 4, "S32": 4, "U32": 4, "BF16": 2, "F16": 2, "S16": 2, "U16": 2,
-          "S8": 1, "U8": 1, "PRED": 1}
+          "S8": 1, "U8": 1, "PRED": 1, "F8E4M3FN": 1}
+DEQUANTIZE = {"convert", "multiply"}  # what stands between a float8 weight and its matmul
 VIEWS = {"reshape", "bitcast", "transpose", "slice", "broadcast", "get-tuple-element", "tuple"}
 FREE = {"constant", "iota", "parameter", "after-all"}
 PARTIAL_READS = {"gather", "dynamic-slice"}
@@ -88,6 +96,7 @@ def hbm_traffic(hlo: dict, aliased_outputs: set[int], on_chip: int = ON_CHIP) ->
         for operand in inst.get("operandIds", []):
             users.setdefault(operand, []).append(inst)
     root = ids[comp["rootId"]]
+    streamed = dequantization(comp, users)
 
     def base(inst_id: str) -> str:
         """The materialized value a view chain reads (a parameter, an in-place update of one, or an intermediate)."""
@@ -132,7 +141,7 @@ def hbm_traffic(hlo: dict, aliased_outputs: set[int], on_chip: int = ON_CHIP) ->
                     else:
                         whole = True
             params[int(inst.get("parameterNumber", 0))] = nbytes(inst["shape"]) if whole else partial
-        elif inst["id"] in owner or inst["opcode"] in VIEWS or inst["opcode"] in FREE:
+        elif inst["id"] in owner or inst["opcode"] in VIEWS or inst["opcode"] in FREE or inst["id"] in streamed:
             continue
         else:
             size = nbytes(inst["shape"])
@@ -146,6 +155,23 @@ def hbm_traffic(hlo: dict, aliased_outputs: set[int], on_chip: int = ON_CHIP) ->
         else:
             outputs += nbytes(ids[operand]["shape"])
     return {"params": params, "state_writes": state_writes, "outputs": outputs, "spills": spills}
+
+
+def dequantization(comp: dict, users: dict) -> set[str]:
+    """The instructions that dequantize float8 weights (module docstring): converts and multiplies reached from an
+    F8E4M3FN parameter through views, gathers of its rows and each other."""
+    out, pending = set(), [i["id"] for i in comp["instructions"]
+                           if i["opcode"] == "parameter" and i["shape"].get("elementType") == "F8E4M3FN"]
+    while pending:
+        for user in users.get(pending.pop(), []):
+            if user["id"] in out:
+                continue
+            if user["opcode"] in DEQUANTIZE:
+                out.add(user["id"])
+                pending.append(user["id"])
+            elif user["opcode"] in VIEWS - {"tuple"} or user["opcode"] in PARTIAL_READS:
+                pending.append(user["id"])
+    return out
 
 
 def _writes(ids: dict, inst_id: str, owner: dict) -> int:
@@ -199,7 +225,8 @@ def moe_folder(tmp: Path, layers: int | None = None) -> Path:
     return tmp
 
 
-def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers: int | None = None):
+def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers: int | None = None,
+            fp8_weights: bool = False):
     """(HloModuleProto as JSON, the graph's aliased output indices, {param number: name}, rank shapes or None)."""
     import torch_xla
 
@@ -207,7 +234,7 @@ def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers:
         folder = moe_folder(Path(tmp), moe_layers) if size == "35B-A3B" else shapes_bench.config_folder(size, Path(tmp))
         nc = neuron_config(folder, "trn2", tp, torch.bfloat16, batch, sequence)
         with traced_parallel_state(tp, nc.logical_nc_config):
-            graphs = shapes_bench.build_modules(folder, nc, keys=(key,))
+            graphs = shapes_bench.build_modules(folder, nc, keys=(key,), fp8_weights=fp8_weights)
             graph = graphs[key]
             _, hlo = shapes_bench.lower_graph(graph, proto=True)
             # Parameter numbers of the module's tensors: lower once more with a lowering context to read them.
@@ -216,7 +243,7 @@ def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers:
             context = torch_xla._XLAC.lowering.LoweringContext("qwen35")
             context.build(outputs)
             names = {}
-            for name, p in graph.module.named_parameters():
+            for name, p in [*graph.module.named_parameters(), *graph.module.named_buffers()]:  # (FP8 scales: buffers)
                 number = context.tensor_parameter_id(p)
                 if number >= 0:
                     names[number] = name
@@ -261,9 +288,10 @@ def floor_bytes(traffic: dict, names: dict, info: dict, hlo: dict) -> dict:
     return {"weights": weights, "state_read": state_read, "state_write": state_write, "inputs": other}
 
 
-def run(size: str, tp: int, batch: int, sequence: int, on_chip: int, top: int, moe_layers: int | None = None):
+def run(size: str, tp: int, batch: int, sequence: int, on_chip: int, top: int, moe_layers: int | None = None,
+        fp8_weights: bool = False):
     start = time.perf_counter()
-    hlo, aliased, names, info = lowered(size, tp, batch, sequence, TOKENS, moe_layers)
+    hlo, aliased, names, info = lowered(size, tp, batch, sequence, TOKENS, moe_layers, fp8_weights)
     traffic = hbm_traffic(hlo, aliased, on_chip)
     floor = floor_bytes(traffic, names, info, hlo)
     # What the graph reads of its parameters beyond the floor's "weights once": a weight read partly counts less.
@@ -275,7 +303,7 @@ def run(size: str, tp: int, batch: int, sequence: int, on_chip: int, top: int, m
            "params": counted_params, "state_writes": traffic["state_writes"], "spilled": spilled,
            "outputs": traffic["outputs"], "counted": counted, "ratio": counted / floor_total,
            "top_spills": traffic["spills"].most_common(top), "seconds": time.perf_counter() - start,
-           "layers": moe_layers}
+           "layers": moe_layers, "weights": "fp8" if fp8_weights else "bf16"}
     return row
 
 
@@ -296,6 +324,20 @@ def table(rows: list[dict], on_chip: int) -> list[str]:
                      f"{fmt(f['state_write'])} | {fmt(r['floor_total'])} | {fmt(r['params'])} | "
                      f"{fmt(r['state_writes'])} | {fmt(r['spilled'])} | {fmt(r['counted'])} | {r['ratio']:.3f} | "
                      f"{fmt(r['outputs'])} |")
+    return lines
+
+
+def fp8_table(pairs: list[tuple[dict, dict]]) -> list[str]:
+    """The same exports with bf16 and FP8 weights side by side (module docstring: the dequantization on chip)."""
+    lines = ["Decode step HBM bytes per rank, bf16 weights against FP8 weights (Qwen's rule: lm_head, router, "
+             "shared-expert gate, in_proj_a / in_proj_b, embedding and norms stay bf16):",
+             "| size | TP | batch | counted, bf16 | counted, FP8 | FP8 / bf16 | floor: weights, bf16 | "
+             "floor: weights, FP8 | ratio |", "|" + "---|" * 9]
+    for bf16, f8 in pairs:
+        size = bf16["size"] + (f" ({bf16['layers']} layers)" if bf16.get("layers") else "")
+        lines.append(f"| {size} | {bf16['tp']} | {bf16['batch']} | {fmt(bf16['counted'])} | {fmt(f8['counted'])} | "
+                     f"{f8['counted'] / bf16['counted']:.3f} | {fmt(bf16['floor']['weights'])} | "
+                     f"{fmt(f8['floor']['weights'])} | {f8['floor']['weights'] / bf16['floor']['weights']:.3f} |")
     return lines
 
 
@@ -321,6 +363,7 @@ def main():
     parser.add_argument("--top", type=int, default=4, help="largest spilled intermediates listed per configuration")
     parser.add_argument("--moe-layers", type=int, default=None,
                         help="the 35B-A3B with its first N layers (default all 40)")
+    parser.add_argument("--fp8", action="store_true", help="each configuration also with FP8 weights, side by side")
     parser.add_argument("--flops", action="append", metavar="SIZE:TP:TOKENS",
                         help="matmul FLOPs by operand dtype of the context-encoding graph (repeatable)")
     args = parser.parse_args()
@@ -332,16 +375,21 @@ def main():
     plan = ([(s, int(t), int(b)) for s, t, b in (o.split(":") for o in args.only)] if args.only else
             [(size, tp, batch) for size, tp in RECOMMENDED.items() for batch in (1, 8)])
     on_chip = int(args.on_chip * MIB)
-    rows = []
+    rows, pairs = [], []
     for size, tp, batch in plan:
-        row = run(size, tp, batch, args.sequence, on_chip, args.top,
-                  args.moe_layers if size == "35B-A3B" else None)
-        rows.append(row)
-        print(f"{size} TP {tp} batch {batch}: counted {fmt(row['counted'])} / floor {fmt(row['floor_total'])} = "
-              f"{row['ratio']:.3f} in {row['seconds']:.0f} s", flush=True)
-        for what, n in row["top_spills"]:
-            print(f"    spilled {fmt(n)}: {what}", flush=True)
+        for fp8_weights in (False, True) if args.fp8 else (False,):
+            row = run(size, tp, batch, args.sequence, on_chip, args.top,
+                      args.moe_layers if size == "35B-A3B" else None, fp8_weights)
+            rows.append(row)
+            print(f"{size} TP {tp} batch {batch} ({row['weights']} weights): counted {fmt(row['counted'])} / floor "
+                  f"{fmt(row['floor_total'])} = {row['ratio']:.3f} in {row['seconds']:.0f} s", flush=True)
+            for what, n in row["top_spills"]:
+                print(f"    spilled {fmt(n)}: {what}", flush=True)
+        if args.fp8:
+            pairs.append((rows[-2], rows[-1]))
     print("\n".join(table(rows, on_chip)))
+    if pairs:
+        print("\n".join(fp8_table(pairs)))
 
 
 if __name__ == "__main__":

@@ -123,24 +123,38 @@ class ShapeGraph:
     alias_names: dict[str, int] = field(default_factory=dict)  # for testing.neuron_xla.lower / state_traffic
 
 
+def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    import torch_xla
+    from torch_xla.core.xla_builder import create_placeholder_tensor, mkshape
+
+    if dtype == torch.float8_e4m3fn:  # torch-xla 2.8's dtype map lacks float8; XLA's own type name has it
+        return torch_xla._XLAC._xla_create_placeholder_tensor(mkshape("f8e4m3fn", shape).shape)
+    return create_placeholder_tensor(shape, dtype)
+
+
 def _placeholders(module: torch.nn.Module) -> None:
     """Every parameter and buffer (on `meta`) becomes an XLA placeholder of its shape and dtype."""
-    from torch_xla.core.xla_builder import create_placeholder_tensor
-
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None:
-                sub._parameters[name] = torch.nn.Parameter(create_placeholder_tensor(tuple(p.shape), p.dtype),
-                                                           requires_grad=False)
+                sub._parameters[name] = torch.nn.Parameter(_placeholder(tuple(p.shape), p.dtype), requires_grad=False)
         for name, b in list(sub._buffers.items()):
             if b is not None:
-                sub._buffers[name] = create_placeholder_tensor(tuple(b.shape), b.dtype)
+                sub._buffers[name] = _placeholder(tuple(b.shape), b.dtype)
 
 
-def build_modules(folder: Path, nc, keys=(CONTEXT, TOKENS), placeholders: bool = True) -> dict[str, ShapeGraph]:
-    """The export's graph modules (rank 0) built on `meta`; with `placeholders`, moved to XLA as placeholders."""
+def build_modules(folder: Path, nc, keys=(CONTEXT, TOKENS), placeholders: bool = True,
+                  fp8_weights: bool = False) -> dict[str, ShapeGraph]:
+    """The export's graph modules (rank 0) built on `meta`; with `placeholders`, moved to XLA as placeholders;
+    `fp8_weights`: an export with FP8 weights (the weights Qwen's FP8 releases quantize, backends/nxd/fp8.py)."""
+    from optimum_qwen35.backends.nxd.fp8 import rule_weight_names
+    from optimum_qwen35.config import Qwen35Config
+    from optimum_qwen35.export.layout import FP8_EXPORT_KEY
+
     cls = model_class()
     config = export_config(folder, nc)
+    if fp8_weights:  # (a config folder, no weights to read: the names by Qwen's rule)
+        setattr(config, FP8_EXPORT_KEY, {"weights": rule_weight_names(Qwen35Config.from_pretrained(folder))})
     with torch.device("meta"):
         builders = cls.create_graph_builders(config, nc)
     graphs = {}

@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+E4M3_MAX = 240.0  # float8_e4m3 (IEEE-like, bias 7): trn1 / inf2 / trn2's FP8 E4M3 (`fit_e4m3_range`)
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`, a fused `X` -> `X_scale_inv`
 
@@ -109,15 +110,49 @@ def dequantize_expanded(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.
                         block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """A float8 weight (shard) [..., rows, cols] times its `expand_along` scale, in float32 (float64 for float64),
     cast to `dtype`: what an FP8-weight layer computes next to its matmul."""
-    rows, cols = weight.shape[-2:]
-    if scale.shape[-2] == rows and scale.shape[-1] == math.ceil(cols / block[1]):
-        full = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    elif scale.shape[-1] == cols and scale.shape[-2] == math.ceil(rows / block[0]):
-        full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    else:
-        raise ValueError(f"scale {tuple(scale.shape)} fits neither form of a weight {tuple(weight.shape)}")
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return (weight.to(wide) * full.to(wide)).to(dtype)
+    return (weight.to(wide) * _per_element(scale, tuple(weight.shape), block).to(wide)).to(dtype)
+
+
+def _along_cols(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> bool:
+    """Whether an expanded scale is the "rows" form [.., rows, ceil(cols / 128)] (one scale per 128 columns of a
+    row) rather than the "cols" form [.., ceil(rows / 128), cols] of a weight of `shape`."""
+    rows, cols = shape[-2:]
+    if scale.shape[-2] == rows and scale.shape[-1] == math.ceil(cols / block[1]):
+        return True
+    if scale.shape[-1] == cols and scale.shape[-2] == math.ceil(rows / block[0]):
+        return False
+    raise ValueError(f"scale {tuple(scale.shape)} fits neither form of a weight {tuple(shape)}")
+
+
+def _per_element(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """An expanded scale repeated to one per weight element [*shape]."""
+    rows, cols = shape[-2:]
+    if _along_cols(scale, shape, block):
+        return scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
+
+
+def fit_e4m3_range(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, expanded scale) with every 128-value run that shares one scale halved, and its scale doubled,
+    wherever the run's largest |value| is above 240: the largest finite float8_e4m3 (bias 7, the top exponent for
+    inf / NaN), the FP8 E4M3 format of NeuronCore-v2 / v3 (trn1, inf2, trn2). float8_e4m3fn and float8_e4m3 share
+    every bit pattern up to 240, so after this neuronx-cc's `--experimental-unsafe-fp8e4m3fn-as-fp8e4m3` (how those
+    targets take an F8E4M3FN operand: NCC_EVRF051) reads each weight as the value it holds (docs/fp8.md). The
+    product is unchanged except where a halved value falls below float8's normal range (2^-6) and loses its last
+    mantissa bit: at most 2^-10 of the new scale."""
+    shape = tuple(weight.shape)
+    segments_along_cols = _along_cols(scale, shape, block)
+    w = weight.to(torch.float32)
+    runs = w if segments_along_cols else w.transpose(-1, -2)
+    size = block[1] if segments_along_cols else block[0]
+    n = runs.shape[-1]
+    padded = torch.nn.functional.pad(runs.abs(), (0, -n % size))
+    peak = padded.reshape(*runs.shape[:-1], -1, size).amax(dim=-1)
+    factor = torch.where(peak > E4M3_MAX, 2.0, 1.0)
+    if not segments_along_cols:
+        factor = factor.transpose(-1, -2)
+    return (w / _per_element(factor, shape, block)).to(FP8_DTYPE), scale * factor
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -16,7 +16,7 @@ import torch
 
 from ..config import Qwen35Config
 from .convert import check_checkpoint, convert_tensor, decoder_name, expected_shapes, stored_dtype
-from .fp8 import FP8_DTYPE
+from .fp8 import FP8_DTYPE, fit_e4m3_range
 from .reader import CheckpointReader
 from .shard import shard_dim, shard_tensor
 
@@ -24,10 +24,12 @@ SCALE_SUFFIX = "_scale"  # decoder parameter `X.weight` (float8) -> `X.weight_sc
 
 
 def convert_and_shard_fp8(
-    reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int, dtype: torch.dtype | None = None
+    reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int, dtype: torch.dtype | None = None,
+    e4m3_range: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (decoder name, this rank's shard), as `shard.convert_and_shard`, but the float8 weights as float8 with
-    (name + "_scale", their expanded scale shard) beside them; every other tensor as there, in `dtype`."""
+    (name + "_scale", their expanded scale shard) beside them; every other tensor as there, in `dtype`.
+    `e4m3_range`: each float8 shard within float8_e4m3's range (`fp8.fit_e4m3_range`: the Neuron targets)."""
     config.check_tp_degree(tp_degree)
     check_checkpoint(reader, config)
     for source in expected_shapes(config):
@@ -37,8 +39,12 @@ def convert_and_shard_fp8(
             along = "cols" if shard_dim(name, config, tp_degree) == q.ndim - 1 else "rows"
             scale = reader.get_scale(source, along)
             bits = shard_tensor(name, q.view(torch.uint8), config, tp_degree, rank)
-            yield name, bits.contiguous().clone().view(FP8_DTYPE)
-            yield name + SCALE_SUFFIX, shard_tensor(name, scale, config, tp_degree, rank).contiguous().clone()
+            weight = bits.contiguous().clone().view(FP8_DTYPE)
+            scale = shard_tensor(name, scale, config, tp_degree, rank).contiguous().clone()
+            if e4m3_range:  # (each 128-value run lies along the dimension not split: whole on every rank)
+                weight, scale = fit_e4m3_range(weight, scale)
+            yield name, weight
+            yield name + SCALE_SUFFIX, scale
         else:
             tensor = convert_tensor(source, reader.get(source))
             shard = shard_tensor(name, tensor, config, tp_degree, rank)
@@ -46,10 +52,10 @@ def convert_and_shard_fp8(
 
 
 def fp8_rank_tensors(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, rank: int,
-                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                     dtype: torch.dtype | None, e4m3_range: bool = False) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors of an export with FP8 weights (`save_sharded(..., weights_dtype="fp8")`): the float8
     shards, their expanded scales, and every other tensor in `dtype` (what `load_decoder(weights_dtype="fp8")` holds)."""
-    return dict(convert_and_shard_fp8(reader, config, tp_degree, rank, dtype))
+    return dict(convert_and_shard_fp8(reader, config, tp_degree, rank, dtype, e4m3_range))
 
 
 def check_fp8_shard_shapes(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError, UsageError
 from . import fp8
+from .reader import CheckpointReader
 
 # Module-name suffixes kept in bf16 besides lm_head and the vision tower (listed in full, per layer, in config.json).
 NOT_CONVERTED_SUFFIXES = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
@@ -96,3 +97,33 @@ def quantize_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, o
         shutil.rmtree(work, ignore_errors=True)
         raise
     return out_dir
+
+
+class QuantizingReader(CheckpointReader):
+    """A bf16 / fp32 checkpoint folder read as `quantize_checkpoint` would write it, without writing it: the tensors
+    the rule above quantizes are served as float8 with their scales (`get(raw=True)`, `get_scale`), every other
+    floating tensor in bf16. For an export with FP8 weights whose Neuron runtime splits the checkpoint itself at load
+    (the NxD backend, backends/nxd/fp8.py): the same bytes at every load, no copy of the checkpoint on disk."""
+
+    def _fp8_scales(self, weight_map: dict[str, str], dequantize_dtype: torch.dtype | None) -> dict[str, str]:
+        config_file = self.folder / "config.json"
+        if config_file.is_file() and fp8.fp8_format(json.loads(config_file.read_text())) is not None:
+            raise UsageError(f"{self.folder} is already an FP8 checkpoint: read it with CheckpointReader")
+        self.fp8_block, self.dequantize_dtype = fp8.BLOCK, dequantize_dtype or torch.bfloat16
+        # weight key -> (file, its scale's key: not in the file, made by `_quantized`)
+        self._scale_of = {key: (file, fp8.scale_name(key)) for key, file in weight_map.items()
+                          if is_quantized(key, len(self._header(file)[1][key]["shape"]))}
+        self._pending_scales: dict[str, torch.Tensor] = {}  # quantized, weight served, scale not yet
+        return weight_map
+
+    def _read_raw(self, file: str, key: str) -> torch.Tensor:
+        weight_key = key[: -len(fp8.SCALE_SUFFIX)] if key.endswith(fp8.SCALE_SUFFIX) else None
+        if weight_key in self._scale_of:
+            scale = self._pending_scales.pop(weight_key, None)
+            return scale if scale is not None else fp8.quantize(super()._read_raw(file, weight_key))[1]
+        tensor = super()._read_raw(file, key)
+        if key in self._scale_of:
+            tensor, self._pending_scales[key] = fp8.quantize(tensor)
+        elif tensor.is_floating_point():
+            tensor = tensor.to(torch.bfloat16)
+        return tensor

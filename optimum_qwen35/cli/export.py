@@ -66,7 +66,7 @@ def add_export_arguments(p) -> None:
                    "exact; docs/speculative_decoding.md")
     p.add_argument("--weights_dtype", choices=["fp8"],
                    help="fp8: the linear weights as float8 with Qwen's 128x128 block scales (an FP8 checkpoint's as they "
-                   "are, a bf16 one's quantized at export); cpu and trn2 (TorchNeuron) only; docs/fp8.md")
+                   "are, a bf16 one's quantized at export); every target; docs/fp8.md")
     p.add_argument("out", help="the export folder to write")
 
 
@@ -122,12 +122,6 @@ def check_export(args):
         if args.neuron_backend == "nxd":
             raise nxd_stack_needed("--neuron_backend nxd")
     from optimum_qwen35.export.cpu import check_save_directory  # start-up time: this command only
-
-    if args.weights_dtype is not None and (args.target in NXD_TARGETS or args.neuron_backend == "nxd"):
-        raise UsageError(
-            "--weights_dtype fp8 is not built for the NxD backend's graphs yet: export without it (an FP8 checkpoint is "
-            "then dequantized to the export dtype), or for --target trn2 with --neuron_backend torchneuron"
-        )
 
     try:
         check_save_directory(Path(args.out), args.overwrite, source=args.model)

@@ -56,7 +56,7 @@ arguments:
   --tensor_parallel_size N   ranks to split the model over (--num_cores is its older name)
   --torch_dtype DTYPE        bfloat16 or float32 (default: the checkpoint's)
   --auto_cast_type TYPE      bf16 or fp32: the export's dtype, as --torch_dtype bfloat16 / float32
-  --weights_dtype fp8        FP8 weights (Qwen's 128x128 blocks; a bf16 checkpoint is quantized); cpu, trn2
+  --weights_dtype fp8        FP8 weights (Qwen's 128x128 blocks; a bf16 checkpoint is quantized); every target
   --overwrite                replace an existing export in OUTPUT
   -h, --help                 show this help and exit
 

@@ -58,10 +58,11 @@ def export_token_buckets(sequence_length: int, backend: str) -> list[int] | None
     return None
 
 
-def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0):
+def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0, fp8_weights=None):
     """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
     (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it;
-    `max_speculative_tokens` > 0: an NxD export made with mtp=True (the NxD class builds the speculative graphs)."""
+    `max_speculative_tokens` > 0: an NxD export made with mtp=True (the NxD class builds the speculative graphs);
+    `fp8_weights`: the decoder weights an NxD export with FP8 weights holds as float8 (backends/nxd/fp8.py)."""
     config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
     # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
     config._name_or_path = os.fspath(model_id)
@@ -74,6 +75,8 @@ def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: 
         setattr(config, layout.VISION_EXPORT_KEY, {"config": dataclasses.asdict(tower), "image_buckets": list(image_buckets)})
     if max_speculative_tokens:
         setattr(config, layout.MTP_EXPORT_KEY, {"max_speculative_tokens": max_speculative_tokens})
+    if fp8_weights:
+        setattr(config, layout.FP8_EXPORT_KEY, {"weights": list(fp8_weights)})
     return config
 
 
@@ -109,17 +112,12 @@ WEIGHTS_DTYPES = ("fp8",)
 
 
 def check_weights_dtype(weights_dtype, backend: str) -> None:
-    """`export(..., weights_dtype=...)`: None (the export dtype) or "fp8" (Qwen's block-FP8 weights kept as float8) on
-    the cpu and TorchNeuron backends; one line otherwise."""
+    """`export(..., weights_dtype=...)`: None (the export dtype) or "fp8" (Qwen's block-FP8 weights kept as float8),
+    every backend; one line otherwise."""
     if weights_dtype is None:
         return
     if weights_dtype not in WEIGHTS_DTYPES:
         raise UsageError(f"weights_dtype {weights_dtype!r} is not supported: 'fp8' (FP8 weights, Qwen's 128x128 block format) or None (the export dtype)")
-    if backend == layout.NXD_BACKEND:
-        raise UsageError(
-            "weights_dtype='fp8' is not built for the NxD backend's graphs yet: export without it (an FP8 checkpoint is "
-            "then dequantized to the export dtype), or with neuron_backend='torchneuron' (trn2)"
-        )
 
 
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,

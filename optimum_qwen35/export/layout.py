@@ -80,6 +80,9 @@ VISION_EXPORT_KEY = "qwen35_vision_export"
 # Where a Neuron export made with mtp=True (the NxD backend) says so in its config.json: `{"max_speculative_tokens": K}`
 # (the NxD class builds the speculative-decoding graphs and the head from it: backends/nxd/model.py).
 MTP_EXPORT_KEY = "qwen35_mtp_export"
+# Where a Neuron export with FP8 weights (the NxD backend) names them in its config.json: `{"weights": [decoder weight
+# names]}` (the NxD class holds those as float8 with their scales: backends/nxd/fp8.py).
+FP8_EXPORT_KEY = "qwen35_fp8_weights"
 
 # The files of an export (what a Hub download of one fetches): configs, tokenizer, graphs, per-rank weights.
 # README.md (the model card) and .gitattributes are not part of it.

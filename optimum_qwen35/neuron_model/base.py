@@ -218,9 +218,9 @@ class Qwen35ExportedModel(ExportRunning):
         which `generate(..., num_speculative_tokens=k)` runs (k <= 4; docs/speculative_decoding.md); every backend,
         at any tensor_parallel_size (the head sharded per rank as the main layers).
 
-        `weights_dtype="fp8"` (cpu and TorchNeuron backends): the linear weights as float8 with Qwen's 128x128 block
-        scales, dequantized beside each matmul in the graphs; an FP8 checkpoint's as they are, a bf16 one's quantized
-        at export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`.
+        `weights_dtype="fp8"` (every backend): the linear weights as float8 with Qwen's 128x128 block scales,
+        dequantized beside each matmul in the graphs; an FP8 checkpoint's as they are, a bf16 one's quantized at
+        export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`.
 
         `draft_vocab_size` (with `mtp=True`; cpu target, tensor_parallel_size 1): the head drafts over that many token
         ids, the first of the checkpoint's draft_vocab.json ranking, else of its tokenizer's merge order; speculation
@@ -243,7 +243,7 @@ class Qwen35ExportedModel(ExportRunning):
             return cls._export_nxd(model_id, config, neuron_config, token=token, revision=revision, cache_dir=cache_dir,
                                    force_download=force_download, local_files_only=local_files_only,
                                    trust_remote_code=trust_remote_code, load_weights=load_weights, vision=vision,
-                                   image_buckets=image_buckets, mtp=mtp)
+                                   image_buckets=image_buckets, mtp=mtp, weights_dtype=weights_dtype)
         source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
         work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend, mtp, weights_dtype,
                           draft_vocab_size)

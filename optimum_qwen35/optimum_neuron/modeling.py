@@ -24,7 +24,9 @@ optimum-neuron's folder (model.pt, checkpoint/weights/).
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+from pathlib import Path
 
 from transformers import AutoConfig
 
@@ -35,13 +37,16 @@ with optimum_neuron_import():  # no device-probe error or trn1-override warning 
     from optimum.neuron.utils.instance import get_default_compilation_target
     from optimum.neuron.utils.system import get_available_cores
 
+from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
+from optimum_qwen35.export import layout
 from optimum_qwen35.export.compile import MTP_MAX_SPECULATIVE_TOKENS
 from optimum_qwen35.export.cpu import check_image_buckets, export_config
 from optimum_qwen35.modeling.vision import VisionConfig
 from optimum_qwen35.neuron_model.base import Qwen35ExportedModel
 from optimum_qwen35.optimum_neuron import neuron_config as nc
 from optimum_qwen35.optimum_neuron import registration
+from optimum_qwen35.optimum_neuron.loading import local_or_download
 from optimum_qwen35.runtime.images import DEFAULT_IMAGE_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -59,13 +64,17 @@ def _neuron_backend_unavailable(target: str) -> IncompatibleExportError:
     )
 
 
-def _neuron_model_class(target: str):
-    """The class that builds and runs the Neuron targets' graphs (`neuron/model.py`; imports the Neuron SDK)."""
+def _neuron_model_class(target: str, fp8_weights: bool = False):
+    """The class that builds and runs the Neuron targets' graphs (`backends/nxd/model.py`; imports the Neuron SDK);
+    an export with FP8 weights compiles with one more flag (`Qwen35NxDFp8ModelForCausalLM`)."""
     if not _neuron_sdk_available():
         raise _neuron_backend_unavailable(target)
-    from optimum_qwen35.backends.nxd.model import Qwen35NxDModelForCausalLM  # optional dependency: the Neuron SDK
+    from optimum_qwen35.backends.nxd.model import (  # optional dependency: the Neuron SDK
+        Qwen35NxDFp8ModelForCausalLM,
+        Qwen35NxDModelForCausalLM,
+    )
 
-    return Qwen35NxDModelForCausalLM
+    return Qwen35NxDFp8ModelForCausalLM if fp8_weights else Qwen35NxDModelForCausalLM
 
 
 class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
@@ -85,14 +94,23 @@ class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
 
     @classmethod
     def _nxd_model_class(cls, folder, neuron_config):
-        return _neuron_model_class(neuron_config.target)
+        config = json.loads((Path(folder) / "config.json").read_text())
+        return _neuron_model_class(neuron_config.target, bool(config.get(layout.FP8_EXPORT_KEY)))
 
     @classmethod
     def _export_nxd(cls, model_id, config, neuron_config, token=None, revision=None, cache_dir=None,
                     force_download=False, local_files_only=False, trust_remote_code=False, load_weights=False,
-                    vision=False, image_buckets=None, mtp=False):
+                    vision=False, image_buckets=None, mtp=False, weights_dtype=None):
         """optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
-        export's graphs and tower weights come with it, named in the config it saves."""
+        export's graphs and tower weights come with it, named in the config it saves, and so do the float8 weights of
+        an export with FP8 weights (`weights_dtype="fp8"`, backends/nxd/fp8.py)."""
+        model_class = _neuron_model_class(neuron_config.target, weights_dtype == "fp8")
+        fp8_weights = None
+        if weights_dtype == "fp8":
+            from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # the Neuron SDK's backend: imported where used
+
+            source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
+            fp8_weights = fp8_weight_names(source, Qwen35Config.from_pretrained(source))
         neuron_vision = None
         if vision:
             # `config` is the text part (optimum-neuron's export hands that on): the tower is in the whole one.
@@ -100,10 +118,10 @@ class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
             if tower is None:
                 raise UsageError(f"vision=True, but {model_id} has no vision tower (a text-only config): export it without vision")
             neuron_vision = (tower, check_image_buckets(image_buckets or DEFAULT_IMAGE_BUCKETS, tower))
-        return _neuron_model_class(neuron_config.target)._export(
+        return model_class._export(
             model_id,
             export_config(config, model_id, neuron_config.torch_dtype, neuron_vision,
-                          MTP_MAX_SPECULATIVE_TOKENS if mtp else 0),
+                          MTP_MAX_SPECULATIVE_TOKENS if mtp else 0, fp8_weights),
             neuron_config,
             token=token,
             revision=revision,

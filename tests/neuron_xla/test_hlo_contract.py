@@ -144,6 +144,12 @@ def test_a_rank_5_tensor_fails(reference):
     assert found and all(f.startswith("rank 5") for f in found), found
 
 
+def test_an_element_type_outside_the_list_fails(reference):
+    """float8_e5m2 is on no list of what these graphs may hold (their float8 weights are F8E4M3FN)."""
+    found = hlo_contract.violations(lowered(lambda x, w: clean(x, w).to(torch.float8_e5m2).float(), X, W), reference)
+    assert found and all(f.startswith("element type F8E5M2") for f in found), found
+
+
 def test_an_f64_constant_fails(reference):
     mask = torch.ones(4, 8, dtype=torch.bool)
     # masked_fill with a Python float: the hazard NeuronPrecision.attention had (an f64 value).

@@ -248,16 +248,24 @@ def restore_fp32_parameters(module: torch.nn.Module) -> None:
             param.data = param.data.float()
 
 
-def compiler_args(target: str | None, logical_nc_config: int) -> str:
+# neuronx-cc's flag that reads F8E4M3FN operands as F8E4M3 on trn1 / inf2 / trn2, which refuse F8E4M3FN otherwise
+# (NCC_EVRF051); exact for weights within float8_e4m3's range (backends/nxd/fp8.py).
+FP8_COMPILER_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+
+
+def compiler_args(target: str | None, logical_nc_config: int, fp8_weights: bool = False) -> str:
     """neuronx-cc flags for both graphs.
 
     `--auto-cast=none` is the one this model cannot do without: the recurrent state, the gates, the norms and the
     logits are fp32 in the graph, and any auto-cast would round them to bf16. The rest are the flags optimum-neuron
     0.4.5 compiles its decoders with (`NxDModelForCausalLM.get_compiler_args`): transformer model type, -O2, the
-    logical core count (2 on trn2) and the target.
+    logical core count (2 on trn2) and the target. `fp8_weights` (an export with FP8 weights): F8E4M3FN operands read
+    as F8E4M3, which trn1, inf2 and trn2 compute (backends/nxd/fp8.py: exact for weights fitted to its range).
     """
     tensorizer = "--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 --vectorize-strided-dma"
     flags = ["--auto-cast=none", "--model-type=transformer", f"--tensorizer-options='{tensorizer}'", "-O2", f"--lnc={logical_nc_config}"]
+    if fp8_weights:
+        flags.append(FP8_COMPILER_FLAG)
     if target:
         flags += ["--target", target]
     return " ".join(flags)

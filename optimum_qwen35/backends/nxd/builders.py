@@ -24,7 +24,7 @@ from optimum.neuron.models.inference.backend.modules.decoder.decoder_builders im
 )
 from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder import NxDModelForCausalLM
 
-from optimum_qwen35.backends.nxd import adapter
+from optimum_qwen35.backends.nxd import adapter, fp8
 from optimum_qwen35.backends.nxd.traced import (
     COMMIT_MODEL_TAG,
     CONTEXT_HIDDEN_MODEL_TAG,
@@ -46,6 +46,7 @@ class Qwen35DecoderModelInstance(DecoderModelInstanceForCausalLM):
         super().load_module()  # builds the module, then casts every floating tensor to the model dtype
         adapter.restore_state_dtypes(self.module.past_key_values, self.module.held_specs)
         adapter.restore_fp32_parameters(self.module)
+        fp8.restore_fp8_scales(self.module)
 
     def get(self, bucket_rank, **kwargs):
         if bucket_rank != 0:

@@ -12,7 +12,9 @@ it) and returns one line per breach of these rules:
    (`reference_census` of `lowering.reference_hlos`),
    unless `FORM_EXCEPTIONS` names it with a sourced reason;
 5. no form `REFUSED` names, census or not: ops neuronx-cc is not documented to accept that the graphs once had and
-   now express otherwise (softplus's log-plus-one, `any()`'s or-reduce).
+   now express otherwise (softplus's log-plus-one, `any()`'s or-reduce);
+6. only the element types of `ELEMENT_TYPES`, each with its source (float8 weights: F8E4M3FN, which trn1, inf2 and
+   trn2 take only with the flag an export with FP8 weights compiles with).
 
 Sources of the reasons: the neuron-cc operator notes for XLA ("neuron-cc list-operators --framework XLA", Neuron
 docs, release-notes/archive/neuron-cc/neuron-cc-ops/neuron-cc-ops-xla): Gather "supports only disjoint
@@ -154,6 +156,19 @@ S64_ALLOWED: dict[str, tuple] = {
 }
 
 
+# The element types a graph may hold (S64 and F64 have rules 2 and 3). Source: Neuron's "Data Types" page (NeuronCore
+# v2 / v3: FP32, TF32, BF16, FP16, FP8, the integer types) and the compiler's error codes for FP8 E4M3.
+ELEMENT_TYPES: dict[str, str] = {
+    "F32": "fp32", "BF16": "bf16", "F16": "fp16", "S32": "int32 indices and counters", "U32": "torch-xla's gather "
+    "indices", "S8": "int8", "U8": "uint8", "PRED": "masks", "S64": "rule 3", "F64": "rule 2",
+    "F8E4M3FN": (
+        "float8 weights (an export with FP8 weights, backends/nxd/fp8.py): trn1 / inf2 / trn2 compute FP8 E4M3 as "
+        "float8_e4m3 and take F8E4M3FN with --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 (NCC_EVRF051), exact for the "
+        "export's weights, fitted to float8_e4m3's range; trn3 natively"
+    ),
+}
+
+
 def leaf_shapes(shape: dict) -> Iterator[dict]:
     if shape.get("elementType") == "TUPLE":
         for s in shape.get("tupleShapes", []):
@@ -269,6 +284,8 @@ def violations(hlo: dict, reference: set[str] | dict, exceptions: dict[str, str]
                     out.append(f"rank {len(shape['dimensions'])}: {_describe(inst)}")
                 if shape["elementType"] == "F64":
                     out.append(f"f64: {_describe(inst)}")
+                elif shape["elementType"] not in ELEMENT_TYPES and shape["elementType"] != "TOKEN":
+                    out.append(f"element type {shape['elementType']}: {_describe(inst)}")
                 if shape["elementType"] == "S64" and not any(
                     test(ids, users, inst) for test, _ in s64_allowed.values()
                 ):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from neuronx_distributed.modules.moe.experts import Experts
+from neuronx_distributed.modules.moe.moe_parallel_layers import ExpertFusedColumnParallelLinear, ExpertFusedRowParallelLinear
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from neuronx_distributed.parallel_layers.mappings import (
@@ -41,6 +42,7 @@ from neuronx_distributed.parallel_layers.mappings import (
 )
 
 from optimum_qwen35.kernels.backends import FOR_NEURON
+from optimum_qwen35.modeling.fp8 import select_experts
 from optimum_qwen35.modeling.moe import weighted_sum
 from optimum_qwen35.modeling.precision import NeuronPrecision
 
@@ -89,6 +91,38 @@ class RoutedExperts(Experts):
         N, k = ids.shape
         out = self(x.repeat_interleave(k, dim=0)[:, None, :], expert_indices=ids.reshape(-1))  # [N k, 1, H]
         return weighted_sum(weights, out.view(N, k, -1))
+
+
+class _GathersFloat8Rows:
+    """An expert-fused linear of neuronx-distributed holding a float8 weight (backends/nxd/fp8.py): called on some
+    experts, it gathers their float8 rows and scales, then dequantizes them (`modeling.fp8.select_experts`); its own
+    forward indexes `self.weight`, which would dequantize every expert's weight first, and read all of them."""
+
+    def forward(self, input_: torch.Tensor, expert_indices: torch.Tensor | None = None, *_) -> torch.Tensor:
+        if expert_indices is None:
+            return super().forward(input_)
+        # As neuronx-distributed's forward with expert indices, for what this model builds: no bias, no reduce (the
+        # block reduces once), and no copy to the tensor-parallel region (an identity in a forward pass).
+        assert self.bias is None and not getattr(self, "reduce_output", False)
+        return self._forward_impl(
+            input=input_, weight=select_experts(self, "weight", expert_indices), bias=None,
+            async_grad_allreduce=False, sequence_parallel_enabled=False,
+            autograd_func_class=self.autograd_func_class, process_group=self.tensor_parallel_group,
+        )
+
+
+class Float8ExpertColumnLinear(_GathersFloat8Rows, ExpertFusedColumnParallelLinear):
+    pass
+
+
+class Float8ExpertRowLinear(_GathersFloat8Rows, ExpertFusedRowParallelLinear):
+    pass
+
+
+def gather_float8_rows(linear: torch.nn.Module) -> None:
+    """Before its weight becomes float8 (`fp8.hold_weights`): a routed experts' linear gathers float8 rows."""
+    linear.__class__ = {ExpertFusedColumnParallelLinear: Float8ExpertColumnLinear,
+                        ExpertFusedRowParallelLinear: Float8ExpertRowLinear}[type(linear)]
 
 
 class SharedExpert(SharedExperts):

@@ -25,6 +25,7 @@ import torch
 import torch_xla
 
 from optimum_qwen35 import patches
+from optimum_qwen35.backends.nxd import fp8
 from optimum_qwen35.backends.nxd import state_dict as weights
 from optimum_qwen35.backends.nxd.tracing import export_config, model_class, traced_parallel_state, vision_config
 
@@ -38,19 +39,23 @@ class Graph:
 
 
 def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None,
-                 max_speculative_tokens: int = 0) -> dict[str, Graph]:
+                 max_speculative_tokens: int = 0, fp8_weights: bool = False) -> dict[str, Graph]:
     """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
     split, a vision export's tower split by heads under `visual.`, an mtp export's head), as the runtime loads them;
     otherwise the modules keep their initial values (enough to lower them). `image_buckets`: a vision export's graphs
-    too; `max_speculative_tokens`: those of an export made with mtp=True (K)."""
+    too; `max_speculative_tokens`: those of an export made with mtp=True (K); `fp8_weights`: those of an export
+    with FP8 weights (backends/nxd/fp8.py)."""
     cls = model_class()
-    config = export_config(folder, nc, image_buckets, max_speculative_tokens)
+    config = export_config(folder, nc, image_buckets, max_speculative_tokens, fp8_weights)
     builders = cls.create_graph_builders(config, nc)
     rank0 = None
-    if load_weights:
+    if load_weights and fp8_weights:
+        rank0 = fp8.fp8_rank_state_dict(folder, config, nc.tp_degree, 0, nc.torch_dtype)
+    elif load_weights:
         whole = cls.get_state_dict(str(folder), config, nc)
         rank0 = weights.rank_state_dict(whole, nc.tp_degree, 0, nc.torch_dtype, config)
+    if rank0 is not None:
         if image_buckets:
             rank0.update(weights.vision_rank_state_dict(folder, vision_config(folder), nc.tp_degree, 0, nc.torch_dtype))
         if max_speculative_tokens:
@@ -114,7 +119,7 @@ def lower(graph: Graph) -> Lowered:
 
 
 # ------------------------------------------------------------------------------------------ state traffic of a graph
-_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "S32": 4, "S64": 8, "U32": 4, "PRED": 1, "S8": 1, "U8": 1}
+_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "S32": 4, "S64": 8, "U32": 4, "PRED": 1, "S8": 1, "U8": 1, "F8E4M3FN": 1}
 _VIEWS = ("reshape", "bitcast", "slice", "transpose")  # what reads no data of its own
 _UPDATES = ("scatter", "dynamic-update-slice")  # what writes into its operand 0 (in its buffer, when aliased)
 

@@ -27,7 +27,7 @@ from optimum.neuron.models.inference.backend.modules.decoder.modeling_decoder im
 from optimum.neuron.models.inference.backend.pretrained_model import get_shards_path
 from safetensors.torch import save_file
 
-from optimum_qwen35.backends.nxd import adapter
+from optimum_qwen35.backends.nxd import adapter, fp8
 from optimum_qwen35.backends.nxd import state_dict as weights
 from optimum_qwen35.backends.nxd.builders import (
     Qwen35DecoderBuilder,
@@ -200,6 +200,15 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def get_compiler_args(cls, neuron_config) -> str:
         return adapter.compiler_args(neuron_config.target, neuron_config.logical_nc_config)
 
+
+class Qwen35NxDFp8ModelForCausalLM(Qwen35NxDModelForCausalLM):
+    """An export with FP8 weights (backends/nxd/fp8.py): its graphs compile with neuronx-cc reading their
+    float8_e4m3fn weights as the targets' float8_e4m3 (exact: the weights are within its range)."""
+
+    @classmethod
+    def get_compiler_args(cls, neuron_config) -> str:
+        return adapter.compiler_args(neuron_config.target, neuron_config.logical_nc_config, fp8_weights=True)
+
     # ------------------------------------------------------------------ weights, split by this project's layout
     def _ranks(self) -> range:
         nc = self.neuron_config
@@ -208,9 +217,12 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def _rank_state_dicts(self, checkpoint_path) -> list[dict[str, torch.Tensor]]:
         """Each local rank's tensors from a Hugging Face checkpoint folder (optimum-neuron's `get_state_dict`:
         every safetensors file, prefix stripped, `convert_hf_to_neuron_state_dict`, the tied lm_head)."""
-        whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
         nc = self.neuron_config
-        ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype, self.config) for r in self._ranks()]
+        if fp8.fp8_export(self.config):  # float8 weights split and fitted per rank (backends/nxd/fp8.py)
+            ranks = [fp8.fp8_rank_state_dict(checkpoint_path, self.config, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+        else:
+            whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
+            ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype, self.config) for r in self._ranks()]
         vision = weights.vision_export(self.config)
         if vision is not None:  # the vision graphs' weights, beside the decoder's in each rank's file
             for rank, tensors in zip(self._ranks(), ranks):

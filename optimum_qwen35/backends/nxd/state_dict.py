@@ -35,6 +35,7 @@ from optimum_qwen35.checkpoint.convert import (
     expected_shapes,
     stored_dtype,
 )
+from optimum_qwen35.checkpoint import fp8
 from optimum_qwen35.checkpoint.experts import fuse, fuse_expert_names
 from optimum_qwen35.checkpoint.reader import CheckpointReader, text_name
 from optimum_qwen35.checkpoint.shard import convert_and_shard_mtp, shard_dim, tp_layout
@@ -98,7 +99,7 @@ def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor], config,
     cfg = qwen_config(config)
     t = neuron_config.tp_degree
     cfg.check_tp_degree(t)
-    text = text_tensors(state_dict, cfg)
+    text = text_tensors(dequantized(state_dict), cfg)
     if cfg.tie_word_embeddings:
         text.pop("lm_head.weight", None)  # some exports write the tied copy; it is the embedding
     check_checkpoint(_Tensors(text, "(the state dict given to convert_hf_to_neuron_state_dict)"), cfg)
@@ -107,6 +108,20 @@ def convert_hf_to_neuron_state_dict(state_dict: dict[str, torch.Tensor], config,
         layout, _ = tp_layout(decoder_name(name), convert_tensor(name, text[name]), cfg, t)
         out[decoder_name(name)] = layout
     out[RANK_KEY] = torch.arange(t, dtype=torch.int32)
+    return out
+
+
+def dequantized(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's tensors as optimum-neuron reads them (every tensor as stored) with each float8 weight
+    multiplied by its `weight_scale_inv` (float32; cast to the model dtype with the rest), the scales dropped: way
+    (a) of docs/fp8.md. An export with FP8 weights kept reads the checkpoint itself (backends/nxd/fp8.py)."""
+    scales = {k for k in state_dict if k.endswith(fp8.SCALE_SUFFIX) and k[: -len(fp8.SCALE_SUFFIX)] in state_dict}
+    if not scales:
+        return state_dict
+    out = {k: v for k, v in state_dict.items() if k not in scales}
+    for scale in scales:
+        name = scale[: -len(fp8.SCALE_SUFFIX)]
+        out[name] = fp8.dequantize(state_dict[name], state_dict[scale])
     return out
 
 

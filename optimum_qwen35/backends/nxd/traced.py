@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from optimum_qwen35.backends.nxd import adapter
+from optimum_qwen35.backends.nxd import adapter, fp8
 from optimum_qwen35.backends.nxd import state_dict as weights
-from optimum_qwen35.backends.nxd.layers import NxDLayers
+from optimum_qwen35.backends.nxd.layers import NxDLayers, gather_float8_rows
 from optimum_qwen35.modeling.decoder import Qwen35Decoder
 from optimum_qwen35.modeling.vision import VisionEncoder
 
@@ -56,6 +56,12 @@ class Qwen35NxDDecoderModel(Qwen35Decoder):
             # Its own lm_head weight, filled from the embedding at load (`state_dict.tie_lm_head`), as
             # optimum-neuron's tied models do: a weight shared by two layers is not something its tracing handles.
             self.lm_head.weight = nn.Parameter(torch.empty_like(self.embed_tokens.weight))
+        fp8_weights = fp8.fp8_export(config)
+        if fp8_weights:  # an export with FP8 weights (backends/nxd/fp8.py)
+            for name in fp8_weights:
+                if fp8.is_nxd_expert(name):
+                    gather_float8_rows(self.get_submodule(name))
+            fp8.hold_weights(self, fp8_weights, qwen_config, neuron_config.tp_degree, neuron_config.torch_dtype)
         self.neuron_config = neuron_config
         self.kv_mgr = None  # read by optimum-neuron's model instance; this module holds all its state itself
         slots, length = neuron_config.max_batch_size, neuron_config.sequence_length
