@@ -7,6 +7,8 @@ graph needs around it:
                    of the recurrent state, the padding/position conventions, the compiler flags, the kernels' LNC
     state_dict.py  (no Neuron SDK) checkpoint -> the TP layout of `checkpoint/shard.py` -> each rank's tensors;
                    a vision export's mark in its config and its tower's tensors per rank
+    fp8.py         (no Neuron SDK) an export with FP8 weights: which weights, their scales' shapes, each rank's
+                   float8 tensors fitted to trn1 / inf2 / trn2's float8_e4m3
     runner.py      (optimum-neuron) the graph runner of the host loop (runtime/host_loop.py) over the traced model,
                    for prompts holding images
     layers.py      (SDK) the layer factory over neuronx-distributed's parallel layers
