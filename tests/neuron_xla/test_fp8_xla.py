@@ -150,3 +150,32 @@ def test_the_export_entry_point_hands_the_nxd_class_the_float8_weights(monkeypat
         Qwen35NeuronModelForCausalLM.export(str(folder), neuron_config=nc, weights_dtype="fp8")
     assert fp8_export(seen["config"]) == fp8_weight_names(folder, Qwen35Config.from_pretrained(folder))
     assert adapter.FP8_COMPILER_FLAG in seen["compiler_args"].split()
+
+
+def test_each_rank_of_an_fp8_export_loads_the_traced_modules_tensors(fp8_folders, tmp_path):
+    """What the NxD class loads from an FP8 checkpoint folder (and `shard_checkpoint` writes), at TP 2, with the MTP
+    head: every rank holds exactly the tensors the traced module takes, each of its shape and dtype (float8 weights,
+    float32 scales, the head dequantized to the model dtype); an export's folder naming its float8 weights is loaded
+    by the class that compiles with the E4M3 flag."""
+    from optimum_qwen35.backends.nxd.model import Qwen35NxDFp8ModelForCausalLM
+    from optimum_qwen35.optimum_neuron import Qwen35NeuronModelForCausalLM
+    from tests.kit.neuron_xla import export_config, model_class
+
+    folder = fp8_folders["tiny-2b"]
+    nc = neuron_config(folder, "trn2", tp=2, dtype=torch.bfloat16)
+    config = export_config(folder, nc, max_speculative_tokens=2, fp8_weights=True)
+    cls = model_class()
+    with traced_parallel_state(2, nc.logical_nc_config):
+        builders = cls.create_graph_builders(config, nc)
+        instance = builders[CONTEXT].get_model_instance()
+        instance.load_module()
+        expected = {n: (tuple(t.shape), t.dtype) for n, t in instance.module.state_dict().items()
+                    if not n.startswith("past_key_values.") and not n.endswith(".master_weight")}
+        ranks = cls(config, nc, None, builders)._rank_state_dicts(str(folder))
+    assert len(ranks) == 2 and any(d == torch.float8_e4m3fn for _, d in expected.values())
+    for tensors in ranks:
+        assert {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()} == expected
+    assert any(n.startswith("mtp.") for n in expected) and all(
+        d == torch.bfloat16 for n, (_, d) in expected.items() if n.startswith("mtp.") and n.endswith("proj.weight"))
+    config.save_pretrained(tmp_path)
+    assert Qwen35NeuronModelForCausalLM._nxd_model_class(tmp_path, nc) is Qwen35NxDFp8ModelForCausalLM

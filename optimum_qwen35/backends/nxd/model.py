@@ -200,15 +200,6 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
     def get_compiler_args(cls, neuron_config) -> str:
         return adapter.compiler_args(neuron_config.target, neuron_config.logical_nc_config)
 
-
-class Qwen35NxDFp8ModelForCausalLM(Qwen35NxDModelForCausalLM):
-    """An export with FP8 weights (backends/nxd/fp8.py): its graphs compile with neuronx-cc reading their
-    float8_e4m3fn weights as the targets' float8_e4m3 (exact: the weights are within its range)."""
-
-    @classmethod
-    def get_compiler_args(cls, neuron_config) -> str:
-        return adapter.compiler_args(neuron_config.target, neuron_config.logical_nc_config, fp8_weights=True)
-
     # ------------------------------------------------------------------ weights, split by this project's layout
     def _ranks(self) -> range:
         nc = self.neuron_config
@@ -254,3 +245,12 @@ class Qwen35NxDFp8ModelForCausalLM(Qwen35NxDModelForCausalLM):
         os.makedirs(get_shards_path(dest_path), exist_ok=True)
         for rank, tensors in zip(self._ranks(), self._rank_state_dicts(src_path)):
             save_file(tensors, shard_file(dest_path, rank))
+
+
+class Qwen35NxDFp8ModelForCausalLM(Qwen35NxDModelForCausalLM):
+    """An export with FP8 weights (backends/nxd/fp8.py): its graphs compile with neuronx-cc reading their
+    float8_e4m3fn weights as the targets' float8_e4m3 (exact: the weights are within its range)."""
+
+    @classmethod
+    def get_compiler_args(cls, neuron_config) -> str:
+        return adapter.compiler_args(neuron_config.target, neuron_config.logical_nc_config, fp8_weights=True)
