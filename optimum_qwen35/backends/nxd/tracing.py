@@ -71,8 +71,8 @@ def export_config(folder: str | os.PathLike, nc, image_buckets=None, max_specula
     `image_buckets`; an export made with mtp=True with `max_speculative_tokens`; one with FP8 weights with
     `fp8_weights`)."""
     from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # start-up time: imported where used
-    from optimum_qwen35.config import Qwen35Config
-    from optimum_qwen35.export import cpu as cpu_export
+    from optimum_qwen35.config import Qwen35Config  # start-up time: imported where used
+    from optimum_qwen35.export import cpu as cpu_export  # start-up time: the export module, imported where used
 
     vision = (vision_config(folder), image_buckets) if image_buckets else None
     names = fp8_weight_names(folder, Qwen35Config.from_pretrained(folder)) if fp8_weights else None
