@@ -312,14 +312,14 @@ def fmt(n: float) -> str:
 
 
 def table(rows: list[dict], on_chip: int) -> list[str]:
-    lines = [f"Decode step HBM bytes per rank, counted from the lowered token-generation graph (bf16, trn2, "
+    lines = [f"Decode step HBM bytes per rank, counted from the lowered token-generation graph (bf16 activations, trn2, "
              f"{rows[0]['sequence'] if rows else 4096}-token cache; intermediates above {on_chip / MIB:g} MiB spilled):",
              "| size | TP | batch | floor: weights | floor: state read | floor: state written | floor | "
              "counted: parameters read | counted: state written | counted: spilled intermediates | counted | "
              "counted / floor | outputs (logits) |", "|" + "---|" * 13]
     for r in rows:
         f = r["floor"]
-        size = r["size"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+        size = r["size"] + (f" ({r['layers']} layers)" if r.get("layers") else "") + (", FP8" if r["weights"] == "fp8" else "")
         lines.append(f"| {size} | {r['tp']} | {r['batch']} | {fmt(f['weights'])} | {fmt(f['state_read'])} | "
                      f"{fmt(f['state_write'])} | {fmt(r['floor_total'])} | {fmt(r['params'])} | "
                      f"{fmt(r['state_writes'])} | {fmt(r['spilled'])} | {fmt(r['counted'])} | {r['ratio']:.3f} | "
