@@ -242,7 +242,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                 f"(pass oob_mode=nisa.oob_mode.skip to skip it)",
             )
     if isinstance(src, _IndirectView) or isinstance(dst, _IndirectView):
-        _dma_indirect(dst, src)
+        _dma_indirect(dst, src, getattr(oob_mode, "name", oob_mode) == "skip")
     else:
         if dst.size != src.size:
             raise NkiRuleError("shape", f"dma_copy: dst {dst.shape} and src {src.shape} hold different element counts")
@@ -260,21 +260,69 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     return dst
 
 
+def dma_compute(dst, srcs, scales=None, reduce_op=None, unique_indices=True, oob_mode=oob_mode.error, name=None,
+                **kwargs):
+    """``nisa.dma_compute``: ``dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)`` computed by the DMA
+    engines in float32 and cast to dst's dtype. "Currently, only nl.add is supported for reduce_op, and all values in
+    scales must be 1.0" (or None). Sources and destination in HBM or SBUF, not PSUM. The read-modify-write form with a
+    ``vector_offset`` source is not emulated. Priced as one DMA moving every source's bytes."""
+    _no_other_keywords("dma_compute", kwargs)
+    _tensor(dst, "dst")
+    srcs = list(srcs)
+    if not srcs:
+        raise NkiRuleError("shape", "dma_compute: needs at least one source")
+    for i, src in enumerate(srcs):
+        _tensor(src, f"srcs[{i}]")
+        if isinstance(src, (_IndirectView, _OutOfBoundsView)):
+            raise NotImplementedError("dma_compute with a vector_offset (read-modify-write) source is not emulated")
+        if src.size != dst.size:
+            raise NkiRuleError("shape", f"dma_compute: srcs[{i}] {src.shape} and dst {dst.shape} hold different "
+                               "element counts")
+    _no_psum("dma_compute", "dma", dst, *srcs)
+    if reduce_op is not None and resolve_op(reduce_op).name != "add":
+        raise NkiRuleError("dtype", "dma_compute: only nl.add is supported for reduce_op")
+    if scales is not None and (len(scales) != len(srcs) or any(float(sc) != 1.0 for sc in scales)):
+        raise NkiRuleError("shape", "dma_compute: scales must be one 1.0 per source (or None)")
+    if runtime.current().compute:
+        acc = np.zeros(dst.cshape, np.float32)
+        for src in srcs:
+            acc += src.read(what="dma_compute").astype(np.float32).reshape(dst.cshape)
+        dst.write(acc)
+    else:
+        dst._mark_written()
+    nbytes = sum(src.size * src.itemsize for src in srcs)
+    chunks = max(_chunks(t) for t in [dst, *srcs])
+    runtime.record("dma", "dma_compute", reads=srcs, writes=[dst], nbytes=nbytes, chunks=chunks)
+    return dst
+
+
 def _offset_sources(*views):
     """The on-chip tiles the transfer's runtime addresses come from (``scalar_offset``, ``vector_offset``): the DMA
     cannot start before they are written."""
     return [t for v in views for t in getattr(v, "offset_sources", ())]
 
 
-def _dma_indirect(dst, src):
+def _dma_indirect(dst, src, skip=False):
+    """Gather or scatter row by row. A row whose runtime index puts it outside the tensor raises, or, with
+    ``oob_mode.skip``, is skipped ("silently skip the runtime out-of-bounds access", nki.isa.oob_mode)."""
+    view = src if isinstance(src, _IndirectView) else dst
+
+    def rows():
+        for r, row in view.rows():
+            if row._in_bounds():
+                yield r, row
+            elif not skip:
+                raise NkiRuleError("out-of-bounds", f"dma_copy: row {r}'s runtime index puts it outside {view.name} "
+                                   f"(pass oob_mode=nisa.oob_mode.skip to skip it)")
+
     if isinstance(src, _IndirectView):  # gather: row r of dst <- row index[r] of src
-        for r, row in src.rows():
+        for r, row in rows():
             key = [slice(None)] * dst.ndim
             key[0] = r
             d = dst[tuple(key)]
             d.write(row.read(what="dma_copy gather").reshape(d.shape))
     else:  # scatter
-        for r, row in dst.rows():
+        for r, row in rows():
             key = [slice(None)] * src.ndim
             key[0] = r
             s = src[tuple(key)]
@@ -1058,5 +1106,21 @@ def register_store(dst, src):
     return dst
 
 
-def core_barrier(*args, **kwargs):
+def core_barrier(data=None, cores=(0, 1), engine=None, name=None, **kwargs):
+    """``nisa.core_barrier``: "a synchronization point where all specified NeuronCores must reach before any can
+    proceed", so that each reads what the other wrote to the shared HBM tensor ``data`` before it. In a launch of
+    several programs the others run up to their own barrier first (programs.py); alone it does nothing."""
+    ctx = runtime.current()
+    cores = tuple(cores) if isinstance(cores, (tuple, list)) else (cores,)
+    if ctx.programs is not None and len(cores) > 1:
+        ctx.programs.barrier(ctx.programs.current())
     return None
+
+
+def sendrecv(*args, **kwargs):
+    """``nisa.sendrecv``: a transfer between the programs of an LNC=2 launch, each waiting for the other. The emulator
+    runs a grid's programs one after the other, so neither can wait for the other: the name exists (kernels that
+    import it but take another path run) and a call is refused."""
+    raise NotImplementedError(
+        "[not-emulated] nisa.sendrecv: the emulator runs the programs of a grid in turn, so a transfer that waits for "
+        "the other program cannot happen; run the kernel on a Neuron device")
