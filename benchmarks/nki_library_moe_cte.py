@@ -113,8 +113,11 @@ def all_experts(inp: dict) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------- kernels
-def theirs(kernel, inp: dict, compute: bool = True):
-    """Their `bwmm_shard_on_block` at LNC=2 on the layout. Returns ([N, H] fp32 or None, cost report, blocks)."""
+def theirs(kernel, inp: dict, compute: bool = True, skip_weight: bool = False):
+    """Their `bwmm_shard_on_block` at LNC=2 on the layout (`skip_weight`: its `SkipMode(skip_weight=True)`, which
+    does not load the weights again for a core's block of the same expert as its previous one). Returns ([N, H]
+    fp32 or None, cost report, blocks)."""
+    skip = sys.modules["nkilib.core.moe.moe_cte.moe_cte_utils"].SkipMode(False, skip_weight)
     x, lay, B = inp["x"], inp["layout"], inp["B"]
     tokens, hidden = x.shape
     n_e = inp["gate_up"].shape[0]
@@ -126,7 +129,7 @@ def theirs(kernel, inp: dict, compute: bool = True):
     gate_up = inp["gate_up"].float().view(n_e, 2, inter, hidden).permute(0, 3, 1, 2).numpy().astype(BF16)
     down = inp["down"].float().transpose(1, 2).numpy().astype(BF16)  # [E, I, H]
     out, report = estimate(kernel, hidden_states, affinities.astype(BF16).reshape(-1, 1), gate_up, down, B,
-                           lay.token.numpy(), lay.block_expert.numpy().reshape(-1, 1), grid=2, target="trn2",
+                           lay.token.numpy(), lay.block_expert.numpy().reshape(-1, 1), skip_dma=skip, grid=2, target="trn2",
                            capacity="spill", uninitialized="nan", compute=compute)
     result = None
     if compute:  # [N + 1, 2, H]: its final step adds the two cores' halves into slot 0 and zeroes slot 1
@@ -209,15 +212,18 @@ def main():
             lay, pairs = inp["layout"], tokens * K
             t1 = time.time()
             got_t = got_o = None
-            if B % 128 == 0:  # theirs: whole 128-row tiles per block
-                got_t, rep_t, run_t = theirs(kernel, inp)
-                print(f"| {tokens} | {B} | theirs (LNC=2) | {run_t} ({lay.nb}) | {run_t * B / pairs:.2f} | "
+            for skip_weight in ([False, True] if B % 128 == 0 else []):  # theirs: whole 128-row tiles per block
+                got, rep_t, run_t = theirs(kernel, inp, skip_weight=skip_weight)
+                got_t = got if got_t is None else got_t
+                label = "theirs, skip_weight (LNC=2)" if skip_weight else "theirs (LNC=2)"
+                print(f"| {tokens} | {B} | {label} | {run_t} ({lay.nb}) | {run_t * B / pairs:.2f} | "
                       f"{rep_t.total_us:.0f} | {2 * rep_t.total_us:.0f} | {rep_t.total_us / floor:.2f} "
                       f"({rep_t.total_us / (floor + floor_outside):.2f} against the minimum's own gather and "
                       "combine added) |")
-                notes.append(f"{tokens} tokens, B = {B}: their PSUM over capacity "
+                notes.append(f"{tokens} tokens, B = {B}, {label}: PSUM over capacity "
                              f"{rep_t.over_capacity_bytes.get('psum', 0)} B/partition, SBUF "
-                             f"{rep_t.over_capacity_bytes.get('sbuf', 0)}; DMA {rep_t.dma_bytes / 1e6:.1f} MB")
+                             f"{rep_t.over_capacity_bytes.get('sbuf', 0)}; DMA {rep_t.dma_bytes / 1e6:.1f} MB; "
+                             f"against its run without skip_weight {fmt(max_error(got, got_t))}")
             if B <= 128:  # ours: at most one 128-partition tile of rows per block
                 got_o, rep_o, run_o = ours(inp)
                 assert run_o == int(lay.filled), (run_o, int(lay.filled))

@@ -398,6 +398,40 @@ def _tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None, **kwarg
     return dst
 
 
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None, **kwargs):
+    """``nisa.tensor_copy_predicated``: on VectorE, where ``predicate`` (uint8/16/32) is nonzero (zero with
+    ``reverse_pred``) the element of ``src`` (a tile, or a scalar copied as dst's dtype) is copied to ``dst``;
+    elsewhere ``dst`` keeps its value. ``src`` and ``predicate`` not both in PSUM; a tile ``src`` has dst's dtype and
+    layout; ``reverse_pred`` only with a scalar ``src`` (SDK 2.33 page)."""
+    _no_other_keywords("tensor_copy_predicated", kwargs)
+    _on_chip(dst, "tensor_copy_predicated", "dst")
+    _on_chip(predicate, "tensor_copy_predicated", "predicate")
+    if np.dtype(predicate.dtype) not in (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise NkiRuleError("dtype", f"tensor_copy_predicated: predicate must be uint8/16/32, got {predicate.dtype}")
+    _same_layout("tensor_copy_predicated", dst, predicate)
+    scalar = not isinstance(src, NkiTensor)
+    if scalar:
+        vals = np.full(dst.cshape, src, dtype=np.float32 if is_float(dst.dtype) else np.float64)
+    else:
+        _on_chip(src, "tensor_copy_predicated", "src")
+        _not_both_psum("tensor_copy_predicated", src, predicate)
+        _same_layout("tensor_copy_predicated", dst, src)
+        if src.dtype != dst.dtype:
+            raise NkiRuleError("dtype", f"tensor_copy_predicated: src {src.dtype} and dst {dst.dtype} differ")
+        if reverse_pred:
+            raise NkiRuleError("dtype", "tensor_copy_predicated: reverse_pred only with a scalar src")
+        vals = _flat(src.read(what="tensor_copy_predicated"), src)
+    keep = _flat(predicate.read(what="tensor_copy_predicated"), predicate) != 0
+    if reverse_pred:
+        keep = ~keep
+    old = _flat(dst.read(what="tensor_copy_predicated", check=False), dst)
+    _write(dst, np.where(keep, _flat(vals, dst) if scalar else vals, old))
+    reads = [predicate, dst] + ([] if scalar else [src])
+    _record_vector("tensor_copy_predicated", "vector", dst.free_size, 1 if scalar else 2, [dst, predicate], reads,
+                   [dst])
+    return dst
+
+
 def memset(dst, value, engine=engine.unknown, name=None, **kwargs):
     """``nisa.memset``: fill ``dst`` with a constant (VectorE or GpSimd)."""
     _no_other_keywords("memset", kwargs)

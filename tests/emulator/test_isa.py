@@ -565,3 +565,23 @@ def test_vector_offset_gather_of_more_rows_than_the_tensor_has_and_oob_rows():
 def test_sendrecv_is_refused_when_called():
     with pytest.raises(NotImplementedError, match="sendrecv"):
         nisa.sendrecv(src=tile(rand(4, 4)), dst=empty((4, 4)), send_to_rank=1, recv_from_rank=1, pipe_id=0)
+
+
+def test_tensor_copy_predicated():
+    """Where the predicate is nonzero src's element is copied (a scalar as dst's dtype), elsewhere dst keeps its
+    value; reverse_pred with a scalar; predicate uint8/16/32 only (nki.isa.tensor_copy_predicated, SDK 2.33)."""
+    dst_vals, src_vals = rand(4, 6), rand(4, 6)
+    pred_vals = (rng.random((4, 6)) > 0.5).astype(np.uint8)
+    dst = tile(dst_vals)
+    nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals, nl.uint8))
+    np.testing.assert_array_equal(dst.read(), np.where(pred_vals != 0, src_vals, dst_vals))
+    experts = tile(np.array([[3, 1, 4, 1, 5]]), nl.int32)
+    skip = tile(np.array([[0, 1, 0, 1, 1]]), nl.uint8)
+    nisa.tensor_copy_predicated(dst=experts, src=8, predicate=skip)
+    np.testing.assert_array_equal(experts.read(), [[3, 8, 4, 8, 8]])
+    nisa.tensor_copy_predicated(dst=experts, src=0, predicate=skip, reverse_pred=True)
+    np.testing.assert_array_equal(experts.read(), [[0, 8, 0, 8, 8]])
+    with pytest.raises(NkiRuleError, match="uint8"):
+        nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals.astype(np.float32)))
+    with pytest.raises(NkiRuleError, match="reverse_pred"):
+        nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals, nl.uint8), reverse_pred=True)
