@@ -119,22 +119,47 @@ def theirs(kernel, inp: dict, compute: bool = True, skip_weight: bool = False):
     fp32 or None, cost report, blocks)."""
     skip = sys.modules["nkilib.core.moe.moe_cte.moe_cte_utils"].SkipMode(False, skip_weight)
     x, lay, B = inp["x"], inp["layout"], inp["B"]
-    tokens, hidden = x.shape
-    n_e = inp["gate_up"].shape[0]
-    inter = inp["down"].shape[-1]
-    hidden_states = np.zeros((tokens + 1, hidden), BF16)  # row N: the padding row
-    hidden_states[:tokens] = x.float().numpy().astype(BF16)
-    affinities = np.zeros((tokens + 1, n_e), np.float32)
-    np.put_along_axis(affinities[:tokens], inp["ids"].long().numpy(), inp["w"].numpy(), axis=1)
-    gate_up = inp["gate_up"].float().view(n_e, 2, inter, hidden).permute(0, 3, 1, 2).numpy().astype(BF16)
-    down = inp["down"].float().transpose(1, 2).numpy().astype(BF16)  # [E, I, H]
-    out, report = estimate(kernel, hidden_states, affinities.astype(BF16).reshape(-1, 1), gate_up, down, B,
-                           lay.token.numpy(), lay.block_expert.numpy().reshape(-1, 1), skip_dma=skip, grid=2, target="trn2",
+    tokens = x.shape[0]
+    hidden_states, affinities, gate_up, down = _their_inputs(inp)
+    out, report = estimate(kernel, hidden_states, affinities, gate_up, down, B, lay.token.numpy(),
+                           lay.block_expert.numpy().reshape(-1, 1), skip_dma=skip, grid=2, target="trn2",
                            capacity="spill", uninitialized="nan", compute=compute)
     result = None
     if compute:  # [N + 1, 2, H]: its final step adds the two cores' halves into slot 0 and zeroes slot 1
         result = torch.from_numpy(np.asarray(out, np.float32)[:tokens].sum(1))
     return result, report, lay.nb
+
+
+def theirs_hybrid(inp: dict, compute: bool = True):
+    """Their dynamic kernel `blockwise_mm_baseline_shard_intermediate_hybrid` (shard_on_i_hybrid) at LNC=2: I split
+    between the cores (each block's partial down projections exchanged with `sendrecv`), a static loop over the
+    N - E blocks every routing fills, then `nl.dynamic_range` up to the filled count (`conditions`: 1 per filled
+    block, in order). Needs B a multiple of 256 and I / 2 >= 128. Returns ([N, H] fp32 or None, report, filled)."""
+    kernel = sys.modules["nkilib.core.moe.moe_cte.bwmm_shard_on_I"].blockwise_mm_baseline_shard_intermediate_hybrid
+    hidden_states, affinities, gate_up, down = _their_inputs(inp)
+    lay = inp["layout"]
+    conditions = np.zeros(lay.nb + 1, np.int32)
+    conditions[: int(lay.filled)] = 1
+    out, report = estimate(kernel, conditions, hidden_states, affinities, gate_up, down, inp["B"], lay.token.numpy(),
+                           lay.block_expert.numpy().reshape(-1, 1), grid=2, target="trn2", capacity="spill",
+                           uninitialized="nan", compute=compute)
+    result = torch.from_numpy(np.asarray(out, np.float32)[: inp["x"].shape[0]]) if compute else None
+    return result, report, int(lay.filled)
+
+
+def _their_inputs(inp: dict):
+    """The library's layouts: hidden states [N + 1, H] (row N the padding row), dense affinities [(N + 1) E, 1],
+    gate_up [E, H, 2, I], down [E, I, H], all bf16."""
+    x = inp["x"]
+    tokens, hidden = x.shape
+    n_e, inter = inp["gate_up"].shape[0], inp["down"].shape[-1]
+    hidden_states = np.zeros((tokens + 1, hidden), BF16)
+    hidden_states[:tokens] = x.float().numpy().astype(BF16)
+    affinities = np.zeros((tokens + 1, n_e), np.float32)
+    np.put_along_axis(affinities[:tokens], inp["ids"].long().numpy(), inp["w"].numpy(), axis=1)
+    gate_up = inp["gate_up"].float().view(n_e, 2, inter, hidden).permute(0, 3, 1, 2).numpy().astype(BF16)
+    down = inp["down"].float().transpose(1, 2).numpy().astype(BF16)
+    return hidden_states, affinities.astype(BF16).reshape(-1, 1), gate_up, down
 
 
 def ours(inp: dict, compute: bool = True):
@@ -148,9 +173,9 @@ def ours(inp: dict, compute: bool = True):
     out = np.zeros((lay.nb, B, hidden), np.float32)
     _, report = estimate(moe_blocks_kernel, *[a.astype(BF16) for a in args], lay.used.numpy(), lay.start.numpy(),
                          lay.end.numpy(), lay.n_used.numpy(), out, target="trn2", compute=compute)
-    # TensorE records per block (benchmarks/moe_blockwise_kernel.py): gate and up over the H tiles, down over the
-    # 512-column chunks, each a LoadStationary and a MultiplyMoving
-    per_block = 2 * (2 * (-(-hidden // 128)) + (-(-hidden // 512)))
+    # TensorE records per block (benchmarks/moe_blockwise_kernel.py): per I tile, gate and up over the H tiles and
+    # down over the 512-column chunks, each a LoadStationary and a MultiplyMoving
+    per_block = 2 * (-(-inp["down"].shape[-1] // 128)) * (2 * (-(-hidden // 128)) + (-(-hidden // 512)))
     executed = report.instructions["tensor"] / per_block
     flat = torch.cat([torch.from_numpy(out).reshape(lay.nb * B, hidden), torch.zeros(1, hidden)])
     result = weighted_sum(inp["w"], flat.index_select(0, lay.pair_row).view(tokens, -1, hidden))
@@ -184,6 +209,9 @@ def main():
                         help="block sizes (theirs: multiples of 128; ours: at most 128)")
     parser.add_argument("--hidden", type=int, default=512, help="H (2,048 in the model; scaled as in "
                         "benchmarks/moe_blockwise_kernel.py)")
+    parser.add_argument("--skip-weight", action="store_true", help="also run theirs with SkipMode(skip_weight=True)")
+    parser.add_argument("--hybrid-inter", type=int, default=256, help="I_r of the shard_on_i_hybrid table (it needs "
+                        "I_r / 2 >= 128; 0: no such table)")
     parser.add_argument("--check-tokens", type=int, default=256, help="length of the all-experts check (0: none)")
     args = parser.parse_args()
     if not args.nkilib:
@@ -212,7 +240,8 @@ def main():
             lay, pairs = inp["layout"], tokens * K
             t1 = time.time()
             got_t = got_o = None
-            for skip_weight in ([False, True] if B % 128 == 0 else []):  # theirs: whole 128-row tiles per block
+            modes = [False, True] if args.skip_weight else [False]
+            for skip_weight in (modes if B % 128 == 0 else []):  # theirs: whole 128-row tiles per block
                 got, rep_t, run_t = theirs(kernel, inp, skip_weight=skip_weight)
                 got_t = got if got_t is None else got_t
                 label = "theirs, skip_weight (LNC=2)" if skip_weight else "theirs (LNC=2)"
@@ -238,6 +267,34 @@ def main():
                 notes.append(f"{tokens} tokens, B = {B}: theirs against ours {fmt(max_error(got_t, got_o))}")
             notes[-1] += f"  [{time.time() - t1:.0f} s]"
     print("\n" + "\n".join(notes))
+    if args.hybrid_inter:
+        hybrid_table(args.tokens, args.hidden, args.hybrid_inter)
+
+
+def hybrid_table(token_counts, hidden: int, inter: int):
+    """Their dynamic kernel (shard_on_i_hybrid, B = 256) beside ours at I_r = `inter` (256: the 35B-A3B at TP 2)."""
+    print(f"\nshard_on_i_hybrid (their dynamic loop) at I_r = {inter}, B = 256, against ours at that width:")
+    print("\n| tokens | B | kernel | blocks run (bound) | rows / routed pairs | us (wall) | core-us | vs minimum |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens in token_counts:
+        floor = ours(inputs(tokens, hidden, tokens * K // E, "balanced", inter=inter))[1].total_us
+        print(f"| {tokens} | {tokens * K // E} | ours, balanced routing (the minimum) | - | 1.00 | {floor:.0f} | "
+              f"{floor:.0f} | 1.00 |")
+        t1 = time.time()
+        inp = inputs(tokens, hidden, 256, inter=inter)
+        got_h, rep_h, run_h = theirs_hybrid(inp)
+        lay, pairs = inp["layout"], tokens * K
+        print(f"| {tokens} | 256 | theirs, shard_on_i_hybrid (LNC=2) | {run_h} ({lay.nb}) | "
+              f"{run_h * 256 / pairs:.2f} | {rep_h.total_us:.0f} | {2 * rep_h.total_us:.0f} | "
+              f"{rep_h.total_us / floor:.2f} |")
+        for B in (64, 128):
+            inp_o = inputs(tokens, hidden, B, inter=inter)
+            got_o, rep_o, run_o = ours(inp_o)
+            print(f"| {tokens} | {B} | ours (LNC=1) | {run_o:.0f} ({inp_o['layout'].nb}) | {run_o * B / pairs:.2f} | "
+                  f"{rep_o.total_us:.0f} | {rep_o.total_us:.0f} | {rep_o.total_us / floor:.2f} |")
+        print(f"|  |  | theirs against ours (B = 128): {fmt(max_error(got_h, got_o))}; DMA theirs "
+              f"{rep_h.dma_bytes / 1e6:.1f} MB, ours {rep_o.dma_bytes / 1e6:.1f} MB; PSUM over capacity "
+              f"{rep_h.over_capacity_bytes.get('psum', 0)}  [{time.time() - t1:.0f} s] | | | | | |")
 
 if __name__ == "__main__":
     main()

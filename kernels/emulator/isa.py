@@ -73,7 +73,7 @@ class matmul_perf_mode(enum.Enum):
     double_row = "double_row"
 
 
-class nc_version(enum.Enum):
+class nc_version(enum.IntEnum):  # ordered: the NKI Library compares `get_nc_version() >= nc_version.gen3`
     gen2 = 2
     gen3 = 3
     gen4 = 4
@@ -501,7 +501,11 @@ def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_o
                accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None, **kwargs):
     _no_other_keywords("nc_matmul", kwargs)
     _check_matmul(dst, stationary, moving)
-    if dst.dtype != float32:
+    # A transposing matmul (is_transpose=True: moving is the identity) is TensorE's transpose path, whose output keeps
+    # the input's dtype as nc_transpose's does; on NeuronCore-v3 the NKI Library writes it so (bwmm_shard_on_I.py:
+    # `psum_dtype = ... dtype if get_nc_version() >= gen3 else nl.float32`). Inferred from that code, not a doc page.
+    transpose_dtype = is_transpose and runtime.current().target.nc_version >= 3 and dst.dtype == stationary.dtype
+    if dst.dtype != float32 and not transpose_dtype:
         raise NkiRuleError("matmul-psum-dst", f"nc_matmul: dst must be float32 on NeuronCore-v2/v3, got {dst.dtype}")
     for t in (stationary, moving):
         if t.dtype is not tfloat32 and np.dtype(t.dtype) not in _MATMUL_DTYPES:
@@ -1151,10 +1155,27 @@ def core_barrier(data=None, cores=(0, 1), engine=None, name=None, **kwargs):
     return None
 
 
-def sendrecv(*args, **kwargs):
-    """``nisa.sendrecv``: a transfer between the programs of an LNC=2 launch, each waiting for the other. The emulator
-    runs a grid's programs one after the other, so neither can wait for the other: the name exists (kernels that
-    import it but take another path run) and a call is refused."""
-    raise NotImplementedError(
-        "[not-emulated] nisa.sendrecv: the emulator runs the programs of a grid in turn, so a transfer that waits for "
-        "the other program cannot happen; run the kernel on a Neuron device")
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=None, dma_engine=None, name=None, **kwargs):
+    """``nisa.sendrecv``: between the two programs of an LNC=2 launch, each sends its ``src`` tile to the other's
+    ``dst`` and receives the other's into its own; the Nth call of one program pairs with the Nth of the other (the
+    ``nki.lnc.sendrecv`` page). The programs switch there as at a ``core_barrier`` (programs.py). Priced as one DMA
+    of the tile on each side; the time the peer's tile becomes ready is not carried across the cores."""
+    _no_other_keywords("sendrecv", kwargs)
+    _on_chip(src, "sendrecv", "src")
+    _on_chip(dst, "sendrecv", "dst")
+    _same_layout("sendrecv", dst, src)
+    ctx = runtime.current()
+    if ctx.programs is None:
+        raise NkiRuleError("core-barrier", "sendrecv needs a launch of two programs (kernel[2]): alone it has no peer")
+    me = ctx.program_id[0]
+    if send_to_rank not in (0, 1) or recv_from_rank not in (0, 1) or send_to_rank != recv_from_rank or \
+            send_to_rank == me:
+        raise NkiRuleError("shape", f"sendrecv: program {me} exchanges with the other rank of the pair (0 or 1), got "
+                           f"send_to_rank={send_to_rank}, recv_from_rank={recv_from_rank}")
+    values = _flat(src.read(what="sendrecv"), src).copy()
+    received = ctx.programs.sendrecv(ctx.programs.current(), recv_from_rank, values)
+    if np.dtype(src.dtype) != np.dtype(dst.dtype):
+        received = received.astype(np.float32)
+    _write(dst, received)
+    runtime.record("dma", "sendrecv", reads=[src], writes=[dst], nbytes=src.size * src.itemsize, chunks=1)
+    return dst

@@ -32,6 +32,8 @@ class Programs:
         self.turn = 0
         self.done = [False] * self.n
         self.barriers = [0] * self.n
+        self.sends = [0] * self.n  # sendrecv calls made by each program
+        self.mailbox: dict = {}  # (sender, its call number) -> the values it sent
         self.error: BaseException | None = None
         self.cv = threading.Condition()
 
@@ -78,6 +80,21 @@ class Programs:
             self.barriers[i] += 1
             self._pass_turn(i)
             self._wait_turn(i)
+
+    def sendrecv(self, i, peer, values):
+        """``nisa.sendrecv`` in program i: "the Nth sendrecv on one rank rendezvous with the Nth sendrecv on the
+        peer rank" (the nki.lnc.sendrecv page). Leaves `values` for the peer, runs the others up to their next
+        switch, and returns what `peer` sent at its call of the same number."""
+        with self.cv:
+            seq = self.sends[i]
+            self.sends[i] += 1
+            self.mailbox[(i, seq)] = values
+        self.barrier(i)
+        with self.cv:
+            if (peer, seq) not in self.mailbox:
+                raise NkiRuleError("core-barrier", f"sendrecv call {seq} of program {i} has no partner: program "
+                                   f"{peer} reached a core_barrier or its end instead")
+            return self.mailbox.pop((peer, seq))
 
     def run(self, body) -> list:
         """Run `body()` once per program; returns their results in program order."""

@@ -562,11 +562,6 @@ def test_vector_offset_gather_of_more_rows_than_the_tensor_has_and_oob_rows():
     np.testing.assert_array_equal(dst.read(), expected)
 
 
-def test_sendrecv_is_refused_when_called():
-    with pytest.raises(NotImplementedError, match="sendrecv"):
-        nisa.sendrecv(src=tile(rand(4, 4)), dst=empty((4, 4)), send_to_rank=1, recv_from_rank=1, pipe_id=0)
-
-
 def test_tensor_copy_predicated():
     """Where the predicate is nonzero src's element is copied (a scalar as dst's dtype), elsewhere dst keeps its
     value; reverse_pred with a scalar; predicate uint8/16/32 only (nki.isa.tensor_copy_predicated, SDK 2.33)."""
@@ -585,3 +580,45 @@ def test_tensor_copy_predicated():
         nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals.astype(np.float32)))
     with pytest.raises(NkiRuleError, match="reverse_pred"):
         nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals, nl.uint8), reverse_pred=True)
+
+
+def test_sendrecv_pairs_the_nth_calls_of_the_two_programs():
+    """`nisa.sendrecv` in an LNC=2 launch: each program sends its tile to the other's dst and receives the other's
+    ("the Nth sendrecv on one rank rendezvous with the Nth sendrecv on the peer rank", nki.lnc.sendrecv); alone it
+    has no peer."""
+
+    @nki.jit
+    def exchange_twice(x):
+        pid = nl.program_id(0)
+        out = nl.ndarray((2, 2, 8), dtype=x.dtype, buffer=nl.shared_hbm)
+        mine = nl.ndarray((1, 8), dtype=x.dtype, buffer=nl.sbuf)
+        got = nl.ndarray((1, 8), dtype=x.dtype, buffer=nl.sbuf)
+        for n in range(2):
+            nisa.dma_copy(dst=mine, src=x[pid:pid + 1, :])
+            nisa.tensor_scalar(dst=mine, data=mine, op0=nl.add, operand0=float(10 * n))
+            nisa.sendrecv(src=mine, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+            nisa.dma_copy(dst=out[pid, n:n + 1, :], src=got)
+        return out
+
+    x = rand(2, 8)
+    out = exchange_twice[2](x)
+    for pid in (0, 1):
+        for n in (0, 1):
+            np.testing.assert_allclose(out[pid, n], x[1 - pid] + 10 * n, rtol=1e-6)
+    with pytest.raises(NkiRuleError, match="sendrecv"):
+        exchange_twice(x)
+
+
+def test_nc_version_is_ordered_and_a_transposing_matmul_may_keep_the_dtype_on_v3():
+    """The NKI Library compares `get_nc_version() >= nc_version.gen3` and, on NeuronCore-v3, writes a transposing
+    matmul (moving = identity, is_transpose=True) to a PSUM tile of the input's dtype; a plain matmul still needs
+    fp32."""
+    assert nisa.get_nc_version() >= nisa.nc_version.gen3 > nisa.nc_version.gen2
+    x = rand(128, 64).astype(ml_dtypes.bfloat16)
+    eye = tile(np.eye(128), nl.bfloat16)
+    dst = empty((64, 128), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(dst=dst, stationary=tile(x, nl.bfloat16), moving=eye, is_transpose=True)
+    np.testing.assert_array_equal(dst.read(), x.T)
+    with pytest.raises(NkiRuleError, match=r"\[matmul-psum-dst\]"):
+        nisa.nc_matmul(dst=empty((64, 128), nl.bfloat16, buffer=nl.psum), stationary=tile(x, nl.bfloat16),
+                       moving=eye)
