@@ -1,12 +1,12 @@
-"""The NKI Library's MoE context-encoding kernel (`bwmm_shard_on_block`) against ours (kernels/moe_blockwise), on the
-emulator, at the 35B-A3B's routing at TP 4 (issue 51 item 1).
+"""The NKI Library's MoE context-encoding kernels (`bwmm_shard_on_block`; the dynamic `shard_on_i_hybrid`) against
+ours (kernels/moe_blockwise), on the emulator, at the 35B-A3B's routing (issue 51 item 1).
 
     python benchmarks/nki_library_moe_cte.py --nkilib /tmp/nkilib/src/nkilib_src          # 1024 and 4096 tokens
     python benchmarks/nki_library_moe_cte.py --nkilib DIR --tokens 1024 --check-tokens 128 --hidden 512
 
 `--nkilib` is a directory holding the library's `nkilib` package (or a checkout whose `src/nkilib_src` does). Nothing
-of the library is in this repository: the kernel is imported from there, unmodified, with the emulator installed as
-`nki` (docs/moe.md, "Against the NKI Library's MoE CTE kernel", says which repository and commit were run).
+of the library is in this repository: the kernels are imported from there, unmodified, with the emulator installed
+as `nki` (docs/moe.md, "Against the NKI Library's MoE CTE kernels", says which repository and commit were run).
 
 Both kernels take the same blocked layout (kernels/moe_blockwise/layout.py `routed_blocks`: pairs sorted by expert,
 blocks of B rows, token N for a padding row, the padding blocks after the filled ones on the last expert; the
@@ -26,6 +26,11 @@ It prints:
   the block rows and adds the weighted outputs into the result inside the kernel; ours takes gathered blocks and
   leaves the weighted sum to the graph (`routed_experts`): a line adds that data movement to ours as a DMA-time
   floor (`outside_floor_us`), against the minimum plus its own (the N k rows gathered, the same weighted sum).
+
+A second table runs their dynamic kernel, `blockwise_mm_baseline_shard_intermediate_hybrid` (shard_on_i_hybrid:
+I split between the two cores, a static loop over N - E blocks then `nl.dynamic_range` up to the filled count), at
+B = 256 and I_r = `--hybrid-inter` (256, the 35B-A3B at TP 2: it needs I_r / 2 >= 128), beside ours and the minimum
+at that width.
 
 Their kernel's PSUM allocations exceed 16 KiB per partition while Python still holds earlier tiles (the emulator
 counts a tile live while the kernel's Python can reach it, docs/nki_emulator.md "Liveness"): it runs with
