@@ -25,6 +25,7 @@ import numpy as np
 
 from . import cost, isa, language, language_isa, rules, runtime, tensors
 from .cost import CostParams, CostReport, Trace  # noqa: F401
+from .programs import Programs
 from .rules import TARGETS, NkiRuleError, NkiValidationError, Target, get_target
 from .tensors import NkiTensor
 
@@ -183,15 +184,23 @@ class Kernel:
             # An LNC launch (`kernel[n]`, 1 < n <= the target's LNC degree) runs each program on its own physical
             # NeuronCore (own engines and DMA queues in the cost model); other grids run on one core, in turn.
             lnc = len(self.grid) == 1 and 1 < self.grid[0] <= ctx.target.max_lnc
-            for index, pid in enumerate(itertools.product(*[range(g) for g in self.grid])):
-                ctx.program_id = pid
-                ctx.shared_hbm_cursor = 0
-                if ctx.trace is not None:
-                    ctx.trace.core = index if lnc else 0
-                    ctx.trace.loaded_stationary = None if lnc else ctx.trace.loaded_stationary
-                out = self.fn(*dev_args, **dev_kwargs)
-                if result is None:
-                    result = out
+            pids = list(itertools.product(*[range(g) for g in self.grid]))
+            if len(pids) == 1:
+                ctx.program_id = pids[0]
+                result = self.fn(*dev_args, **dev_kwargs)
+            else:
+                # one at a time, in order, switching at core_barrier calls (programs.py)
+                starts = []
+                for index, pid in enumerate(pids):
+                    start = {"program_id": pid, "shared_hbm_cursor": 0}
+                    if lnc:  # its own physical core: its own registers and stationary
+                        start.update(act_reduce_regs=None, vector_reduce_regs=None)
+                    if ctx.trace is not None:
+                        start["trace.core"] = index if lnc else 0
+                        if lnc:
+                            start["trace.loaded_stationary"] = None
+                    starts.append(start)
+                result = Programs(ctx, starts).run(lambda: self.fn(*dev_args, **dev_kwargs))[0]
             outputs = _from_device(result, kind or "numpy") if compute else result
         self.last_trace = ctx.trace
         self.last_report = ctx.trace.report() if trace else None

@@ -73,7 +73,7 @@ class matmul_perf_mode(enum.Enum):
     double_row = "double_row"
 
 
-class nc_version(enum.Enum):
+class nc_version(enum.IntEnum):  # ordered: the NKI Library compares `get_nc_version() >= nc_version.gen3`
     gen2 = 2
     gen3 = 3
     gen4 = 4
@@ -242,7 +242,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                 f"(pass oob_mode=nisa.oob_mode.skip to skip it)",
             )
     if isinstance(src, _IndirectView) or isinstance(dst, _IndirectView):
-        _dma_indirect(dst, src)
+        _dma_indirect(dst, src, getattr(oob_mode, "name", oob_mode) == "skip")
     else:
         if dst.size != src.size:
             raise NkiRuleError("shape", f"dma_copy: dst {dst.shape} and src {src.shape} hold different element counts")
@@ -260,21 +260,69 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     return dst
 
 
+def dma_compute(dst, srcs, scales=None, reduce_op=None, unique_indices=True, oob_mode=oob_mode.error, name=None,
+                **kwargs):
+    """``nisa.dma_compute``: ``dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)`` computed by the DMA
+    engines in float32 and cast to dst's dtype. "Currently, only nl.add is supported for reduce_op, and all values in
+    scales must be 1.0" (or None). Sources and destination in HBM or SBUF, not PSUM. The read-modify-write form with a
+    ``vector_offset`` source is not emulated. Priced as one DMA moving every source's bytes."""
+    _no_other_keywords("dma_compute", kwargs)
+    _tensor(dst, "dst")
+    srcs = list(srcs)
+    if not srcs:
+        raise NkiRuleError("shape", "dma_compute: needs at least one source")
+    for i, src in enumerate(srcs):
+        _tensor(src, f"srcs[{i}]")
+        if isinstance(src, (_IndirectView, _OutOfBoundsView)):
+            raise NotImplementedError("dma_compute with a vector_offset (read-modify-write) source is not emulated")
+        if src.size != dst.size:
+            raise NkiRuleError("shape", f"dma_compute: srcs[{i}] {src.shape} and dst {dst.shape} hold different "
+                               "element counts")
+    _no_psum("dma_compute", "dma", dst, *srcs)
+    if reduce_op is not None and resolve_op(reduce_op).name != "add":
+        raise NkiRuleError("dtype", "dma_compute: only nl.add is supported for reduce_op")
+    if scales is not None and (len(scales) != len(srcs) or any(float(sc) != 1.0 for sc in scales)):
+        raise NkiRuleError("shape", "dma_compute: scales must be one 1.0 per source (or None)")
+    if runtime.current().compute:
+        acc = np.zeros(dst.cshape, np.float32)
+        for src in srcs:
+            acc += src.read(what="dma_compute").astype(np.float32).reshape(dst.cshape)
+        dst.write(acc)
+    else:
+        dst._mark_written()
+    nbytes = sum(src.size * src.itemsize for src in srcs)
+    chunks = max(_chunks(t) for t in [dst, *srcs])
+    runtime.record("dma", "dma_compute", reads=srcs, writes=[dst], nbytes=nbytes, chunks=chunks)
+    return dst
+
+
 def _offset_sources(*views):
     """The on-chip tiles the transfer's runtime addresses come from (``scalar_offset``, ``vector_offset``): the DMA
     cannot start before they are written."""
     return [t for v in views for t in getattr(v, "offset_sources", ())]
 
 
-def _dma_indirect(dst, src):
+def _dma_indirect(dst, src, skip=False):
+    """Gather or scatter row by row. A row whose runtime index puts it outside the tensor raises, or, with
+    ``oob_mode.skip``, is skipped ("silently skip the runtime out-of-bounds access", nki.isa.oob_mode)."""
+    view = src if isinstance(src, _IndirectView) else dst
+
+    def rows():
+        for r, row in view.rows():
+            if row._in_bounds():
+                yield r, row
+            elif not skip:
+                raise NkiRuleError("out-of-bounds", f"dma_copy: row {r}'s runtime index puts it outside {view.name} "
+                                   f"(pass oob_mode=nisa.oob_mode.skip to skip it)")
+
     if isinstance(src, _IndirectView):  # gather: row r of dst <- row index[r] of src
-        for r, row in src.rows():
+        for r, row in rows():
             key = [slice(None)] * dst.ndim
             key[0] = r
             d = dst[tuple(key)]
             d.write(row.read(what="dma_copy gather").reshape(d.shape))
     else:  # scatter
-        for r, row in dst.rows():
+        for r, row in rows():
             key = [slice(None)] * src.ndim
             key[0] = r
             s = src[tuple(key)]
@@ -350,6 +398,40 @@ def _tensor_copy(dst, src, engine=engine.unknown, name=None, dtype=None, **kwarg
     return dst
 
 
+def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None, **kwargs):
+    """``nisa.tensor_copy_predicated``: on VectorE, where ``predicate`` (uint8/16/32) is nonzero (zero with
+    ``reverse_pred``) the element of ``src`` (a tile, or a scalar copied as dst's dtype) is copied to ``dst``;
+    elsewhere ``dst`` keeps its value. ``src`` and ``predicate`` not both in PSUM; a tile ``src`` has dst's dtype and
+    layout; ``reverse_pred`` only with a scalar ``src`` (SDK 2.33 page)."""
+    _no_other_keywords("tensor_copy_predicated", kwargs)
+    _on_chip(dst, "tensor_copy_predicated", "dst")
+    _on_chip(predicate, "tensor_copy_predicated", "predicate")
+    if np.dtype(predicate.dtype) not in (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32)):
+        raise NkiRuleError("dtype", f"tensor_copy_predicated: predicate must be uint8/16/32, got {predicate.dtype}")
+    _same_layout("tensor_copy_predicated", dst, predicate)
+    scalar = not isinstance(src, NkiTensor)
+    if scalar:
+        vals = np.full(dst.cshape, src, dtype=np.float32 if is_float(dst.dtype) else np.float64)
+    else:
+        _on_chip(src, "tensor_copy_predicated", "src")
+        _not_both_psum("tensor_copy_predicated", src, predicate)
+        _same_layout("tensor_copy_predicated", dst, src)
+        if src.dtype != dst.dtype:
+            raise NkiRuleError("dtype", f"tensor_copy_predicated: src {src.dtype} and dst {dst.dtype} differ")
+        if reverse_pred:
+            raise NkiRuleError("dtype", "tensor_copy_predicated: reverse_pred only with a scalar src")
+        vals = _flat(src.read(what="tensor_copy_predicated"), src)
+    keep = _flat(predicate.read(what="tensor_copy_predicated"), predicate) != 0
+    if reverse_pred:
+        keep = ~keep
+    old = _flat(dst.read(what="tensor_copy_predicated", check=False), dst)
+    _write(dst, np.where(keep, _flat(vals, dst) if scalar else vals, old))
+    reads = [predicate, dst] + ([] if scalar else [src])
+    _record_vector("tensor_copy_predicated", "vector", dst.free_size, 1 if scalar else 2, [dst, predicate], reads,
+                   [dst])
+    return dst
+
+
 def memset(dst, value, engine=engine.unknown, name=None, **kwargs):
     """``nisa.memset``: fill ``dst`` with a constant (VectorE or GpSimd)."""
     _no_other_keywords("memset", kwargs)
@@ -419,7 +501,11 @@ def _nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_o
                accumulate=None, tile_position=(), tile_size=(), perf_mode=None, name=None, **kwargs):
     _no_other_keywords("nc_matmul", kwargs)
     _check_matmul(dst, stationary, moving)
-    if dst.dtype != float32:
+    # A transposing matmul (is_transpose=True: moving is the identity) is TensorE's transpose path, whose output keeps
+    # the input's dtype as nc_transpose's does; on NeuronCore-v3 the NKI Library writes it so (bwmm_shard_on_I.py:
+    # `psum_dtype = ... dtype if get_nc_version() >= gen3 else nl.float32`). Inferred from that code, not a doc page.
+    transpose_dtype = is_transpose and runtime.current().target.nc_version >= 3 and dst.dtype == stationary.dtype
+    if dst.dtype != float32 and not transpose_dtype:
         raise NkiRuleError("matmul-psum-dst", f"nc_matmul: dst must be float32 on NeuronCore-v2/v3, got {dst.dtype}")
     for t in (stationary, moving):
         if t.dtype is not tfloat32 and np.dtype(t.dtype) not in _MATMUL_DTYPES:
@@ -1058,5 +1144,38 @@ def register_store(dst, src):
     return dst
 
 
-def core_barrier(*args, **kwargs):
+def core_barrier(data=None, cores=(0, 1), engine=None, name=None, **kwargs):
+    """``nisa.core_barrier``: "a synchronization point where all specified NeuronCores must reach before any can
+    proceed", so that each reads what the other wrote to the shared HBM tensor ``data`` before it. In a launch of
+    several programs the others run up to their own barrier first (programs.py); alone it does nothing."""
+    ctx = runtime.current()
+    cores = tuple(cores) if isinstance(cores, (tuple, list)) else (cores,)
+    if ctx.programs is not None and len(cores) > 1:
+        ctx.programs.barrier(ctx.programs.current())
     return None
+
+
+def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id=None, dma_engine=None, name=None, **kwargs):
+    """``nisa.sendrecv``: between the two programs of an LNC=2 launch, each sends its ``src`` tile to the other's
+    ``dst`` and receives the other's into its own; the Nth call of one program pairs with the Nth of the other (the
+    ``nki.lnc.sendrecv`` page). The programs switch there as at a ``core_barrier`` (programs.py). Priced as one DMA
+    of the tile on each side; the time the peer's tile becomes ready is not carried across the cores."""
+    _no_other_keywords("sendrecv", kwargs)
+    _on_chip(src, "sendrecv", "src")
+    _on_chip(dst, "sendrecv", "dst")
+    _same_layout("sendrecv", dst, src)
+    ctx = runtime.current()
+    if ctx.programs is None:
+        raise NkiRuleError("core-barrier", "sendrecv needs a launch of two programs (kernel[2]): alone it has no peer")
+    me = ctx.program_id[0]
+    if send_to_rank not in (0, 1) or recv_from_rank not in (0, 1) or send_to_rank != recv_from_rank or \
+            send_to_rank == me:
+        raise NkiRuleError("shape", f"sendrecv: program {me} exchanges with the other rank of the pair (0 or 1), got "
+                           f"send_to_rank={send_to_rank}, recv_from_rank={recv_from_rank}")
+    values = _flat(src.read(what="sendrecv"), src).copy()
+    received = ctx.programs.sendrecv(ctx.programs.current(), recv_from_rank, values)
+    if np.dtype(src.dtype) != np.dtype(dst.dtype):
+        received = received.astype(np.float32)
+    _write(dst, received)
+    runtime.record("dma", "sendrecv", reads=[src], writes=[dst], nbytes=src.size * src.itemsize, chunks=1)
+    return dst

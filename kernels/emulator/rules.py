@@ -56,6 +56,7 @@ RULES = {
     "dtype": "the operand dtypes are supported by the instruction",
     "register": "a VirtualRegister holds one 32-bit integer, moved from a constant, a register or a one-element tensor",
     "loop": "a dynamic loop's step is a compile-time positive int (its bounds may be registers)",
+    "core-barrier": "every program of a launch passes the same number of core_barrier calls",
 }
 
 

@@ -35,6 +35,8 @@ class Context:
         # SPMD: allocations in shared_hbm are the same tensor for every program of a grid.
         self.shared_hbm: list = []
         self.shared_hbm_cursor = 0
+        # The running launch's programs (programs.Programs) when it has several: core_barrier switches between them.
+        self.programs = None
         # Scalar Engine / Vector Engine accumulator registers (one per partition).
         self.act_reduce_regs = None
         self.vector_reduce_regs = None

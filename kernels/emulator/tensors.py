@@ -527,7 +527,14 @@ class NkiTensor:
             else:
                 raw = scalar_offset.read() if isinstance(scalar_offset, NkiTensor) else scalar_offset
                 value = int(np.asarray(raw).reshape(-1)[0])
-            base += value * pattern[indirect_dim][0]
+            # the offset steps along the tensor's own dimension `indirect_dim` (its stride, not the pattern's): the
+            # NKI Library's kernels rely on it (attention_block_tkg: indirect_dim=2 with a two-entry pattern on a
+            # (B, d_head, S) cache; bwmm_shard_on_block: "scalar_offset: block_expert (compiler multiplies by
+            # H*2*I_TP)" for a pattern whose first stride is 2*I_TP)
+            if not 0 <= indirect_dim < self.ndim:
+                raise NkiRuleError("shape", f"ap: indirect_dim {indirect_dim} is not a dimension of {self.name} "
+                                   f"{tuple(self.shape)}")
+            base += value * self.strides[indirect_dim]
         view = NkiTensor(self._buf, [n for _, n in pattern], [st for st, _ in pattern], base, new_dtype)
         if isinstance(scalar_offset, NkiTensor):
             # the DMA reads its address from this tile: the transfer waits for the tile's writer (cost model)
@@ -537,9 +544,14 @@ class NkiTensor:
             # dynamic modes, out-of-bound address checking is turned on automatically during execution", dma_copy
             # page) and raises, or skips the access with oob_mode.skip.
             return _OutOfBoundsView(view, value)
-        view._check_in_bounds()
         if vector_offset is not None:
+            # the pattern's count along `indirect_dim` is the number of rows gathered (one per index of the vector),
+            # not a span of the tensor: each row's address is checked when the DMA runs (`_dma_indirect`)
+            first = NkiTensor(self._buf, [1 if d == indirect_dim else n for d, (_, n) in enumerate(pattern)],
+                              view.strides, base, new_dtype)
+            first._check_in_bounds()
             return _IndirectView(view, vector_offset, indirect_dim)
+        view._check_in_bounds()
         return view
 
     def view(self, dtype):
@@ -605,6 +617,7 @@ class _IndirectView:
         self.shape, self.dtype, self.buffer, self.name = view.shape, view.dtype, view.buffer, view.name
         self.on_chip = False
         self.size = view.size
+        self.itemsize = view.itemsize
 
     def rows(self):
         idx = np.asarray(self.index.read()).reshape(-1).astype(np.int64)

@@ -450,3 +450,175 @@ def test_a_kernel_called_inside_a_kernel_is_inlined_into_the_launch():
 
     with pytest.raises(NkiValidationError, match="nested-launch"):
         with_a_grid(x)
+
+
+# ------------------------------------------------------------- what the NKI Library's MoE CTE kernels need (issue 51)
+def test_core_barrier_lets_each_program_read_what_the_other_wrote():
+    """`nisa.core_barrier`: "all specified NeuronCores must reach [it] before any can proceed": each program writes
+    its half of a shared HBM tensor, passes the barrier, then reads the other's half (the use the reference page
+    names). Run one after the other without the barrier, program 0 would read a half never written."""
+
+    @nki.jit
+    def swap_halves(x):
+        pid = nl.program_id(0)
+        shared = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((4, 8), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[pid * 4:pid * 4 + 4, :])
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=2.0)
+        nisa.dma_copy(dst=shared[pid * 4:pid * 4 + 4, :], src=t)
+        nisa.core_barrier(shared, (0, 1))
+        other = 1 - pid
+        nisa.dma_copy(dst=t, src=shared[other * 4:other * 4 + 4, :])
+        nisa.dma_copy(dst=out[pid * 4:pid * 4 + 4, :], src=t)
+        return out
+
+    x = rand(8, 8)
+    out = swap_halves[2](x)
+    np.testing.assert_array_equal(out, np.concatenate([x[4:], x[:4]]) * 2)
+
+
+def test_core_barrier_count_mismatch_is_refused():
+    @nki.jit
+    def one_sided(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        if nl.program_id(0) == 0:
+            nisa.core_barrier(out, (0, 1))
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    with pytest.raises(NkiRuleError, match=r"\[core-barrier\]"):
+        one_sided[2](rand(4, 4))
+    # alone, a barrier waits for nobody
+    np.testing.assert_array_equal(one_sided(x := rand(4, 4)), x)
+
+
+def test_program_failure_stops_the_launch():
+    @nki.jit
+    def fails_in_program_1(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        if nl.program_id(0) == 1:
+            nisa.dma_copy(dst=t, src=out)  # never written
+        nisa.core_barrier(out, (0, 1))
+        return out
+
+    with pytest.raises(NkiRuleError, match=r"\[uninitialized-read\]"):
+        fails_in_program_1[2](rand(4, 4))
+
+
+def test_dma_compute_adds_sources_in_fp32():
+    a, b = rand(16, 32), rand(16, 32)
+    dst = empty((16, 32), nl.bfloat16)
+    nisa.dma_compute(dst=dst, srcs=[tensors.from_array(a), tile(b)], scales=[1.0, 1.0], reduce_op=nl.add)
+    np.testing.assert_array_equal(dst.read(), (a + b).astype(ml_dtypes.bfloat16))
+    with pytest.raises(NkiRuleError, match="scales"):
+        nisa.dma_compute(dst=dst, srcs=[tile(a), tile(b)], scales=[1.0, 2.0], reduce_op=nl.add)
+    with pytest.raises(NkiRuleError, match="nl.add"):
+        nisa.dma_compute(dst=dst, srcs=[tile(a), tile(b)], scales=None, reduce_op=nl.maximum)
+    with pytest.raises(NkiRuleError, match=r"\[dma-psum\]"):
+        nisa.dma_compute(dst=empty((16, 32), buffer=nl.psum), srcs=[tile(a)], reduce_op=nl.add)
+
+
+def test_scalar_offset_steps_along_the_tensors_dimension():
+    """`.ap(scalar_offset=v, indirect_dim=d)` moves the access by v steps of the tensor's dimension d, whatever the
+    pattern's strides (the NKI Library's kernels: an expert's [H, 2, I] slab read with a pattern whose first stride
+    is 2 I; a (B, d, S) cache written at a runtime position with indirect_dim=2 and a two-entry pattern)."""
+    w = rand(3, 4, 2, 5)  # [E, H, 2, I]
+    expert = tile(np.array([[2]]), nl.int32)
+    dst = empty((4, 2, 5))
+    nisa.dma_copy(dst=dst, src=tensors.from_array(w).ap([[10, 4], [5, 2], [1, 5]], scalar_offset=expert))
+    np.testing.assert_array_equal(dst.read(), w[2])
+    cache = rand(2, 3, 16)  # [B, d, S]
+    pos = tile(np.array([[5]]), nl.int32)
+    col = empty((3, 2))
+    nisa.dma_copy(dst=col, src=tensors.from_array(cache).ap([[16, 3], [1, 2]], offset=1 * 3 * 16, scalar_offset=pos,
+                                                            indirect_dim=2))
+    np.testing.assert_array_equal(col.read(), cache[1, :, 5:7])
+    with pytest.raises(NkiRuleError, match="indirect_dim"):
+        tensors.from_array(cache).ap([[16, 3], [1, 2]], scalar_offset=pos, indirect_dim=3)
+
+
+def test_vector_offset_gather_of_more_rows_than_the_tensor_has_and_oob_rows():
+    """The pattern's count along the indirect dimension is the number of rows gathered (one per index), not a span:
+    128 rows of a 5-row tensor. A row whose index leaves the tensor raises, or is skipped with oob_mode.skip."""
+    data = rand(5, 8)
+    index = np.arange(128) % 5
+    dst = empty((128, 8))
+    nisa.dma_copy(dst=dst, src=tensors.from_array(data).ap([[8, 128], [1, 8]], vector_offset=tile(index[:, None],
+                                                                                                 nl.int32)))
+    np.testing.assert_array_equal(dst.read(), data[index])
+    bad = index.copy()
+    bad[3] = 5
+    view = tensors.from_array(data).ap([[8, 128], [1, 8]], vector_offset=tile(bad[:, None], nl.int32))
+    with pytest.raises(NkiRuleError, match=r"\[out-of-bounds\].*row 3"):
+        nisa.dma_copy(dst=dst, src=view)
+    before = dst.read().copy()
+    nisa.dma_copy(dst=dst, src=view, oob_mode=nisa.oob_mode.skip)
+    expected = data[index]
+    expected[3] = before[3]
+    np.testing.assert_array_equal(dst.read(), expected)
+
+
+def test_tensor_copy_predicated():
+    """Where the predicate is nonzero src's element is copied (a scalar as dst's dtype), elsewhere dst keeps its
+    value; reverse_pred with a scalar; predicate uint8/16/32 only (nki.isa.tensor_copy_predicated, SDK 2.33)."""
+    dst_vals, src_vals = rand(4, 6), rand(4, 6)
+    pred_vals = (rng.random((4, 6)) > 0.5).astype(np.uint8)
+    dst = tile(dst_vals)
+    nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals, nl.uint8))
+    np.testing.assert_array_equal(dst.read(), np.where(pred_vals != 0, src_vals, dst_vals))
+    experts = tile(np.array([[3, 1, 4, 1, 5]]), nl.int32)
+    skip = tile(np.array([[0, 1, 0, 1, 1]]), nl.uint8)
+    nisa.tensor_copy_predicated(dst=experts, src=8, predicate=skip)
+    np.testing.assert_array_equal(experts.read(), [[3, 8, 4, 8, 8]])
+    nisa.tensor_copy_predicated(dst=experts, src=0, predicate=skip, reverse_pred=True)
+    np.testing.assert_array_equal(experts.read(), [[0, 8, 0, 8, 8]])
+    with pytest.raises(NkiRuleError, match="uint8"):
+        nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals.astype(np.float32)))
+    with pytest.raises(NkiRuleError, match="reverse_pred"):
+        nisa.tensor_copy_predicated(dst=dst, src=tile(src_vals), predicate=tile(pred_vals, nl.uint8), reverse_pred=True)
+
+
+def test_sendrecv_pairs_the_nth_calls_of_the_two_programs():
+    """`nisa.sendrecv` in an LNC=2 launch: each program sends its tile to the other's dst and receives the other's
+    ("the Nth sendrecv on one rank rendezvous with the Nth sendrecv on the peer rank", nki.lnc.sendrecv); alone it
+    has no peer."""
+
+    @nki.jit
+    def exchange_twice(x):
+        pid = nl.program_id(0)
+        out = nl.ndarray((2, 2, 8), dtype=x.dtype, buffer=nl.shared_hbm)
+        mine = nl.ndarray((1, 8), dtype=x.dtype, buffer=nl.sbuf)
+        got = nl.ndarray((1, 8), dtype=x.dtype, buffer=nl.sbuf)
+        for n in range(2):
+            nisa.dma_copy(dst=mine, src=x[pid:pid + 1, :])
+            nisa.tensor_scalar(dst=mine, data=mine, op0=nl.add, operand0=float(10 * n))
+            nisa.sendrecv(src=mine, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+            nisa.dma_copy(dst=out[pid, n:n + 1, :], src=got)
+        return out
+
+    x = rand(2, 8)
+    out = exchange_twice[2](x)
+    for pid in (0, 1):
+        for n in (0, 1):
+            np.testing.assert_allclose(out[pid, n], x[1 - pid] + 10 * n, rtol=1e-6)
+    with pytest.raises(NkiRuleError, match="sendrecv"):
+        exchange_twice(x)
+
+
+def test_nc_version_is_ordered_and_a_transposing_matmul_may_keep_the_dtype_on_v3():
+    """The NKI Library compares `get_nc_version() >= nc_version.gen3` and, on NeuronCore-v3, writes a transposing
+    matmul (moving = identity, is_transpose=True) to a PSUM tile of the input's dtype; a plain matmul still needs
+    fp32."""
+    assert nisa.get_nc_version() >= nisa.nc_version.gen3 > nisa.nc_version.gen2
+    x = rand(128, 64).astype(ml_dtypes.bfloat16)
+    eye = tile(np.eye(128), nl.bfloat16)
+    dst = empty((64, 128), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(dst=dst, stationary=tile(x, nl.bfloat16), moving=eye, is_transpose=True)
+    np.testing.assert_array_equal(dst.read(), x.T)
+    with pytest.raises(NkiRuleError, match=r"\[matmul-psum-dst\]"):
+        nisa.nc_matmul(dst=empty((64, 128), nl.bfloat16, buffer=nl.psum), stationary=tile(x, nl.bfloat16),
+                       moving=eye)

@@ -125,6 +125,11 @@ def k_loop(x):  # a dynamic loop's step is a constant, not a register
         pass
 
 
+def k_core_barrier(x):  # launched as two programs, of which only program 0 reaches the barrier
+    if nl.program_id(0) == 0:
+        nisa.core_barrier(x, (0, 1))
+
+
 BREAKERS = {
     "partition-dim": (k_partition_dim, "trn2"),
     "matmul-contraction": (k_matmul_contraction, "trn2"),
@@ -146,6 +151,7 @@ BREAKERS = {
     "dtype": (k_dtype, "trn2"),
     "register": (k_register, "trn2"),
     "loop": (k_loop, "trn2"),
+    "core-barrier": (k_core_barrier, "trn2", 2),
 }
 
 
@@ -155,10 +161,10 @@ def test_every_rule_has_a_breaking_kernel():
 
 @pytest.mark.parametrize("rule", sorted(BREAKERS))
 def test_breaking_kernel_raises_the_named_rule(rule):
-    fn, target = BREAKERS[rule]
+    fn, target, *grid = BREAKERS[rule]
     x = np.ones((128, 64), np.float32)
     with pytest.raises(NkiRuleError, match=rf"^\[{rule}\]") as err:
-        nki.jit(fn).run(x, target=target)
+        nki.jit(fn)[grid or 1].run(x, target=target)
     assert err.value.rule == rule
 
 
