@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks import _nki_workloads as ex
 from optimum_qwen35.kernels.emulator import install_as_nki, isa, language
+from tests.kit.nki_library import unpack_nki_library
 
 rng = np.random.default_rng(0)
 
@@ -190,24 +191,17 @@ def test_published_attention_tutorial_kernels_neuronxcc_api(published, version):
     np.testing.assert_allclose(out, ref, atol=5e-2 if bf16 else 1e-5, rtol=0 if bf16 else 1e-4)
 
 
-LIBRARY_REPO = os.environ.get("OPTIMUM_QWEN35_NKI_LIBRARY_REPO", "/work/.mirror/aws-neuron+nki-library/repo")
-
-
 @pytest.fixture
 def nkilib(tmp_path, monkeypatch):
     """The NKI Library (aws-neuron/nki-library, NKI 0.3) unpacked from a local snapshot, importable as `nkilib`."""
-    if not os.path.isdir(LIBRARY_REPO):
-        pytest.skip(f"no local snapshot {LIBRARY_REPO}")
-    archive = subprocess.run(["git", "--git-dir", LIBRARY_REPO, "archive", "HEAD", "src/nkilib_src"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
+    source = unpack_nki_library(tmp_path)
     for name in list(sys.modules):
         if name == "nkilib" or name.startswith("nkilib."):
             monkeypatch.delitem(sys.modules, name)
     for name in ("nki", "nki.language", "nki.isa", "nki.typing", "nki.compiler"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     install_as_nki(legacy=False)
-    monkeypatch.syspath_prepend(str(tmp_path / "src" / "nkilib_src"))
+    monkeypatch.syspath_prepend(str(source))
     yield
     for name in list(sys.modules):
         if name == "nkilib" or name.startswith("nkilib.") or name == "nki" or name.startswith("nki."):

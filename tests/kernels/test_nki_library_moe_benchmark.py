@@ -4,15 +4,14 @@ directory; skipped otherwise: the library is not in this repository and no test 
 reference and layout checked on our kernel, without the library."""
 
 import importlib.util
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 
-LIBRARY_REPO = os.environ.get("OPTIMUM_QWEN35_NKI_LIBRARY_REPO", "/work/.mirror/aws-neuron+nki-library/repo")
+from tests.kit.nki_library import unpack_nki_library
+
 SMALL = dict(tokens=256, hidden=512, block=128, experts=16, top_k=4, inter=128)  # 23 blocks of 128 rows
 
 
@@ -27,12 +26,8 @@ def bench():
 
 @pytest.fixture
 def kernel(bench, tmp_path):
-    if not os.path.isdir(LIBRARY_REPO):
-        pytest.skip(f"no local snapshot of aws-neuron/nki-library at {LIBRARY_REPO} (OPTIMUM_QWEN35_NKI_LIBRARY_REPO)")
-    archive = subprocess.run(["git", "--git-dir", LIBRARY_REPO, "archive", "HEAD", "src/nkilib_src"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
-    if not (tmp_path / "src/nkilib_src/nkilib/core/moe/moe_cte/bwmm_shard_on_block.py").is_file():
+    source = unpack_nki_library(tmp_path)
+    if not (source / "nkilib/core/moe/moe_cte/bwmm_shard_on_block.py").is_file():
         pytest.skip("the snapshot has no nkilib/core/moe/moe_cte/bwmm_shard_on_block.py")
     path = list(sys.path)
     yield bench.load_library(str(tmp_path))
