@@ -111,7 +111,7 @@ def mtp_export_check(qwen_config: Qwen35Config, source) -> None:
 WEIGHTS_DTYPES = ("fp8",)
 
 
-def check_weights_dtype(weights_dtype, backend: str) -> None:
+def check_weights_dtype(weights_dtype) -> None:
     """`export(..., weights_dtype=...)`: None (the export dtype) or "fp8" (Qwen's block-FP8 weights kept as float8),
     every backend; one line otherwise."""
     if weights_dtype is None:
@@ -142,7 +142,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
 
     `draft_vocab_size` (with `mtp`): the head drafts over that many token ids, the first of the checkpoint's ranking
     (`export_draft_ids`); verification keeps the whole vocabulary (docs/speculative_decoding.md, "Draft vocabulary")."""
-    check_weights_dtype(weights_dtype, backend)
+    check_weights_dtype(weights_dtype)
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype

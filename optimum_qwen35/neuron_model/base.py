@@ -236,7 +236,7 @@ class Qwen35ExportedModel(ExportRunning):
             backend = choose_neuron_backend(neuron_config.target, neuron_backend)
         elif neuron_backend is not None:
             raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
-        check_weights_dtype(weights_dtype, backend)
+        check_weights_dtype(weights_dtype)
         if draft_vocab_size is not None:
             check_draft_vocab(neuron_config.tp_degree, backend, weights_dtype == "fp8")
         if backend == layout.NXD_BACKEND:
