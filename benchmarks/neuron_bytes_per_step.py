@@ -4,7 +4,7 @@ operand dtype of the context-encoding graph.
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py                 # every size at its recommended TP
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --only 2B:4:1   # SIZE:TP:BATCH (repeatable)
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --flops 2B:4:1024   # FLOPs by dtype, context encoding
-    .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --fp8 --only 27B:4:1   # beside the same export with FP8 weights
+    .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --fp8 --only 27B:4:1   # and with FP8 weights, side by side
 
 The graphs are the export's, built shape-only as `benchmarks/neuron_real_shapes.py` builds them (rank 0 of the SPMD
 graph, bf16, trn2, 4096-token cache). Nothing is compiled for Neuron, nothing runs: these are counts over the HLO
@@ -319,7 +319,8 @@ def table(rows: list[dict], on_chip: int) -> list[str]:
              "counted / floor | outputs (logits) |", "|" + "---|" * 13]
     for r in rows:
         f = r["floor"]
-        size = r["size"] + (f" ({r['layers']} layers)" if r.get("layers") else "") + (", FP8" if r["weights"] == "fp8" else "")
+        size = r["size"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+        size += ", FP8" if r["weights"] == "fp8" else ""
         lines.append(f"| {size} | {r['tp']} | {r['batch']} | {fmt(f['weights'])} | {fmt(f['state_read'])} | "
                      f"{fmt(f['state_write'])} | {fmt(r['floor_total'])} | {fmt(r['params'])} | "
                      f"{fmt(r['state_writes'])} | {fmt(r['spilled'])} | {fmt(r['counted'])} | {r['ratio']:.3f} | "

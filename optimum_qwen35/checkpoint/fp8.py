@@ -133,7 +133,8 @@ def _per_element(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, 
     return scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
 
 
-def fit_e4m3_range(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_e4m3_range(weight: torch.Tensor, scale: torch.Tensor,
+                   block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8 weight, expanded scale) with every 128-value run that shares one scale halved, and its scale doubled,
     wherever the run's largest |value| is above 240: the largest finite float8_e4m3 (bias 7, the top exponent for
     inf / NaN), the FP8 E4M3 format of NeuronCore-v2 / v3 (trn1, inf2, trn2). float8_e4m3fn and float8_e4m3 share

@@ -21,14 +21,17 @@ import torch
 
 from optimum_qwen35.backends.nxd import adapter, hlo_contract
 from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
-from tests.kit.neuron_xla import CONTEXT, LOGITS, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, traced_parallel_state
+from tests.kit.neuron_xla import (
+    CONTEXT, LOGITS, TOKENS, XlaGraphs, build_graphs, lower, neuron_config, traced_parallel_state,
+)
 
 from ..conftest import FIXTURES
 from .test_neuron_graphs import column, context_inputs
 
 FIXTURES_2B = FIXTURES / "tiny-2b"
 
-FP8_LOGIT_ATOL = 1e-4  # fp32 activations, as tests/test_parity.py (the graphs hold weights fitted to 240, the eager model not)
+# fp32 activations, as tests/test_parity.py (the graphs hold weights fitted to 240, the eager model not)
+FP8_LOGIT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def _whole_expert_converts(hlo: dict) -> list[str]:
 CONTRACT_CASES = [("tiny-moe", 1, torch.float32), ("tiny-moe", 2, torch.bfloat16), ("tiny-nv3x", 2, torch.bfloat16)]
 
 
-@pytest.mark.parametrize(("layout", "tp", "dtype"), CONTRACT_CASES, ids=[f"{l}-tp{t}-{str(d)[6:]}" for l, t, d in CONTRACT_CASES])
+@pytest.mark.parametrize(("layout", "tp", "dtype"), CONTRACT_CASES,
+                         ids=[f"{l}-tp{t}-{str(d)[6:]}" for l, t, d in CONTRACT_CASES])
 def test_fp8_weight_graphs_hold_float8_and_keep_the_contract(reference, fp8_folders, layout, tp, dtype):
     folder = fp8_folders[layout]
     nc = neuron_config(folder, "trn2", tp, dtype)
@@ -70,7 +74,8 @@ def test_fp8_weight_graphs_hold_float8_and_keep_the_contract(reference, fp8_fold
             if key == TOKENS and "moe" in layout and tp == 1:
                 # (the gathered form: 2 rows x top-2 < 6 experts; at TP 2 a rank's 3 take the all-experts form)
                 assert not _whole_expert_converts(hlo), "token generation dequantizes every expert"
-            print(f"\n{layout} tp{tp} {str(dtype)[6:]} {key}: {len(float8)} float8 inputs, {hlo_contract.dtype_census(hlo)}")
+            print(f"\n{layout} tp{tp} {str(dtype)[6:]} {key}: {len(float8)} float8 inputs, "
+                  f"{hlo_contract.dtype_census(hlo)}")
             found = hlo_contract.violations(hlo, reference)
             if found:
                 failures[key] = found[:20]

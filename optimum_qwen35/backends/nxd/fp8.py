@@ -13,7 +13,8 @@ The Neuron targets of this backend (trn1, inf2, trn2) compute FP8 E4M3 as float8
 for inf / NaN), not Qwen's float8_e4m3fn (max 448): neuronx-cc refuses an F8E4M3FN operand there unless told to read
 it as F8E4M3 (NCC_EVRF051, `--experimental-unsafe-fp8e4m3fn-as-fp8e4m3`). Both formats give the same value to every
 bit pattern up to 240, so each rank's float8 weights are first brought within 240 (`fp8.fit_e4m3_range`: a run of
-128 values sharing a scale halved, the scale doubled) and the flag is then exact (`adapter.FP8_COMPILER_FLAG`, which an FP8 export's graphs compile with).
+128 values sharing a scale halved, the scale doubled) and the flag is then exact (`adapter.FP8_COMPILER_FLAG`, which
+an FP8 export's graphs compile with).
 """
 
 from __future__ import annotations

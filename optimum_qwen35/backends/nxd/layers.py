@@ -33,7 +33,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from neuronx_distributed.modules.moe.experts import Experts
-from neuronx_distributed.modules.moe.moe_parallel_layers import ExpertFusedColumnParallelLinear, ExpertFusedRowParallelLinear
+from neuronx_distributed.modules.moe.moe_parallel_layers import (
+    ExpertFusedColumnParallelLinear,
+    ExpertFusedRowParallelLinear,
+)
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from neuronx_distributed.parallel_layers.mappings import (

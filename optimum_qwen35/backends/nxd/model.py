@@ -210,7 +210,8 @@ class Qwen35NxDModelForCausalLM(NxDModelForCausalLM):
         every safetensors file, prefix stripped, `convert_hf_to_neuron_state_dict`, the tied lm_head)."""
         nc = self.neuron_config
         if fp8.fp8_export(self.config):  # float8 weights split and fitted per rank (backends/nxd/fp8.py)
-            ranks = [fp8.fp8_rank_state_dict(checkpoint_path, self.config, nc.tp_degree, r, nc.torch_dtype) for r in self._ranks()]
+            ranks = [fp8.fp8_rank_state_dict(checkpoint_path, self.config, nc.tp_degree, r, nc.torch_dtype)
+                     for r in self._ranks()]
         else:
             whole = self.get_state_dict(checkpoint_path, self.config, self.neuron_config)
             ranks = [weights.rank_state_dict(whole, nc.tp_degree, r, nc.torch_dtype, self.config) for r in self._ranks()]
