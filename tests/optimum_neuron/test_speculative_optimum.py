@@ -241,7 +241,7 @@ def test_an_nxd_export_made_with_mtp_tells_the_nxd_class(monkeypatch):
             handed.append(config)
             return config
 
-    monkeypatch.setattr(modeling, "_neuron_model_class", lambda target: NxDClass)
+    monkeypatch.setattr(modeling, "_neuron_model_class", lambda target, fp8_weights=False: NxDClass)
     neuron_config = Qwen35NeuronModelForCausalLM.get_neuron_config(FIXTURES / "tiny-2b", target="trn1", tensor_parallel_size=2)
     Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config, mtp=True)
     Qwen35NeuronModelForCausalLM.export(FIXTURES / "tiny-2b", neuron_config)
