@@ -107,7 +107,7 @@ class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
         model_class = _neuron_model_class(neuron_config.target, weights_dtype == "fp8")
         fp8_weights = None
         if weights_dtype == "fp8":
-            from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # the Neuron SDK's backend: imported where used
+            from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # start-up time: an FP8 export only
 
             source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
             fp8_weights = fp8_weight_names(source, Qwen35Config.from_pretrained(source))

@@ -36,7 +36,7 @@ from optimum_qwen35.errors import CheckpointError
 from optimum_qwen35.export import layout
 from optimum_qwen35.modeling.fp8 import hold_fp8_weights
 
-NXD_EXPERT_NAMES = weights.NXD_EXPERT_NAMES
+nxd_name, is_nxd_expert = weights.nxd_name, weights.is_nxd_expert  # (the traced module's names: state_dict.py)
 
 
 def checkpoint_reader(checkpoint_path: str | os.PathLike) -> CheckpointReader:
@@ -64,16 +64,6 @@ def fp8_export(config) -> list[str]:
     """The float8 weights an export's config names (decoder names), [] for an export without FP8 weights."""
     entry = getattr(config, layout.FP8_EXPORT_KEY, None)
     return list(entry["weights"]) if entry else []
-
-
-def nxd_name(name: str) -> str:
-    """A decoder weight's name in the NxD traced module (the MoE experts are neuronx-distributed's `Experts`)."""
-    suffix = next((s for s in NXD_EXPERT_NAMES if name.endswith(s)), None)
-    return name if suffix is None else name[: -len(suffix)] + NXD_EXPERT_NAMES[suffix]
-
-
-def is_nxd_expert(name: str) -> bool:
-    return name.endswith(tuple(NXD_EXPERT_NAMES))
 
 
 def scale_shape(name: str, shard_shape: tuple[int, ...], config: Qwen35Config, tp_degree: int) -> tuple[int, ...]:

@@ -160,17 +160,21 @@ NXD_EXPERT_NAMES = {"mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj.weight
                     "mlp.experts.down_proj": "mlp.experts.down_proj.weight"}
 
 
+def is_nxd_expert(name: str) -> bool:
+    return name.endswith(tuple(NXD_EXPERT_NAMES))
+
+
+def nxd_name(name: str) -> str:
+    """A decoder tensor's name in the NxD traced module (the MoE experts are neuronx-distributed's `Experts`)."""
+    suffix = next((s for s in NXD_EXPERT_NAMES if name.endswith(s)), None)
+    return name if suffix is None else name[: -len(suffix)] + NXD_EXPERT_NAMES[suffix]
+
+
 def nxd_expert_tensors(rank_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One rank's tensors with the MoE experts as neuronx-distributed's `Experts` holds them (module docstring);
     a dense model's are returned as they are."""
-    out = {}
-    for name, tensor in rank_tensors.items():
-        suffix = next((s for s in NXD_EXPERT_NAMES if name.endswith(s)), None)
-        if suffix is None:
-            out[name] = tensor
-        else:
-            out[name[: -len(suffix)] + NXD_EXPERT_NAMES[suffix]] = tensor.transpose(1, 2).contiguous()
-    return out
+    return {nxd_name(name): tensor.transpose(1, 2).contiguous() if is_nxd_expert(name) else tensor
+            for name, tensor in rank_tensors.items()}
 
 
 # ------------------------------------------------------------------------------------- vision exports
