@@ -5,6 +5,7 @@ operand dtype of the context-encoding graph.
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --only 2B:4:1   # SIZE:TP:BATCH (repeatable)
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --flops 2B:4:1024   # FLOPs by dtype, context encoding
     .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --fp8 --only 27B:4:1   # and with FP8 weights, side by side
+    .nox/neuron/bin/python benchmarks/neuron_bytes_per_step.py --fp8 --fp8-lm-head --only 2B:4:1   # lm_head in FP8 too
 
 The graphs are the export's, built shape-only as `benchmarks/neuron_real_shapes.py` builds them (rank 0 of the SPMD
 graph, bf16, trn2, 4096-token cache). Nothing is compiled for Neuron, nothing runs: these are counts over the HLO
@@ -226,7 +227,7 @@ def moe_folder(tmp: Path, layers: int | None = None) -> Path:
 
 
 def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers: int | None = None,
-            fp8_weights: bool = False):
+            fp8_weights: bool = False, fp8_lm_head: bool = False):
     """(HloModuleProto as JSON, the graph's aliased output indices, {param number: name}, rank shapes or None)."""
     import torch_xla
 
@@ -234,7 +235,7 @@ def lowered(size: str, tp: int, batch: int, sequence: int, key: str, moe_layers:
         folder = moe_folder(Path(tmp), moe_layers) if size == "35B-A3B" else shapes_bench.config_folder(size, Path(tmp))
         nc = neuron_config(folder, "trn2", tp, torch.bfloat16, batch, sequence)
         with traced_parallel_state(tp, nc.logical_nc_config):
-            graphs = shapes_bench.build_modules(folder, nc, keys=(key,), fp8_weights=fp8_weights)
+            graphs = shapes_bench.build_modules(folder, nc, keys=(key,), fp8_weights=fp8_weights, fp8_lm_head=fp8_lm_head)
             graph = graphs[key]
             _, hlo = shapes_bench.lower_graph(graph, proto=True)
             # Parameter numbers of the module's tensors: lower once more with a lowering context to read them.
@@ -289,9 +290,9 @@ def floor_bytes(traffic: dict, names: dict, info: dict, hlo: dict) -> dict:
 
 
 def run(size: str, tp: int, batch: int, sequence: int, on_chip: int, top: int, moe_layers: int | None = None,
-        fp8_weights: bool = False):
+        fp8_weights: bool = False, fp8_lm_head: bool = False):
     start = time.perf_counter()
-    hlo, aliased, names, info = lowered(size, tp, batch, sequence, TOKENS, moe_layers, fp8_weights)
+    hlo, aliased, names, info = lowered(size, tp, batch, sequence, TOKENS, moe_layers, fp8_weights, fp8_lm_head)
     traffic = hbm_traffic(hlo, aliased, on_chip)
     floor = floor_bytes(traffic, names, info, hlo)
     # What the graph reads of its parameters beyond the floor's "weights once": a weight read partly counts less.
@@ -303,7 +304,7 @@ def run(size: str, tp: int, batch: int, sequence: int, on_chip: int, top: int, m
            "params": counted_params, "state_writes": traffic["state_writes"], "spilled": spilled,
            "outputs": traffic["outputs"], "counted": counted, "ratio": counted / floor_total,
            "top_spills": traffic["spills"].most_common(top), "seconds": time.perf_counter() - start,
-           "layers": moe_layers, "weights": "fp8" if fp8_weights else "bf16"}
+           "layers": moe_layers, "weights": ("fp8 + lm_head" if fp8_lm_head else "fp8") if fp8_weights else "bf16"}
     return row
 
 
@@ -320,7 +321,7 @@ def table(rows: list[dict], on_chip: int) -> list[str]:
     for r in rows:
         f = r["floor"]
         size = r["size"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
-        size += ", FP8" if r["weights"] == "fp8" else ""
+        size += {"bf16": "", "fp8": ", FP8", "fp8 + lm_head": ", FP8 with lm_head"}[r["weights"]]
         lines.append(f"| {size} | {r['tp']} | {r['batch']} | {fmt(f['weights'])} | {fmt(f['state_read'])} | "
                      f"{fmt(f['state_write'])} | {fmt(r['floor_total'])} | {fmt(r['params'])} | "
                      f"{fmt(r['state_writes'])} | {fmt(r['spilled'])} | {fmt(r['counted'])} | {r['ratio']:.3f} | "
@@ -328,17 +329,17 @@ def table(rows: list[dict], on_chip: int) -> list[str]:
     return lines
 
 
-def fp8_table(pairs: list[tuple[dict, dict]]) -> list[str]:
+def fp8_table(groups: list[list[dict]]) -> list[str]:
     """The same exports with bf16 and FP8 weights side by side (module docstring: the dequantization on chip)."""
     lines = ["Decode step HBM bytes per rank, bf16 weights against FP8 weights (Qwen's rule: lm_head, router, "
-             "shared-expert gate, in_proj_a / in_proj_b, embedding and norms stay bf16):",
-             "| size | TP | batch | counted, bf16 | counted, FP8 | FP8 / bf16 | floor: weights, bf16 | "
-             "floor: weights, FP8 | ratio |", "|" + "---|" * 9]
-    for bf16, f8 in pairs:
+             "shared-expert gate, in_proj_a / in_proj_b, embedding and norms stay bf16; `fp8_lm_head`: lm_head FP8 too):",
+             "| size | TP | batch | weights | counted | against bf16 | floor: weights | against bf16 |", "|" + "---|" * 8]
+    for bf16, *others in groups:
         size = bf16["size"] + (f" ({bf16['layers']} layers)" if bf16.get("layers") else "")
-        lines.append(f"| {size} | {bf16['tp']} | {bf16['batch']} | {fmt(bf16['counted'])} | {fmt(f8['counted'])} | "
-                     f"{f8['counted'] / bf16['counted']:.3f} | {fmt(bf16['floor']['weights'])} | "
-                     f"{fmt(f8['floor']['weights'])} | {f8['floor']['weights'] / bf16['floor']['weights']:.3f} |")
+        for r in (bf16, *others):
+            lines.append(f"| {size} | {bf16['tp']} | {bf16['batch']} | {r['weights']} | {fmt(r['counted'])} | "
+                         f"{r['counted'] / bf16['counted']:.3f} | {fmt(r['floor']['weights'])} | "
+                         f"{r['floor']['weights'] / bf16['floor']['weights']:.3f} |")
     return lines
 
 
@@ -365,6 +366,7 @@ def main():
     parser.add_argument("--moe-layers", type=int, default=None,
                         help="the 35B-A3B with its first N layers (default all 40)")
     parser.add_argument("--fp8", action="store_true", help="each configuration also with FP8 weights, side by side")
+    parser.add_argument("--fp8-lm-head", action="store_true", help="with --fp8: also with lm_head in FP8 (fp8_lm_head)")
     parser.add_argument("--flops", action="append", metavar="SIZE:TP:TOKENS",
                         help="matmul FLOPs by operand dtype of the context-encoding graph (repeatable)")
     args = parser.parse_args()
@@ -376,21 +378,22 @@ def main():
     plan = ([(s, int(t), int(b)) for s, t, b in (o.split(":") for o in args.only)] if args.only else
             [(size, tp, batch) for size, tp in RECOMMENDED.items() for batch in (1, 8)])
     on_chip = int(args.on_chip * MIB)
-    rows, pairs = [], []
+    rows, groups = [], []
+    forms = [(False, False), *([(True, False)] if args.fp8 else []), *([(True, True)] if args.fp8 and args.fp8_lm_head else [])]
     for size, tp, batch in plan:
-        for fp8_weights in (False, True) if args.fp8 else (False,):
+        for fp8_weights, fp8_lm_head in forms:
             row = run(size, tp, batch, args.sequence, on_chip, args.top,
-                      args.moe_layers if size == "35B-A3B" else None, fp8_weights)
+                      args.moe_layers if size == "35B-A3B" else None, fp8_weights, fp8_lm_head)
             rows.append(row)
             print(f"{size} TP {tp} batch {batch} ({row['weights']} weights): counted {fmt(row['counted'])} / floor "
                   f"{fmt(row['floor_total'])} = {row['ratio']:.3f} in {row['seconds']:.0f} s", flush=True)
             for what, n in row["top_spills"]:
                 print(f"    spilled {fmt(n)}: {what}", flush=True)
         if args.fp8:
-            pairs.append((rows[-2], rows[-1]))
+            groups.append(rows[-len(forms):])
     print("\n".join(table(rows, on_chip)))
-    if pairs:
-        print("\n".join(fp8_table(pairs)))
+    if groups:
+        print("\n".join(fp8_table(groups)))
 
 
 if __name__ == "__main__":

@@ -144,17 +144,23 @@ def _placeholders(module: torch.nn.Module) -> None:
 
 
 def build_modules(folder: Path, nc, keys=(CONTEXT, TOKENS), placeholders: bool = True,
-                  fp8_weights: bool = False) -> dict[str, ShapeGraph]:
+                  fp8_weights: bool = False, fp8_lm_head: bool = False) -> dict[str, ShapeGraph]:
     """The export's graph modules (rank 0) built on `meta`; with `placeholders`, moved to XLA as placeholders;
-    `fp8_weights`: an export with FP8 weights (the weights Qwen's FP8 releases quantize, backends/nxd/fp8.py)."""
+    `fp8_weights`: an export with FP8 weights (the weights Qwen's FP8 releases quantize, backends/nxd/fp8.py);
+    `fp8_lm_head`: and its lm_head (untied)."""
     from optimum_qwen35.backends.nxd.fp8 import rule_weight_names
+    from optimum_qwen35.checkpoint.quantize import untied
     from optimum_qwen35.config import Qwen35Config
     from optimum_qwen35.export.layout import FP8_EXPORT_KEY
 
     cls = model_class()
     config = export_config(folder, nc)
     if fp8_weights:  # (a config folder, no weights to read: the names by Qwen's rule)
-        setattr(config, FP8_EXPORT_KEY, {"weights": rule_weight_names(Qwen35Config.from_pretrained(folder))})
+        qwen_config = Qwen35Config.from_pretrained(folder)
+        if fp8_lm_head:
+            qwen_config = Qwen35Config.from_dict(untied(qwen_config.raw))
+            config.tie_word_embeddings = False
+        setattr(config, FP8_EXPORT_KEY, {"weights": rule_weight_names(qwen_config, fp8_lm_head)})
     with torch.device("meta"):
         builders = cls.create_graph_builders(config, nc)
     graphs = {}

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from optimum_qwen35.checkpoint import CheckpointReader, fp8
 from optimum_qwen35.checkpoint.convert import convert_mtp
+from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
 from optimum_qwen35.checkpoint.shard import convert_and_shard
 from optimum_qwen35.checkpoint.sharded_files import save_sharded
 from optimum_qwen35.config import Qwen35Config
@@ -83,6 +84,9 @@ def folders(tmp_path_factory):
     for name, (layout, form) in cases.items():
         q = build_tiny_fp8_checkpoint(root / name, layout, expert_form=form)
         out[name] = (q, write_unquantized(q, root / f"{name}-f64"))
+    # tiny-2b with its lm_head in FP8 too (`fp8_lm_head`, past Qwen's format: quantized from the FP8 checkpoint).
+    q = quantize_checkpoint(out["tiny-2b"][0], root / "tiny-2b-lm_head", lm_head=True)
+    out["tiny-2b-lm_head"] = (q, write_unquantized(q, root / "tiny-2b-lm_head-f64"))
     return out
 
 
@@ -314,7 +318,7 @@ def test_kept_fp8_shards_dequantize_to_the_dequantized_shards(folders, name, tp)
             assert torch.equal(got, want[n]), f"{name} TP {tp} rank {rank}: {n}"
 
 
-@pytest.mark.parametrize("name", ["tiny-2b", "tiny-nv3x", "tiny-moe", "tiny-moe-top1"])
+@pytest.mark.parametrize("name", ["tiny-2b", "tiny-nv3x", "tiny-moe", "tiny-moe-top1", "tiny-2b-lm_head"])
 def test_kept_fp8_model_equals_the_dequantized_bf16_model(folders, name):
     """The model holding float8 weights (bf16 activations, fp32 DeltaNet state, the MTP head loaded too) gives the
     logits of the model dequantized to bf16 at load, bit for bit on this CPU, over 520 positions (the dequantized
@@ -344,12 +348,13 @@ def test_keeping_fp8_needs_an_fp8_checkpoint(folders):
 
 
 @pytest.mark.reference  # transformers >= 5 (the reference session)
-@pytest.mark.parametrize("name", ["tiny-2b", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-2b", "tiny-moe", "tiny-2b-lm_head"])
 def test_kept_fp8_is_no_worse_than_transformers_bf16(folders, name):
     """Truth: the dequantized model in float64 (our float64 path, equal to the oracle to 1e-13 for the dense one,
     above). Over 520 teacher-forced positions the FP8-weight path (bf16 activations) is no worse than transformers'
     bf16 run of the same dequantized model, by mean |dlogit| and top-1 agreement. Measured: dense
-    0.0254 / 0.952 against transformers 0.0300 / 0.950; MoE 0.0602 / 0.883 against 0.0635 / 0.875."""
+    0.0254 / 0.952 against transformers 0.0300 / 0.950; MoE 0.0602 / 0.883 against 0.0635 / 0.875; dense with its
+    lm_head in FP8 (the truth then its dequantized lm_head) 0.0254 / 0.967 against 0.0301 / 0.954."""
     import transformers
 
     from optimum_qwen35.runtime.eager import load_decoder
@@ -384,6 +389,7 @@ def test_quantize_checkpoint_writes_qwens_format(tmp_path):
 
     src = build_tiny_checkpoint(tmp_path / "src", "tiny-moe", dtype="float32")
     out = quantize_checkpoint(src, tmp_path / "fp8")
+    assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     want = build_tiny_fp8_checkpoint(tmp_path / "want", "tiny-moe")
     got_t, want_t = exact_dequantized(out), exact_dequantized(want)
     assert got_t.keys() == want_t.keys() and all(torch.equal(got_t[k], want_t[k]) for k in got_t)
@@ -396,6 +402,43 @@ def test_quantize_checkpoint_writes_qwens_format(tmp_path):
     with pytest.raises(UsageError, match="exists"):
         quantize_checkpoint(src, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp8", "src", "want"]
+
+
+def test_quantize_checkpoint_with_lm_head_unties_it(tmp_path):
+    """`lm_head=True` (`fp8_lm_head`): a tied bf16 checkpoint gets its own float8 `lm_head.weight`, the quantized
+    embedding, which stays bf16; config.json unties them at both levels and no longer lists lm_head as kept; an FP8
+    checkpoint keeps every stored tensor and gains only its lm_head's quantization; done twice, it is refused."""
+    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+    from optimum_qwen35.errors import UsageError
+    from tests.kit import build_tiny_checkpoint
+
+    src = build_tiny_checkpoint(tmp_path / "src", "tiny-2b", dtype="bfloat16")
+    assert Qwen35Config.from_pretrained(src).tie_word_embeddings
+    out = quantize_checkpoint(src, tmp_path / "fp8", lm_head=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["tie_word_embeddings"] is False and not Qwen35Config.from_pretrained(out).tie_word_embeddings
+    assert "lm_head" not in config["quantization_config"]["modules_to_not_convert"]
+    embedding = "model.language_model.embed_tokens.weight"
+    got, source = stored_tensors(out), stored_tensors(src)
+    assert got["lm_head.weight"].dtype == fp8.FP8_DTYPE and got[embedding].dtype == torch.bfloat16
+    head, scale = fp8.quantize(source[embedding])
+    assert torch.equal(got["lm_head.weight"].view(torch.uint8), head.view(torch.uint8))
+    assert torch.equal(got["lm_head.weight_scale_inv"], scale)
+    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
+    before, after = stored_tensors(q), stored_tensors(quantize_checkpoint(q, tmp_path / "q-lm_head", lm_head=True))
+    assert set(after) == set(before) | {"lm_head.weight", "lm_head.weight_scale_inv"}
+    assert all(torch.equal(after[k].view(torch.uint8), before[k].view(torch.uint8)) for k in before)
+    with pytest.raises(UsageError, match="already an FP8 checkpoint"):
+        quantize_checkpoint(tmp_path / "q-lm_head", tmp_path / "again", lm_head=True)
+
+
+def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder as stored, by its key."""
+    out = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
 
 
 def test_fp8_folder_is_about_half_the_bf16_one(tmp_path):

@@ -143,6 +143,26 @@ def test_bf16_checkpoint_quantized_at_export_is_about_half_the_bf16_export(tmp_p
     assert 0.5 < ratio < 0.6
 
 
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.matrix), 2])
+def test_fp8_lm_head_export_generates_what_the_eager_model_generates(tmp_path, tp):
+    """`fp8_lm_head=True` on a tied bf16 checkpoint: the export holds lm_head as float8 (split by vocabulary at TP 2,
+    with its scales) beside the bf16 embedding, its config untied, and generates the eager FP8-weight model's tokens
+    of `quantize_checkpoint(..., lm_head=True)`'s folder (TP 1 is the same path unsplit: a matrix point)."""
+    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+    from tests.kit import build_tiny_checkpoint
+
+    src = build_tiny_checkpoint(tmp_path / "src", "tiny-2b", dtype="bfloat16")
+    folder = export(src, tmp_path / "out", tp, weights_dtype="fp8", fp8_lm_head=True)
+    check_fp8_metadata(folder, tp)
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
+    for rank in range(tp):
+        with safe_open(folder / CHECKPOINT_DIR / rank_file(rank), "pt") as f:
+            assert f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3"
+            assert f.get_slice("lm_head.weight_scale").get_shape() == [512 // tp, 1]
+            assert f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
+    assert exported_tokens(folder) == eager_tokens(quantize_checkpoint(src, tmp_path / "q", lm_head=True), tp)
+
+
 def test_sharded_fp8_rank_files_load_as_the_checkpoint_and_refuse_damaged_scales(tmp_path):
     """`save_sharded(weights_dtype="fp8")` at TP 2: each rank's float8 shards and scales are the ones
     `load_decoder(weights_dtype="fp8")` holds from the checkpoint; a scale of the wrong shape is refused in one line

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from safetensors import safe_open
 
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
-from optimum_qwen35.export.layout import CHECKPOINT_DIR, COMPILED_DIR, GRAPHS_FILE, TP_SHARDS_FILE
+from optimum_qwen35.export.layout import CHECKPOINT_DIR, COMPILED_DIR, GRAPHS_FILE, TP_SHARDS_FILE, rank_file
 from optimum_qwen35.runtime import Qwen35Runtime
 from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
 
@@ -37,6 +38,8 @@ NXD_NEEDS = ("NxD stack", "needs the Neuron backend, but the Neuron SDK")
     ({"weights_dtype": "int8"}, ("weights_dtype 'int8' is not supported: 'fp8'",)),
     ({"weights_dtype": "fp8", "target": "trn1"}, NXD_NEEDS),
     ({"weights_dtype": "fp8", "target": "trn2", "neuron_backend": "nxd"}, NXD_NEEDS),
+    ({"fp8_lm_head": True}, ("fp8_lm_head=True quantizes lm_head with the other FP8 weights: pass weights_dtype='fp8'",)),
+    ({"weights_dtype": "fp8", "fp8_lm_head": "yes"}, ("fp8_lm_head must be True or False",)),
 ])
 def test_refusals_are_one_line_and_write_nothing(tmp_path, kwargs, needles):
     q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
@@ -49,14 +52,18 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, kwargs, needles):
 
 
 def test_command_line_flag(tmp_path, capsys):
-    """`optimum-qwen35 export --weights_dtype fp8` writes an FP8 export; an NxD target without the Neuron SDK is refused
-    in one line before anything is written; an unknown value is refused by the parser."""
+    """`optimum-qwen35 export --weights_dtype fp8 --fp8_lm_head` writes an FP8 export, lm_head too (quantized from the
+    FP8 checkpoint's tied embedding, untied); an NxD target without the Neuron SDK is refused in one line before
+    anything is written; an unknown value is refused by the parser."""
     from optimum_qwen35.cli import main
 
     q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
     common = ["export", "--model", str(q), "--sequence_length", str(LENGTH), "--torch_dtype", "bfloat16"]
-    assert main([*common, "--target", "cpu", "--weights_dtype", "fp8", str(tmp_path / "out")]) == 0
+    assert main([*common, "--target", "cpu", "--weights_dtype", "fp8", "--fp8_lm_head", str(tmp_path / "out")]) == 0
     check_fp8_metadata(tmp_path / "out", 1)
+    with safe_open(tmp_path / "out" / CHECKPOINT_DIR / rank_file(0), "pt") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3" and f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
     assert main([*common, "--target", "trn1", "--tensor_parallel_size", "1", "--weights_dtype", "fp8", str(tmp_path / "nxd")]) != 0
     err = capsys.readouterr().err
     assert any(n in err for n in NXD_NEEDS), err
@@ -70,5 +77,5 @@ def test_optimum_cli_passes_the_flag_on():
     flag to `optimum-qwen35 export`."""
     from optimum_qwen35.cli.optimum_cli import translate
 
-    export_args, instance_type, _ = translate(["-m", "q", "--instance_type", "cpu", "--weights_dtype", "fp8", "out"])
-    assert instance_type == "cpu" and export_args == ["--model", "q", "--weights_dtype", "fp8", "out"]
+    export_args, instance_type, _ = translate(["-m", "q", "--instance_type", "cpu", "--weights_dtype", "fp8", "--fp8_lm_head", "out"])
+    assert instance_type == "cpu" and export_args == ["--model", "q", "--weights_dtype", "fp8", "--fp8_lm_head", "out"]

@@ -64,6 +64,29 @@ def test_the_quantizing_reader_serves_what_quantize_checkpoint_writes(tmp_path, 
         assert sum(t.dtype == fp8.FP8_DTYPE for t in ours.values()) > 0
 
 
+def test_the_quantizing_reader_with_lm_head_serves_what_quantize_checkpoint_writes(tmp_path):
+    """`lm_head=True` (`fp8_lm_head`): a tied bf16 checkpoint read untied, its lm_head the embedding's float8 copy,
+    and an FP8 checkpoint read as stored but for its lm_head: each rank's bytes those of `quantize_checkpoint(...,
+    lm_head=True)`'s folder, at TP 1 and 2 (lm_head split by vocabulary with its scales)."""
+    from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
+
+    bf16 = FIXTURES / "tiny-2b"
+    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
+    for source in (bf16, q):
+        written_folder = quantize_checkpoint(source, tmp_path / f"{source.name}-lm_head", lm_head=True)
+        config, written = Qwen35Config.from_pretrained(written_folder), CheckpointReader(written_folder)
+        assert not config.tie_word_embeddings and written.is_fp8("lm_head.weight")
+        for tp, rank in ((1, 0), (2, 1)):
+            ours = fp8_rank_tensors(QuantizingReader(source, lm_head=True), config, tp, rank, torch.bfloat16, e4m3_range=True)
+            theirs = fp8_rank_tensors(written, config, tp, rank, torch.bfloat16, e4m3_range=True)
+            assert ours.keys() == theirs.keys() and ours["lm_head.weight"].dtype == fp8.FP8_DTYPE
+            for name, tensor in ours.items():
+                as_bits = (lambda t: t.view(torch.uint8)) if tensor.dtype == fp8.FP8_DTYPE else (lambda t: t)
+                assert torch.equal(as_bits(tensor), as_bits(theirs[name])), (source.name, tp, rank, name)
+    assert "lm_head.weight" not in nxd_fp8.checkpoint_reader(q)  # (tied)
+    assert nxd_fp8.checkpoint_reader(q, lm_head=True).is_fp8("lm_head.weight")
+
+
 def test_the_quantizing_reader_refuses_an_fp8_checkpoint(tmp_path):
     from optimum_qwen35.tiny.fp8 import build_tiny_fp8_checkpoint
 

@@ -67,6 +67,9 @@ def add_export_arguments(p) -> None:
     p.add_argument("--weights_dtype", choices=["fp8"],
                    help="fp8: the linear weights as float8 with Qwen's 128x128 block scales (an FP8 checkpoint's as they "
                    "are, a bf16 one's quantized at export); every target; docs/fp8.md")
+    p.add_argument("--fp8_lm_head", action="store_true",
+                   help="with --weights_dtype fp8: lm_head in FP8 too (Qwen's format keeps it bf16), untied from the "
+                   "embedding; the small sizes' largest weight; docs/fp8.md")
     p.add_argument("out", help="the export folder to write")
 
 
@@ -145,6 +148,7 @@ def cmd_export(args) -> int:
         args.model, neuron_config, revision=args.revision, vision=args.vision, image_buckets=args.image_buckets,
         neuron_backend=args.neuron_backend, mtp=args.mtp, **({"weights_dtype": args.weights_dtype} if args.weights_dtype else {}),
         **({"draft_vocab_size": args.draft_vocab_size} if args.draft_vocab_size is not None else {}),
+        **({"fp8_lm_head": True} if args.fp8_lm_head else {}),
     )
     model.save_pretrained(out, overwrite=args.overwrite)
     backend = getattr(model, "backend", None)  # (the NxD class has none: optimum-neuron's own export)

@@ -30,7 +30,7 @@ VALUE_FLAGS = {"--model": "--model", "-m": "--model", "--task": "--task", "--bat
 COMPILER_VALUE_FLAGS = {"--auto_cast", "--compiler_workdir"}
 COMPILER_SWITCHES = {"-O1", "-O2", "-O3", "--disable_neuron_cache", "--inline-weights-neff", "--disable-validation"}
 # Switches passed on as they are: `--overwrite`, which the export's own "folder not empty" error names.
-SWITCHES = {"--overwrite": "--overwrite"}
+SWITCHES = {"--overwrite": "--overwrite", "--fp8_lm_head": "--fp8_lm_head"}
 NEURON_INSTANCE_TYPES = ("trn1", "inf2", "trn1n", "trn2")
 DTYPES = ("bfloat16", "float32")
 # `--auto_cast_type` (optimum-neuron's README and most Neuron model cards export decoders with `bf16`): the export's
@@ -39,7 +39,7 @@ AUTO_CAST_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 HELP = f"""usage: {PROG} --model MODEL [--instance_type {{cpu,{','.join(NEURON_INSTANCE_TYPES)}}}]
        [--task text-generation] [--batch_size N] [--sequence_length N] [--tensor_parallel_size N]
        [--torch_dtype {{{','.join(DTYPES)}}} | --auto_cast_type {{{','.join(AUTO_CAST_DTYPES)}}}] [--weights_dtype fp8]
-       [--overwrite] OUTPUT
+       [--fp8_lm_head] [--overwrite] OUTPUT
 
 Export Qwen3.5 with optimum-neuron's flags (optimum-qwen35; the Neuron SDK is not installed here).
 `--instance_type cpu` exports for this machine's CPU; `trn2` for TorchNeuron (no SDK needed to export: a trn2/trn3
@@ -57,6 +57,7 @@ arguments:
   --torch_dtype DTYPE        bfloat16 or float32 (default: the checkpoint's)
   --auto_cast_type TYPE      bf16 or fp32: the export's dtype, as --torch_dtype bfloat16 / float32
   --weights_dtype fp8        FP8 weights (Qwen's 128x128 blocks; a bf16 checkpoint is quantized); every target
+  --fp8_lm_head              with --weights_dtype fp8: lm_head in FP8 too (Qwen's format keeps it bf16)
   --overwrite                replace an existing export in OUTPUT
   -h, --help                 show this help and exit
 

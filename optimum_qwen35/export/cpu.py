@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from optimum_qwen35.checkpoint.fp8 import fp8_format
-from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+from optimum_qwen35.checkpoint.quantize import needs_quantizing, quantize_checkpoint
 from optimum_qwen35.checkpoint.sharded_files import read_manifest, save_mtp_weights, save_sharded
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import ExportError, HubError, IncompatibleExportError, UsageError
@@ -58,12 +57,16 @@ def export_token_buckets(sequence_length: int, backend: str) -> list[int] | None
     return None
 
 
-def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0, fp8_weights=None):
+def export_config(config, model_id, dtype, vision=None, max_speculative_tokens: int = 0, fp8_weights=None,
+                  fp8_lm_head: bool = False):
     """The text config as saved next to the export: it names its source and the compiled dtype; `vision`:
     (VisionConfig, image buckets) of a vision export on a Neuron target, which the NxD class reads from it;
     `max_speculative_tokens` > 0: an NxD export made with mtp=True (the NxD class builds the speculative graphs);
-    `fp8_weights`: the decoder weights an NxD export with FP8 weights holds as float8 (backends/nxd/fp8.py)."""
+    `fp8_weights`: the decoder weights an NxD export with FP8 weights holds as float8 (backends/nxd/fp8.py);
+    `fp8_lm_head`: an export whose lm_head is float8, its own weight even where the checkpoint ties it (untied)."""
     config = copy.deepcopy(config.get_text_config() if hasattr(config, "get_text_config") else config)
+    if fp8_lm_head:
+        config.tie_word_embeddings = False
     # optimum-neuron 0.4.5 takes the checkpoint from `_name_or_path`, which is empty on a nested config's text part.
     config._name_or_path = os.fspath(model_id)
     config.dtype = dtype
@@ -111,9 +114,13 @@ def mtp_export_check(qwen_config: Qwen35Config, source) -> None:
 WEIGHTS_DTYPES = ("fp8",)
 
 
-def check_weights_dtype(weights_dtype) -> None:
+def check_weights_dtype(weights_dtype, fp8_lm_head: bool = False) -> None:
     """`export(..., weights_dtype=...)`: None (the export dtype) or "fp8" (Qwen's block-FP8 weights kept as float8),
-    every backend; one line otherwise."""
+    every backend, `fp8_lm_head` with "fp8" only; one line otherwise."""
+    if fp8_lm_head is not True and fp8_lm_head is not False:
+        raise UsageError(f"fp8_lm_head must be True or False, got {fp8_lm_head!r}")
+    if fp8_lm_head and weights_dtype != "fp8":
+        raise UsageError("fp8_lm_head=True quantizes lm_head with the other FP8 weights: pass weights_dtype='fp8' with it")
     if weights_dtype is None:
         return
     if weights_dtype not in WEIGHTS_DTYPES:
@@ -122,7 +129,7 @@ def check_weights_dtype(weights_dtype) -> None:
 
 def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = False, image_buckets=None,
                backend: str = layout.CPU_BACKEND, mtp: bool = False, weights_dtype: str | None = None,
-               draft_vocab_size: int | None = None) -> Path:
+               draft_vocab_size: int | None = None, fp8_lm_head: bool = False) -> Path:
     """Export the checkpoint folder `source` for the cpu target into a new work folder (returned; the caller owns
     it). `config` is the transformers text config, `neuron_config` optimum-neuron's NxDNeuronConfig (target "cpu").
     With `vision`, the vision tower's programs too, one per image bucket.
@@ -139,10 +146,11 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
     of an FP8 checkpoint as they are, a bf16 / fp32 checkpoint's quantized first to Qwen's block-FP8 format
     (checkpoint/quantize.py, in a scratch folder); the graphs dequantize each beside its matmul. The MTP head and the
     vision tower are stored dequantized in the export dtype. Without it an FP8 checkpoint is dequantized at export.
+    `fp8_lm_head` (with it): lm_head too, untied from the embedding (`quantize_checkpoint(lm_head=True)`).
 
     `draft_vocab_size` (with `mtp`): the head drafts over that many token ids, the first of the checkpoint's ranking
     (`export_draft_ids`); verification keeps the whole vocabulary (docs/speculative_decoding.md, "Draft vocabulary")."""
-    check_weights_dtype(weights_dtype)
+    check_weights_dtype(weights_dtype, fp8_lm_head)
     qwen_config = Qwen35Config.from_pretrained(source)
     qwen_config.check_tp_degree(neuron_config.tp_degree)
     dtype = neuron_config.torch_dtype
@@ -158,9 +166,11 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
     scratch = None
     try:
         weights_source, fp8_shapes = source, None
-        if weights_dtype == "fp8" and fp8_format(json.loads((Path(source) / "config.json").read_text())) is None:
+        if weights_dtype == "fp8" and needs_quantizing(json.loads((Path(source) / "config.json").read_text()), fp8_lm_head):
             scratch = Path(tempfile.mkdtemp(prefix="qwen35-fp8-"))
-            weights_source = quantize_checkpoint(source, scratch / "fp8")
+            weights_source = quantize_checkpoint(source, scratch / "fp8", lm_head=fp8_lm_head)
+        if fp8_lm_head:  # its lm_head is its own weight now (quantize_checkpoint unties it)
+            qwen_config = Qwen35Config.from_pretrained(weights_source)
         save_sharded(weights_source, qwen_config, neuron_config.tp_degree, work / layout.CHECKPOINT_DIR, dtype,
                      weights_dtype=weights_dtype)
         if weights_dtype == "fp8":
@@ -171,7 +181,7 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             copy_processor_files(source, work)
         if mtp:
             save_mtp_weights(source, qwen_config, dtype, work / layout.CHECKPOINT_DIR, neuron_config.tp_degree)
-        export_config(config, model_id, dtype).save_pretrained(work)
+        export_config(config, model_id, dtype, fp8_lm_head=fp8_lm_head).save_pretrained(work)
         nc.save(neuron_config, work, backend)
         if backend != layout.CPU_BACKEND or vision or mtp or weights_dtype or not graphs_from_cache(work):  # (cached: cpu text graphs only)
             buckets = default_buckets(neuron_config.sequence_length, smallest=SMALLEST_EXPORT_BUCKET)

@@ -204,6 +204,7 @@ class Qwen35ExportedModel(ExportRunning):
         mtp: bool = False,
         weights_dtype: str | None = None,
         draft_vocab_size: int | None = None,
+        fp8_lm_head: bool = False,
         **kwargs,
     ):
         """`vision=True` adds the vision tower's graphs, one per image bucket of `image_buckets` patch rows (default
@@ -220,7 +221,9 @@ class Qwen35ExportedModel(ExportRunning):
 
         `weights_dtype="fp8"` (every backend): the linear weights as float8 with Qwen's 128x128 block scales,
         dequantized beside each matmul in the graphs; an FP8 checkpoint's as they are, a bf16 one's quantized at
-        export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`.
+        export (docs/fp8.md). Without it an FP8 checkpoint is dequantized to `dtype`. `fp8_lm_head=True` (with it,
+        past Qwen's format, which keeps lm_head in bf16): lm_head too, untied from the embedding where the checkpoint
+        ties them (docs/fp8.md, "lm_head in FP8").
 
         `draft_vocab_size` (with `mtp=True`; cpu target, tensor_parallel_size 1): the head drafts over that many token
         ids, the first of the checkpoint's draft_vocab.json ranking, else of its tokenizer's merge order; speculation
@@ -236,18 +239,20 @@ class Qwen35ExportedModel(ExportRunning):
             backend = choose_neuron_backend(neuron_config.target, neuron_backend)
         elif neuron_backend is not None:
             raise UsageError(f"neuron_backend={neuron_backend!r} applies to a Neuron target (trn1, inf2, trn2), not to target 'cpu'")
-        check_weights_dtype(weights_dtype)
+        check_weights_dtype(weights_dtype, fp8_lm_head)
         if draft_vocab_size is not None:
             check_draft_vocab(neuron_config.tp_degree, backend, weights_dtype == "fp8")
         if backend == layout.NXD_BACKEND:
             return cls._export_nxd(model_id, config, neuron_config, token=token, revision=revision, cache_dir=cache_dir,
                                    force_download=force_download, local_files_only=local_files_only,
                                    trust_remote_code=trust_remote_code, load_weights=load_weights, vision=vision,
-                                   image_buckets=image_buckets, mtp=mtp, weights_dtype=weights_dtype)
+                                   image_buckets=image_buckets, mtp=mtp, weights_dtype=weights_dtype,
+                                   fp8_lm_head=fp8_lm_head)
         source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
         work = export_cpu(source, config, neuron_config, model_id, vision, image_buckets, backend, mtp, weights_dtype,
-                          draft_vocab_size)
-        model = cls(export_config(config, model_id, neuron_config.torch_dtype), neuron_config, work, owns_folder=True)
+                          draft_vocab_size, fp8_lm_head)
+        model = cls(export_config(config, model_id, neuron_config.torch_dtype, fp8_lm_head=fp8_lm_head), neuron_config,
+                    work, owns_folder=True)
         if load_weights:
             model.runtime  # noqa: B018 (loads the graphs' weights now)
         return model

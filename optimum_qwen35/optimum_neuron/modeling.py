@@ -37,7 +37,6 @@ with optimum_neuron_import():  # no device-probe error or trn1-override warning 
     from optimum.neuron.utils.instance import get_default_compilation_target
     from optimum.neuron.utils.system import get_available_cores
 
-from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export import layout
 from optimum_qwen35.export.compile import MTP_MAX_SPECULATIVE_TOKENS
@@ -100,17 +99,17 @@ class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
     @classmethod
     def _export_nxd(cls, model_id, config, neuron_config, token=None, revision=None, cache_dir=None,
                     force_download=False, local_files_only=False, trust_remote_code=False, load_weights=False,
-                    vision=False, image_buckets=None, mtp=False, weights_dtype=None):
+                    vision=False, image_buckets=None, mtp=False, weights_dtype=None, fp8_lm_head=False):
         """optimum-neuron's NxD flow (trace, compile, load the weights split by this project's layout); a vision
         export's graphs and tower weights come with it, named in the config it saves, and so do the float8 weights of
         an export with FP8 weights (`weights_dtype="fp8"`, backends/nxd/fp8.py)."""
         model_class = _neuron_model_class(neuron_config.target, weights_dtype == "fp8")
         fp8_weights = None
         if weights_dtype == "fp8":
-            from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # start-up time: an FP8 export only
+            from optimum_qwen35.backends.nxd.fp8 import export_fp8_weight_names  # start-up time: an FP8 export only
 
             source = local_or_download(model_id, revision, token, allow_patterns=layout.CHECKPOINT_PATTERNS)
-            fp8_weights = fp8_weight_names(source, Qwen35Config.from_pretrained(source))
+            fp8_weights = export_fp8_weight_names(source, lm_head=fp8_lm_head)
         neuron_vision = None
         if vision:
             # `config` is the text part (optimum-neuron's export hands that on): the tower is in the whole one.
@@ -121,7 +120,7 @@ class Qwen35NeuronModelForCausalLM(Qwen35ExportedModel, NeuronModelForCausalLM):
         return model_class._export(
             model_id,
             export_config(config, model_id, neuron_config.torch_dtype, neuron_vision,
-                          MTP_MAX_SPECULATIVE_TOKENS if mtp else 0, fp8_weights),
+                          MTP_MAX_SPECULATIVE_TOKENS if mtp else 0, fp8_weights, fp8_lm_head),
             neuron_config,
             token=token,
             revision=revision,

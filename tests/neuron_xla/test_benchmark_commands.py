@@ -17,11 +17,14 @@ def test_neuron_graphs_runs_from_a_fresh_clone(tmp_path):
 
 
 def test_neuron_bytes_per_step_runs_from_a_fresh_clone(tmp_path):
-    out = run_benchmark("neuron_bytes_per_step", "--only", "0.8B:1:1", "--sequence", "256", "--fp8", cwd=tmp_path)
+    out = run_benchmark("neuron_bytes_per_step", "--only", "0.8B:1:1", "--sequence", "256", "--fp8", "--fp8-lm-head",
+                        cwd=tmp_path)
     assert "0.8B" in out
-    # The same export with FP8 weights beside it, at its own floor (the float8 dequantization streamed, not spilled).
-    row = next(line for line in out.splitlines() if line.startswith("| 0.8B | 1 | 1 |") and line.count("|") == 10)
-    assert float(row.split("|")[6]) < 0.8
+    # The same export with FP8 weights beside it (the float8 dequantization streamed, not spilled), and with its
+    # lm_head (tied: a third of the 0.8B's bf16 weights) in FP8 too.
+    rows = {line.split("|")[4].strip(): float(line.split("|")[6]) for line in out.splitlines()
+            if line.startswith("| 0.8B | 1 | 1 |") and line.count("|") == 9}
+    assert rows["bf16"] == 1 and rows["fp8 + lm_head"] < 0.55 < rows["fp8"] < 0.8, rows
 
 
 def test_the_traced_parallel_state_sets_local_world_size_on_trn1_at_tp_4(monkeypatch):

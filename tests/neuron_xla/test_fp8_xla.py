@@ -118,6 +118,41 @@ def test_fp8_weight_graphs_on_xla_follow_the_eager_fp8_model(fp8_folders, layout
     print(f"\n{layout}: max |logit - eager FP8 model| {worst[True]:.2e} (float8 weights), {worst[False]:.2e} (dequantized)")
 
 
+def test_fp8_lm_head_graphs_follow_the_eager_model(tmp_path, reference):
+    """`fp8_lm_head` on a tied bf16 checkpoint (tiny-2b), quantized as the runtime reads it (`QuantizingReader`):
+    at TP 2 the logits graph holds lm_head as a float8 parameter split by vocabulary, beside the bf16 embedding, and
+    the graphs keep the contract; at TP 1 a prompt and 8 greedy steps follow the eager FP8-weight model of
+    `quantize_checkpoint(..., lm_head=True)`'s folder within 1e-4 (fp32 activations), greedy tokens equal."""
+    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+    from optimum_qwen35.runtime import Qwen35Runtime
+    from optimum_qwen35.runtime.eager import load_decoder
+
+    nc = neuron_config(FIXTURES_2B, "trn2", 2, torch.bfloat16)
+    with traced_parallel_state(2, nc.logical_nc_config):
+        graphs = build_graphs(FIXTURES_2B, nc, load_weights=True, fp8_weights=True, fp8_lm_head=True)
+        head = graphs[LOGITS].module.get_submodule("lm_head")
+        assert head.parametrizations.weight.original.dtype == torch.float8_e4m3fn
+        assert head.parametrizations.weight.original.shape[0] == 256  # 512 ids over 2 ranks
+        for key, graph in graphs.items():
+            assert not hlo_contract.violations(lower(graph).hlo, reference), key
+    eager = Qwen35Runtime.from_decoder(load_decoder(quantize_checkpoint(FIXTURES_2B, tmp_path / "q", lm_head=True),
+                                                    torch.float32, weights_dtype="fp8"), max_length=128)
+    prompt = list(range(5, 45))
+    expected = eager.generate([prompt], max_new_tokens=9)[0]
+    expected_logits = eager.logits([prompt + expected[:-1]])[0][len(prompt) - 1 :]
+    nc = neuron_config(FIXTURES_2B, "trn2", 1, torch.float32)
+    with traced_parallel_state(1, nc.logical_nc_config):
+        run = XlaGraphs(build_graphs(FIXTURES_2B, nc, load_weights=True, fp8_weights=True, fp8_lm_head=True))
+        got = [run(CONTEXT, *context_inputs(prompt), [0])[0]]
+        tokens = [int(got[0].argmax())]
+        for step in range(8):
+            got.append(run(TOKENS, column([tokens[-1]]), column([len(prompt) + step]), [0])[0])
+            tokens.append(int(got[-1].argmax()))
+    worst = float((torch.stack(got).detach() - expected_logits).abs().max())
+    print(f"\ntiny-2b, lm_head in FP8: max |logit - eager FP8 model| {worst:.2e}")
+    assert tokens == expected and worst <= FP8_LOGIT_ATOL
+
+
 def test_an_fp8_export_compiles_with_the_e4m3_flag():
     flags = adapter.compiler_args("trn2", 2, fp8_weights=True).split()
     assert adapter.FP8_COMPILER_FLAG in flags and adapter.FP8_COMPILER_FLAG not in adapter.compiler_args("trn2", 2).split()

@@ -28,7 +28,7 @@ from optimum_qwen35.backends.nxd import state_dict as weights
 from optimum_qwen35.checkpoint.convert import decoder_name, expected_shapes
 from optimum_qwen35.checkpoint.fp8 import BLOCK
 from optimum_qwen35.checkpoint.fp8_shard import SCALE_SUFFIX, fp8_rank_tensors
-from optimum_qwen35.checkpoint.quantize import QuantizingReader, is_quantized
+from optimum_qwen35.checkpoint.quantize import LM_HEAD, QuantizingReader, is_quantized, untied
 from optimum_qwen35.checkpoint.reader import CheckpointReader
 from optimum_qwen35.checkpoint.shard import shard_dim
 from optimum_qwen35.config import Qwen35Config
@@ -39,25 +39,39 @@ from optimum_qwen35.modeling.fp8 import hold_fp8_weights
 nxd_name, is_nxd_expert = weights.nxd_name, weights.is_nxd_expert  # (the traced module's names: state_dict.py)
 
 
-def checkpoint_reader(checkpoint_path: str | os.PathLike) -> CheckpointReader:
-    """The reader of an FP8 export's weights: an FP8 checkpoint as stored, a bf16 / fp32 one quantized as read."""
+def checkpoint_reader(checkpoint_path: str | os.PathLike, lm_head: bool = False) -> CheckpointReader:
+    """The reader of an FP8 export's weights: an FP8 checkpoint as stored, a bf16 / fp32 one quantized as read;
+    `lm_head` (`fp8_lm_head`): lm_head quantized as read too."""
     reader = CheckpointReader(checkpoint_path)
-    return reader if reader.fp8_block is not None else QuantizingReader(checkpoint_path)
+    if reader.fp8_block is not None and not (lm_head and not (LM_HEAD in reader and reader.is_fp8(LM_HEAD))):
+        return reader
+    return QuantizingReader(checkpoint_path, lm_head=lm_head)
 
 
-def fp8_weight_names(checkpoint_path: str | os.PathLike, config: Qwen35Config) -> list[str]:
-    """The decoder weights an export with FP8 weights holds as float8 (decoder names, sorted)."""
-    reader = checkpoint_reader(checkpoint_path)
+def fp8_weight_names(checkpoint_path: str | os.PathLike, config: Qwen35Config, lm_head: bool = False) -> list[str]:
+    """The decoder weights an export with FP8 weights holds as float8 (decoder names, sorted); `config` untied
+    with `lm_head` (`export.layout.untie_for_fp8_lm_head`)."""
+    reader = checkpoint_reader(checkpoint_path, lm_head)
     return sorted(decoder_name(n) for n in expected_shapes(config) if reader.is_fp8(n))
 
 
-def rule_weight_names(config: Qwen35Config) -> list[str]:
-    """The decoder weights Qwen's FP8 releases store as float8 (`quantize.is_quantized`), from the config alone: what
-    `fp8_weight_names` gives for a bf16 checkpoint (the benchmarks' shape-only graphs have no weights to read)."""
-    def key(name: str) -> str:  # the checkpoint's key (lm_head is outside the language model's prefix)
-        return name if name == "lm_head.weight" else weights.STATE_DICT_MODEL_PREFIX + name
+def export_fp8_weight_names(checkpoint_path: str | os.PathLike, lm_head: bool = False) -> list[str]:
+    """What an export of this checkpoint with FP8 weights names in its config (`fp8_lm_head` = `lm_head`: lm_head
+    too, as its own weight: the checkpoint's config read untied)."""
+    config = Qwen35Config.from_pretrained(checkpoint_path)
+    if lm_head:
+        config = Qwen35Config.from_dict(untied(config.raw))
+    return fp8_weight_names(checkpoint_path, config, lm_head)
 
-    return sorted(decoder_name(n) for n, s in expected_shapes(config).items() if is_quantized(key(n), len(s)))
+
+def rule_weight_names(config: Qwen35Config, lm_head: bool = False) -> list[str]:
+    """The decoder weights Qwen's FP8 releases store as float8 (`quantize.is_quantized`; `lm_head`: and lm_head, of
+    an untied `config`), from the config alone: what `fp8_weight_names` gives for a bf16 checkpoint (the benchmarks'
+    shape-only graphs have no weights to read)."""
+    def key(name: str) -> str:  # the checkpoint's key (lm_head is outside the language model's prefix)
+        return name if name == LM_HEAD else weights.STATE_DICT_MODEL_PREFIX + name
+
+    return sorted(decoder_name(n) for n, s in expected_shapes(config).items() if is_quantized(key(n), len(s), lm_head))
 
 
 def fp8_export(config) -> list[str]:
@@ -99,7 +113,8 @@ def fp8_rank_state_dict(checkpoint_path, config, tp_degree: int, rank: int, dtyp
     their expanded scales within float8_e4m3's range, every other tensor as `state_dict.rank_state_dict` gives it."""
     cfg = weights.qwen_config(config)
     names = set(fp8_export(config))
-    tensors = fp8_rank_tensors(checkpoint_reader(checkpoint_path), cfg, tp_degree, rank, dtype, e4m3_range=True)
+    reader = checkpoint_reader(checkpoint_path, lm_head=LM_HEAD in names)
+    tensors = fp8_rank_tensors(reader, cfg, tp_degree, rank, dtype, e4m3_range=True)
     held = sorted(n for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn)
     if set(held) != names:
         raise CheckpointError(

@@ -39,15 +39,15 @@ class Graph:
 
 
 def build_graphs(folder: str | os.PathLike, nc, load_weights: bool = False, image_buckets=None,
-                 max_speculative_tokens: int = 0, fp8_weights: bool = False) -> dict[str, Graph]:
+                 max_speculative_tokens: int = 0, fp8_weights: bool = False, fp8_lm_head: bool = False) -> dict[str, Graph]:
     """Every graph's module as `ModelBuilder` gets them (builder -> model instance -> load_module -> get), moved to
     the XLA device. `load_weights`: rank 0's tensors (optimum-neuron's `get_state_dict` -> this project's per-rank
     split, a vision export's tower split by heads under `visual.`, an mtp export's head), as the runtime loads them;
     otherwise the modules keep their initial values (enough to lower them). `image_buckets`: a vision export's graphs
     too; `max_speculative_tokens`: those of an export made with mtp=True (K); `fp8_weights`: those of an export
-    with FP8 weights (backends/nxd/fp8.py)."""
+    with FP8 weights (backends/nxd/fp8.py), `fp8_lm_head` its lm_head too."""
     cls = model_class()
-    config = export_config(folder, nc, image_buckets, max_speculative_tokens, fp8_weights)
+    config = export_config(folder, nc, image_buckets, max_speculative_tokens, fp8_weights, fp8_lm_head)
     builders = cls.create_graph_builders(config, nc)
     rank0 = None
     if load_weights and fp8_weights:

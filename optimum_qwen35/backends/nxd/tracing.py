@@ -66,17 +66,17 @@ def model_class():
 
 
 def export_config(folder: str | os.PathLike, nc, image_buckets=None, max_speculative_tokens: int = 0,
-                  fp8_weights: bool = False):
+                  fp8_weights: bool = False, fp8_lm_head: bool = False):
     """The text config `Qwen35NeuronModelForCausalLM._export` hands the NxD class (a vision export's with
     `image_buckets`; an export made with mtp=True with `max_speculative_tokens`; one with FP8 weights with
-    `fp8_weights`)."""
-    from optimum_qwen35.backends.nxd.fp8 import fp8_weight_names  # start-up time: imported where used
-    from optimum_qwen35.config import Qwen35Config  # start-up time: imported where used
+    `fp8_weights`, and `fp8_lm_head`)."""
+    from optimum_qwen35.backends.nxd.fp8 import export_fp8_weight_names  # start-up time: imported where used
     from optimum_qwen35.export import cpu as cpu_export  # start-up time: the export module, imported where used
 
     vision = (vision_config(folder), image_buckets) if image_buckets else None
-    names = fp8_weight_names(folder, Qwen35Config.from_pretrained(folder)) if fp8_weights else None
-    return cpu_export.export_config(text_config(folder), str(folder), nc.torch_dtype, vision, max_speculative_tokens, names)
+    names = export_fp8_weight_names(folder, fp8_lm_head) if fp8_weights else None
+    return cpu_export.export_config(text_config(folder), str(folder), nc.torch_dtype, vision, max_speculative_tokens,
+                                    names, fp8_lm_head)
 
 
 @contextlib.contextmanager
