@@ -26,6 +26,9 @@ from ..errors import CheckpointError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 E4M3_MAX = 240.0  # float8_e4m3 (IEEE-like, bias 7): trn1 / inf2 / trn2's FP8 E4M3 (`fit_e4m3_range`)
+# neuronx-cc's flag that reads F8E4M3FN operands as F8E4M3 on trn1 / inf2 / trn2, which refuse F8E4M3FN otherwise
+# (NCC_EVRF051); exact for weights within E4M3_MAX (`fit_e4m3_range`).
+E4M3FN_AS_E4M3_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
 BLOCK = (128, 128)
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`, a fused `X` -> `X_scale_inv`
 

@@ -109,6 +109,7 @@ def save_sharded(
     progress: bool = True,
     overwrite: bool = False,
     weights_dtype: str | None = None,
+    e4m3_range: bool = False,
 ) -> Path:
     """Convert and shard a checkpoint for `tp_degree` ranks and save one safetensors file per rank.
 
@@ -125,6 +126,8 @@ def save_sharded(
     `weights_dtype="fp8"` (a block-FP8 checkpoint): the FP8 weights stay float8, each beside its expanded scale
     `<name>_scale` (checkpoint/fp8_shard.py), as `load_decoder(weights_dtype="fp8")` holds them; the manifest says
     `"weights_dtype": "fp8"`. Each rank's file is then built whole in memory (one rank's weights at a time).
+    `e4m3_range` (with it): the float8 weights fitted to float8_e4m3's range, as trn2 computes FP8 E4M3
+    (`fp8.fit_e4m3_range`).
     """
     if not isinstance(source, CheckpointReader):
         source = validation.model_folder(source, "shard")
@@ -144,7 +147,7 @@ def save_sharded(
         raise UsageError(f"{reader.folder} holds no FP8 weights (no quantization_config): quantize it first or save it without weights_dtype")
     with output_folder(out_dir, sources=[reader.folder], overwrite=overwrite) as tmp:
         if weights_dtype == "fp8":
-            _write_fp8_shards(reader, config, tp_degree, tmp, dtype)
+            _write_fp8_shards(reader, config, tp_degree, tmp, dtype, e4m3_range)
         else:
             _write_shards(reader, config, tp_degree, tmp, dtype, progress)
     return Path(out_dir).expanduser()
@@ -205,7 +208,8 @@ def _write_manifest(out: Path, reader: CheckpointReader, config: Qwen35Config, t
     )
 
 
-def _write_fp8_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, out: Path, dtype) -> None:
+def _write_fp8_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree: int, out: Path, dtype,
+                      e4m3_range: bool = False) -> None:
     """`_write_shards` with the FP8 weights kept as float8 and their scales beside them; one rank at a time."""
     with open(out / f".{layout.CONFIG_FILE}.tmp", "w", encoding="utf-8") as f:
         json.dump(config.raw or config.to_text_dict(), f, indent=2)
@@ -213,7 +217,7 @@ def _write_fp8_shards(reader: CheckpointReader, config: Qwen35Config, tp_degree:
     copy_side_files(reader.folder, out)
     files, dtypes = [], set()
     for rank in range(tp_degree):
-        tensors = fp8_rank_tensors(reader, config, tp_degree, rank, dtype)
+        tensors = fp8_rank_tensors(reader, config, tp_degree, rank, dtype, e4m3_range=e4m3_range)
         check_finite(tensors, str(reader.folder))
         dtypes |= {t.dtype for t in tensors.values()}
         file = out / layout.rank_file(rank)

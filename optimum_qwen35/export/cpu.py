@@ -171,8 +171,9 @@ def export_cpu(source: Path, config, neuron_config, model_id, vision: bool = Fal
             weights_source = quantize_checkpoint(source, scratch / "fp8", lm_head=fp8_lm_head)
         if fp8_lm_head:  # its lm_head is its own weight now (quantize_checkpoint unties it)
             qwen_config = Qwen35Config.from_pretrained(weights_source)
+        # TorchNeuron's target, trn2, computes FP8 E4M3 as float8_e4m3 (max 240): the weights fitted to it (docs/fp8.md).
         save_sharded(weights_source, qwen_config, neuron_config.tp_degree, work / layout.CHECKPOINT_DIR, dtype,
-                     weights_dtype=weights_dtype)
+                     weights_dtype=weights_dtype, e4m3_range=backend == layout.TORCHNEURON_BACKEND)
         if weights_dtype == "fp8":
             fp8_shapes = fp8_weight_shapes(work / layout.CHECKPOINT_DIR / layout.rank_file(0))
         copy_side_files(source, work)

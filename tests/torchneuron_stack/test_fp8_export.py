@@ -7,6 +7,7 @@ tiny-nv3x's 96-wide head, split by vocabulary)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def test_trn2_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, 
     with safe_open(folder / CHECKPOINT_DIR / rank_file(tp - 1), "pt") as f:
         assert "F8_E4M3" in {f.get_slice(k).get_dtype() for k in f.keys()}
         assert ("lm_head.weight" in f.keys() and f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3") == lm_head
+        float8 = [f.get_tensor(k) for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+        assert max(float(t.float().abs().max()) for t in float8) <= 240  # trn2's float8_e4m3 (docs/fp8.md)
     if lm_head:  # the eager model of the same weights: the checkpoint with its lm_head quantized
         q = quantize_checkpoint(q, tmp_path / "q-lm_head", lm_head=True)
     model = NeuronModelForCausalLM.from_pretrained(folder, **ON_CPU)
@@ -51,4 +54,32 @@ def test_trn2_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, 
         from tests.kit.tp import run_tensor_parallel
 
         want = run_tensor_parallel(q, tp, [PROMPT], max_new_tokens=NEW, dtype=torch.bfloat16, weights_dtype="fp8").tokens[0].tolist()
-    assert got == want
+    assert got == want  # (the export's weights fitted to 240, the eager model's not: the same tokens)
+
+
+def test_an_fp8_export_on_the_device_hands_neuronx_cc_the_e4m3_flag(tmp_path, monkeypatch):
+    """Loading a trn2 FP8 export on the neuron device puts neuronx-cc's F8E4M3FN-as-F8E4M3 flag in NEURON_CC_FLAGS
+    (beside the user's flags, once) before torch-neuronx is imported; a bf16 export leaves the variable alone."""
+    from optimum_qwen35 import NeuronModelForCausalLM
+    from optimum_qwen35.backends.torchneuron import runner
+    from optimum_qwen35.checkpoint.fp8 import E4M3FN_AS_E4M3_FLAG
+
+    q = build_tiny_fp8_checkpoint(tmp_path / "q", "tiny-2b")
+    seen = []
+
+    def stand_in():  # torch-neuronx is not installed here: stop where it would be imported
+        seen.append(os.environ.get("NEURON_CC_FLAGS"))
+        raise RuntimeError("torch-neuronx would be imported here")
+
+    monkeypatch.setattr(runner, "import_torchneuron", stand_in)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")
+    nc = NeuronModelForCausalLM.get_neuron_config(q, batch_size=1, sequence_length=128, tensor_parallel_size=1,
+                                                  dtype="bfloat16", target="trn2")
+    for weights_dtype in ("fp8", None):
+        folder = tmp_path / f"export-{weights_dtype}"
+        NeuronModelForCausalLM.export(q, nc, weights_dtype=weights_dtype).save_pretrained(folder)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="would be imported"):
+                runner.load_runtime(folder)
+        monkeypatch.setenv("NEURON_CC_FLAGS", "-O1")
+    assert seen == [f"-O1 {E4M3FN_AS_E4M3_FLAG}", f"-O1 {E4M3FN_AS_E4M3_FLAG}", "-O1", "-O1"]

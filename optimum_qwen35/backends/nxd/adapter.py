@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from optimum_qwen35.checkpoint.fp8 import E4M3FN_AS_E4M3_FLAG
 from optimum_qwen35.kernels.backends import FOR_NEURON
 from optimum_qwen35.modeling.precision import FP32_PARAMETERS
 from optimum_qwen35.modeling.state import StateSpec
@@ -248,9 +249,8 @@ def restore_fp32_parameters(module: torch.nn.Module) -> None:
             param.data = param.data.float()
 
 
-# neuronx-cc's flag that reads F8E4M3FN operands as F8E4M3 on trn1 / inf2 / trn2, which refuse F8E4M3FN otherwise
-# (NCC_EVRF051); exact for weights within float8_e4m3's range (backends/nxd/fp8.py).
-FP8_COMPILER_FLAG = "--experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
+# F8E4M3FN operands read as F8E4M3 (checkpoint/fp8.py; exact for the weights backends/nxd/fp8.py fits to its range).
+FP8_COMPILER_FLAG = E4M3FN_AS_E4M3_FLAG
 
 
 def compiler_args(target: str | None, logical_nc_config: int, fp8_weights: bool = False) -> str:

@@ -22,6 +22,7 @@ import torch
 import torch._dynamo
 from safetensors.torch import load_file
 
+from optimum_qwen35.checkpoint.fp8 import E4M3FN_AS_E4M3_FLAG
 from optimum_qwen35.config import Qwen35Config
 from optimum_qwen35.errors import IncompatibleExportError, UsageError
 from optimum_qwen35.export.layout import CHECKPOINT_DIR, TORCHNEURON_BACKEND, vision_graph_name
@@ -197,6 +198,17 @@ class TorchNeuronGraphs(StateInProcess, SpeculativePrograms, ProgramRunner):
         self._compiled.clear()
 
 
+def read_float8_as_trn2_e4m3() -> None:
+    """Hand neuronx-cc the flag that reads the export's float8_e4m3fn weights as trn2's float8_e4m3 (exact: they are
+    fitted to its range at export), which trn2 otherwise refuses (NCC_EVRF051). Through NEURON_CC_FLAGS, torch-neuronx's
+    documented variable for compiler flags (documented for its XLA path: the native backend's reference names no
+    compiler-flag variable, so whether it reads this one is not known here; docs/fp8.md). Set before torch-neuronx is
+    imported and the workers start, which inherit it."""
+    flags = os.environ.get("NEURON_CC_FLAGS", "")
+    if E4M3FN_AS_E4M3_FLAG not in flags.split():
+        os.environ["NEURON_CC_FLAGS"] = f"{flags} {E4M3FN_AS_E4M3_FLAG}".strip()
+
+
 def load_runtime(folder: str | os.PathLike, compile_backend="neuron", device: str | torch.device = "neuron") -> Qwen35Runtime:
     """The host loop over a TorchNeuron export: one rank in this process, or one worker process per rank (the "neuron"
     process-group backend on the device, gloo on the CPU). `compile_backend`: "neuron" (TorchNeuron) or another
@@ -207,6 +219,8 @@ def load_runtime(folder: str | os.PathLike, compile_backend="neuron", device: st
     # By name: torch.device("neuron") itself fails until torch-neuronx has registered the device.
     on_device = compile_backend == "neuron" or str(device).partition(":")[0] == "neuron"
     if on_device:
+        if manifest.get("weights_dtype") == "fp8":
+            read_float8_as_trn2_e4m3()
         import_torchneuron()  # registers the device and the backends; a one-line error without TorchNeuron
     tp_degree = manifest["tp_degree"]
     if tp_degree == 1:
