@@ -86,15 +86,23 @@ def tiny_2b_mtp(tmp_path_factory):
     return q, export(q, root / "out", weights_dtype="fp8", mtp=True)
 
 
-@pytest.mark.parametrize("layout,form,tp", [("tiny-moe", "per_expert", 1), ("tiny-nv3x", None, 2),
-                                            ("tiny-moe-top1", "fused", 2)])
-def test_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, layout, form, tp):
+@pytest.mark.parametrize("layout,form,tp,lm_head", [("tiny-moe", "per_expert", 1, False), ("tiny-nv3x", None, 2, True),
+                                                    ("tiny-moe-top1", "fused", 2, False)])
+def test_fp8_export_generates_what_the_eager_fp8_model_generates(tmp_path, layout, form, tp, lm_head):
     """MoE per-expert, dense with 96 / 192 dims (blocks split across the two ranks) and MoE fused at TP 2 (dense
     tiny-2b at TP 1: below): the export's greedy tokens equal the eager FP8-weight model's and the dequantized bf16
-    model's."""
+    model's. The dense one with `fp8_lm_head` too: its lm_head float8 in every rank file, split by vocabulary with
+    its scales, the model that of the checkpoint with its lm_head quantized (the tied case: test_command_line_flag)."""
+    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
+
     q = build_tiny_fp8_checkpoint(tmp_path / "q", layout, expert_form=form)
-    folder = export(q, tmp_path / "out", tp, weights_dtype="fp8")
+    folder = export(q, tmp_path / "out", tp, weights_dtype="fp8", fp8_lm_head=lm_head)
     check_fp8_metadata(folder, tp)
+    for rank in range(tp):
+        with safe_open(folder / CHECKPOINT_DIR / rank_file(rank), "pt") as f:
+            assert (f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3") == lm_head
+    if lm_head:
+        q = quantize_checkpoint(q, tmp_path / "q-lm_head", lm_head=True)
     got = exported_tokens(folder)
     assert got == eager_tokens(q, tp, "fp8")
     assert got == eager_tokens(q, tp, None)  # (a): dequantized at load, bit-equal weights (tests/test_fp8.py)
@@ -141,26 +149,6 @@ def test_bf16_checkpoint_quantized_at_export_is_about_half_the_bf16_export(tmp_p
     print(f"\ntiny-2b export weights: FP8 {folder_bytes(fp8 / CHECKPOINT_DIR)} B, bf16 {folder_bytes(bf16 / CHECKPOINT_DIR)} B, "
           f"ratio {ratio:.3f}; whole folders {folder_bytes(fp8)} B, {folder_bytes(bf16)} B")
     assert 0.5 < ratio < 0.6
-
-
-@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.matrix), 2])
-def test_fp8_lm_head_export_generates_what_the_eager_model_generates(tmp_path, tp):
-    """`fp8_lm_head=True` on a tied bf16 checkpoint: the export holds lm_head as float8 (split by vocabulary at TP 2,
-    with its scales) beside the bf16 embedding, its config untied, and generates the eager FP8-weight model's tokens
-    of `quantize_checkpoint(..., lm_head=True)`'s folder (TP 1 is the same path unsplit: a matrix point)."""
-    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
-    from tests.kit import build_tiny_checkpoint
-
-    src = build_tiny_checkpoint(tmp_path / "src", "tiny-2b", dtype="bfloat16")
-    folder = export(src, tmp_path / "out", tp, weights_dtype="fp8", fp8_lm_head=True)
-    check_fp8_metadata(folder, tp)
-    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
-    for rank in range(tp):
-        with safe_open(folder / CHECKPOINT_DIR / rank_file(rank), "pt") as f:
-            assert f.get_slice("lm_head.weight").get_dtype() == "F8_E4M3"
-            assert f.get_slice("lm_head.weight_scale").get_shape() == [512 // tp, 1]
-            assert f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
-    assert exported_tokens(folder) == eager_tokens(quantize_checkpoint(src, tmp_path / "q", lm_head=True), tp)
 
 
 def test_sharded_fp8_rank_files_load_as_the_checkpoint_and_refuse_damaged_scales(tmp_path):

@@ -84,7 +84,9 @@ def test_draft_logits_are_the_full_heads_at_those_ids(fitted):
     torch.testing.assert_close(decoder.mtp.draft_head(out), decoder.lm_head(out)[:, ids], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# bf16 is a matrix point: fp32 holds the same equalities and the acceptance lengths; bf16 speculation is held exact
+# on an export in tests/test_speculative_export.py (TP 2).
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.matrix)], ids=["fp32", "bf16"])
 def test_greedy_speculation_with_a_draft_vocabulary_equals_greedy(fitted, dtype):
     folder, prompts, ranking = fitted
     model = Qwen35Runtime.from_pretrained(folder, batch_size=3, max_length=MAX_LENGTH, buckets=BUCKETS, dtype=dtype,

@@ -43,14 +43,14 @@ def checkpoint_reader(checkpoint_path: str | os.PathLike, lm_head: bool = False)
     """The reader of an FP8 export's weights: an FP8 checkpoint as stored, a bf16 / fp32 one quantized as read;
     `lm_head` (`fp8_lm_head`): lm_head quantized as read too."""
     reader = CheckpointReader(checkpoint_path)
-    if reader.fp8_block is not None and not (lm_head and not (LM_HEAD in reader and reader.is_fp8(LM_HEAD))):
+    if reader.fp8_block is not None and (not lm_head or (LM_HEAD in reader and reader.is_fp8(LM_HEAD))):
         return reader
     return QuantizingReader(checkpoint_path, lm_head=lm_head)
 
 
 def fp8_weight_names(checkpoint_path: str | os.PathLike, config: Qwen35Config, lm_head: bool = False) -> list[str]:
-    """The decoder weights an export with FP8 weights holds as float8 (decoder names, sorted); `config` untied
-    with `lm_head` (`export.layout.untie_for_fp8_lm_head`)."""
+    """The decoder weights an export with FP8 weights holds as float8 (decoder names, sorted); with `lm_head`,
+    `config` read untied (`export_fp8_weight_names`)."""
     reader = checkpoint_reader(checkpoint_path, lm_head)
     return sorted(decoder_name(n) for n in expected_shapes(config) if reader.is_fp8(n))
 
