@@ -383,7 +383,6 @@ def test_quantize_checkpoint_writes_qwens_format(tmp_path):
     """A (sharded, MoE per-expert) fp32 checkpoint quantized file by file gives the same tensors as the tiny FP8
     builder, with its index and config; the folder is about half the bf16 one (measured below); an FP8 source and an
     existing target are refused in one line, and nothing is left behind."""
-    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
     from optimum_qwen35.errors import UsageError
     from tests.kit import build_tiny_checkpoint
 
@@ -408,7 +407,6 @@ def test_quantize_checkpoint_with_lm_head_unties_it(tmp_path):
     """`lm_head=True` (`fp8_lm_head`): a tied bf16 checkpoint gets its own float8 `lm_head.weight`, the quantized
     embedding, which stays bf16; config.json unties them at both levels and no longer lists lm_head as kept; an FP8
     checkpoint keeps every stored tensor and gains only its lm_head's quantization; done twice, it is refused."""
-    from optimum_qwen35.checkpoint.quantize import quantize_checkpoint
     from optimum_qwen35.errors import UsageError
     from tests.kit import build_tiny_checkpoint
 
