@@ -15,6 +15,7 @@ takes it too: its float8 weights stay as they are and only its bf16 `lm_head` is
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -73,7 +74,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], lm_head: bool = False) ->
 
 def untied(config: dict) -> dict:
     """config.json with `tie_word_embeddings: false` wherever it was set (top level and `text_config`)."""
-    config = json.loads(json.dumps(config))
+    config = copy.deepcopy(config)
     for level in (config, config.get("text_config") or {}):
         if level.get("tie_word_embeddings"):
             level["tie_word_embeddings"] = False
@@ -131,7 +132,8 @@ def quantize_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike, o
             with safe_open(source / file, "pt") as f:
                 tensors = _with_lm_head({k: f.get_tensor(k) for k in f.keys()}, tied)
             if already:  # an FP8 checkpoint: only its lm_head
-                tensors.update(quantize_tensors({LM_HEAD: tensors.pop(LM_HEAD)}, lm_head=True) if LM_HEAD in tensors else {})
+                if LM_HEAD in tensors:
+                    tensors.update(quantize_tensors({LM_HEAD: tensors.pop(LM_HEAD)}, lm_head=True))
             else:
                 tensors = quantize_tensors(tensors, lm_head)
             save_file(tensors, str(work / file), metadata={"format": "pt"})
